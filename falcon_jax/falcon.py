@@ -1,0 +1,153 @@
+"""The public entry points: ``falcon`` (a whole sequence) and ``falcon_step`` (one token)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from falcon_jax import validation as val
+from falcon_jax.forms.chunk import chunk
+from falcon_jax.forms.parallel import parallel
+from falcon_jax.forms.recurrent import recurrent
+from falcon_jax.forms.recurrent import step as recurrent_step
+from falcon_jax.forms.stream import segment_starts
+from falcon_jax.rules import Rule, falcon_rule
+from falcon_jax.state import FalconState, empty_state, tail_length_for
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+    """fp64 if any input is fp64 (needs x64), else fp32: states and decays never run in bf16."""
+    return jnp.result_type(jnp.float32, *[a.dtype for a in arrays])
+
+
+def cast_state(state: FalconState, dtype) -> FalconState:
+    """The state's floating fields in the compute dtype (flags stay bool)."""
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+
+
+def _heads_first(a):
+    return jnp.moveaxis(a, 2, 1)
+
+
+def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, scale,
+             initial_state: FalconState | None, segment_ids, impl: str, return_final_state: bool):
+    """Shared driver of ``falcon`` and the baselines (arguments already validated).
+
+    q,k [B,T,H,dk]; v [B,T,H,dv]; inputs {name: [B,T,H] or [B,T,H,dv]}.
+    """
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    cdt = compute_dtype(q, k, v, *inputs.values())
+    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    tail = rule.window - 1
+    if initial_state is None:
+        state = empty_state(B, H, dk, dv, tail, cdt)
+    else:
+        val.check_state(initial_state, B, H, dk, dv, tail)
+        state = cast_state(initial_state, cdt)
+    if impl == "pallas" and form == "chunk":
+        raise NotImplementedError(
+            "`impl='pallas'`: the Pallas kernels are not part of this release yet; use impl='xla' or 'auto'.")
+    qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
+    inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
+    resets = segment_starts(segment_ids, B, T)
+    if form == "recurrent":
+        o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
+    elif form == "parallel":
+        o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
+    else:
+        o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
+    out = (jnp.moveaxis(o, 1, 2) * scale).astype(out_dtype)
+    return (out, final) if return_final_state else out
+
+
+def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64, alignment="shifted",
+           timing="raw", step="normalized", scale_coupled=False, eps=1e-6, eps_gamma=1e-6, scale=1.0,
+           initial_state=None, return_final_state=False, segment_ids=None, impl="auto"):
+    """Falcon fast-weight attention, one of six rules, in one of three equivalent forms.
+
+    Per head, with the prefix-aligned write pair ``x_t = k_{t-1}, y_t = v_t``
+    (``alignment="shifted"``; ``x_0 = 0`` is a sentinel: no write, no decay)::
+
+        η_t = β_t / (E_t + λ_t + ε)            (step="normalized"; "direct": η_t = β_t)
+        γ_t = 1 − min(η_t λ_t, 1 − ε_γ)
+        Falcon-1:  S_t = γ_t S_{t-1} + η_t x_t (y_t − S_{t-1}ᵀ x_t)ᵀ          E_t = ‖x_t‖²
+        Falcon-2:  the same per value column c with η_{t,c}, γ_{t,c}
+        Falcon-3:  S_t = γ_t S_{t-1} + η_t/B_t Σ_{j∈I_t} x_j (y_j − S_{t-1}ᵀ x_j)ᵀ   E_t = λmax(X_tᵀX_t)/B_t
+        Falcon-1A: S_t = γ_t S_{t-1} + η_t x_t y_tᵀ                         E_t = ‖x_t‖²
+        Falcon-2A: the same per value column
+        Falcon-3A: S_t = γ_t S_{t-1} + η_t/B_t Σ_{j∈I_t} x_j y_jᵀ             E_t = mean_{j∈I_t} ‖x_j‖²
+        o_t = scale · S_tᵀ q_t   (timing="raw";  "rbw" reads S_{t-1})
+
+    ``I_t`` is the last ``window`` pairs (3/3A only), ``B_t = |I_t|``.
+
+    Args:
+      q, k: ``[B, T, H, dk]``.  v: ``[B, T, H, dv]``.
+      beta: gains ``[B, T, H]``; ``[B, T, H, dv]`` for the per-column variants "2"/"2A"
+        (a ``[B, T, H]`` gain is shared by all columns).  With ``step="direct"`` it is η itself.
+      lam: ridge ``[B, T, H]``; with ``scale_coupled=True`` it is λ̄ and λ_t = λ̄_t·sg(E_t).
+      variant: "1", "2", "3", "1A", "2A" or "3A".
+      window: sliding-window size B for "3"/"3A" (ignored by the others).
+      form: "recurrent" (lax.scan), "parallel" (O(T²)) or "chunk" (SSD-style, O(T·C)).
+      chunk_size: chunk length C of the chunk form, a power of two; any T works.
+      alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
+      timing: "raw" (read after write) or "rbw" (read before write).
+      initial_state: a :class:`FalconState` to continue from (fed to the first segment).
+      return_final_state: also return the state after the last position.
+      segment_ids: ``[B, T]`` ints for packed sequences; the state resets where the id changes.
+      impl: implementation of the chunk form: "xla", "pallas" or "auto".
+
+    Returns:
+      ``out [B, T, H, dv]`` in the inputs' dtype, or ``(out, FalconState)``.
+      Internally everything runs in fp32 (fp64 for fp64 inputs).
+    """
+    val.check_variant(variant)
+    variant = variant.upper()
+    val.check_window(window)
+    val.check_options(form=form, alignment=alignment, timing=timing, step=step, impl=impl, eps=eps,
+                      eps_gamma=eps_gamma, scale=scale)
+    if form == "chunk":
+        val.check_chunk_size(chunk_size)
+    B, T, H, dk, dv = val.check_qkv(q, k, v)
+    val.check_beta_for_variant(beta, variant, B, T, H, dv)
+    val.check_gate("lam", lam, B, T, H)
+    val.check_segment_ids(segment_ids, B, T)
+    rule = falcon_rule(variant, window=int(window), alignment=alignment, timing=timing, step=step,
+                       scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))
+    return run_rule(rule, q, k, v, {"beta": beta, "lam": lam}, form=form, chunk_size=chunk_size,
+                    scale=scale, initial_state=initial_state, segment_ids=segment_ids, impl=impl,
+                    return_final_state=return_final_state)
+
+
+def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, alignment="shifted",
+                timing="raw", step="normalized", scale_coupled=False, eps=1e-6, eps_gamma=1e-6, scale=1.0):
+    """One decoding step; equals the recurrent form token by token.
+
+    Args:
+      state: :class:`FalconState` (``init_state(...)`` or from ``falcon(..., return_final_state=True)``).
+      q_t, k_t: ``[B, H, dk]``;  v_t: ``[B, H, dv]``;  beta_t: ``[B, H]`` (``[B, H, dv]`` for 2/2A);
+      lam_t: ``[B, H]``.  Options as in :func:`falcon`.
+
+    Returns:
+      ``(o_t [B, H, dv], new_state)``.
+    """
+    val.check_variant(variant)
+    variant = variant.upper()
+    val.check_window(window)
+    val.check_options(form="recurrent", alignment=alignment, timing=timing, step=step, impl="auto",
+                      eps=eps, eps_gamma=eps_gamma, scale=scale)
+    # reuse the sequence checks on a length-1 view
+    q, k, v, beta, lam = (a[:, None] for a in (q_t, k_t, v_t, beta_t, lam_t))
+    B, _, H, dk, dv = val.check_qkv(q, k, v)
+    val.check_beta_for_variant(beta, variant, B, 1, H, dv)
+    val.check_gate("lam", lam, B, 1, H)
+    val.check_state(state, B, H, dk, dv, tail_length_for(variant, window), argname="state")
+    rule = falcon_rule(variant, window=int(window), alignment=alignment, timing=timing, step=step,
+                       scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))
+    cdt = compute_dtype(q_t, k_t, v_t, beta_t, lam_t)
+    state = cast_state(state, cdt)
+    o, new_state = recurrent_step(rule, state, q_t.astype(cdt), k_t.astype(cdt), v_t.astype(cdt),
+                        {"beta": beta_t.astype(cdt), "lam": lam_t.astype(cdt)})
+    out_dtype = jnp.result_type(q_t.dtype, k_t.dtype, v_t.dtype)
+    return (o * scale).astype(out_dtype), new_state

@@ -1,0 +1,137 @@
+"""The update rules, each reduced to the one shape every form executes.
+
+Every rule in this library (the six Falcon rules and the baselines) is a
+write of *pairs* ``(x_j, y_j)`` into a decaying matrix state (per head)::
+
+    inner product:  S_t = γ_t ⊙ S_{t-1} + Σ_{i<W} x_{t,i} (w_{t,i} ⊙ y_{t,i})ᵀ
+    regression:     S_t = γ_t ⊙ S_{t-1} + Σ_{i<W} x_{t,i} (w_{t,i} ⊙ (y_{t,i} − Ŝᵀ x_{t,i}))ᵀ
+
+where ``(x_{t,i}, y_{t,i})`` are the last ``W`` pairs up to ``t`` (oldest
+first; ``W = 1`` except for the sliding-window rules 3/3A), ``w_{t,i}`` the
+write weights, ``γ_t`` the decay and ``Ŝ`` the state the residual is measured
+on: the undecayed ``S_{t-1}`` for Falcon-1/2/3, the decayed ``γ_t S_{t-1}``
+for Gated DeltaNet.  Weights and decays have a trailing *group* axis ``G``:
+``G = 1`` for scalar gates, ``G = dv`` for the per-column rules 2/2A, where
+column ``c`` of ``S`` uses gate ``c``.
+
+A :class:`Rule` says which of these shapes a rule has and how it computes
+``(w, log γ)`` from the window of write features (``gates``).  The forms in
+:mod:`falcon_jax.forms` only ever see rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+VARIANTS = ("1", "2", "3", "1A", "2A", "3A")
+REGRESSION_VARIANTS = ("1", "2", "3")
+PER_COLUMN_VARIANTS = ("2", "2A")
+WINDOW_VARIANTS = ("3", "3A")
+
+# gates(x_win, in_win, valid, inputs) -> (w, log_gamma)
+#   x_win  [..., W, dk]  write features of the window, oldest first (current last)
+#   in_win [..., W]      bool: entry is a real pair of the current segment
+#   valid  [...]         bool: the current position writes (False at the sentinel)
+#   inputs dict of per-position gate inputs, [...] or [..., dv]
+#   w      [..., W, G]   write weights;  log_gamma [..., G]
+GateFn = Callable[[jax.Array, jax.Array, jax.Array, dict], tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    regression: bool
+    window: int
+    alignment: str  # "shifted": x_t = k_{t-1} (with sentinel);  "same_step": x_t = k_t
+    timing: str  # "raw": read S_t;  "rbw": read S_{t-1}
+    decay_before_residual: bool
+    gates: GateFn = dataclasses.field(compare=False)
+
+
+def _lambda_max(gram: jax.Array) -> jax.Array:
+    """Largest eigenvalue of symmetric ``[..., W, W]`` matrices, with the exact gradient.
+
+    The value is ``vᵀ G v`` for the top eigenvector ``v`` held constant, whose
+    derivative ``vᵀ dG v`` is the eigenvalue's derivative (simple eigenvalue).
+    This avoids differentiating eigenvectors, which is undefined for the
+    repeated zero eigenvalues of a partially empty window.
+    """
+    _, vecs = jnp.linalg.eigh(jax.lax.stop_gradient(gram))
+    top = vecs[..., :, -1]
+    return jnp.einsum("...i,...ij,...j->...", top, gram, top)
+
+
+def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, scale_coupled: bool,
+                 eps: float, eps_gamma: float, per_column: bool):
+    """Falcon step size, decay and write weights (SPEC §2–3).
+
+    ``E_t`` is ``mean_{j∈I_t} ‖x_j‖²`` (``statistic="mean_sq_norm"``; for
+    ``W = 1`` this is ``‖x_t‖²``) or ``λ_max(X_tᵀX_t)/B_t``
+    (``statistic="lambda_max"``, Falcon-3); ``B_t = |I_t|``.
+
+        λ_t = λ̄_t · sg(E_t) if scale_coupled else λ_t
+        η_t = β_t / (E_t + λ_t + ε)  (step="normalized")  or  β_t  (step="direct")
+        α_t = min(η_t λ_t, 1 − ε_γ),  log γ_t = log1p(−α_t)
+        w_{t,i} = η_t / B_t · [pair i ∈ I_t]
+    and η = α = 0 at the sentinel.
+    """
+    beta, lam = inputs["beta"], inputs["lam"]
+    dtype = x_win.dtype
+    mask = in_win.astype(dtype)
+    count = jnp.sum(mask, axis=-1)
+    inv_count = 1.0 / jnp.maximum(count, 1.0)
+    if statistic == "lambda_max":
+        xm = x_win * mask[..., None]
+        energy = _lambda_max(jnp.einsum("...ik,...jk->...ij", xm, xm)) * inv_count
+    else:
+        energy = jnp.sum(jnp.sum(x_win * x_win, axis=-1) * mask, axis=-1) * inv_count
+    lam_eff = lam * jax.lax.stop_gradient(energy) if scale_coupled else lam
+    # group axis: [..., G] with G = dv for per-column gains, else 1
+    beta_g = beta if (per_column and beta.ndim == energy.ndim + 1) else beta[..., None]
+    energy_g, lam_g, valid_g = energy[..., None], lam_eff[..., None], valid[..., None]
+    if step == "normalized":
+        denom = energy_g + lam_g + eps
+        # the sentinel's denominator may be 0 (eps=0); keep its unused branch finite
+        eta = beta_g / jnp.where(valid_g, denom, 1.0)
+    else:
+        eta = beta_g
+    eta = jnp.where(valid_g, eta, 0.0)
+    alpha = jnp.where(valid_g, jnp.minimum(eta * lam_g, 1.0 - eps_gamma), 0.0)
+    log_gamma = jnp.log1p(-alpha)
+    w = eta[..., None, :] * (mask * inv_count[..., None])[..., :, None]
+    return w, log_gamma
+
+
+def falcon_rule(variant: str, *, window: int = 4, alignment: str = "shifted", timing: str = "raw",
+                step: str = "normalized", scale_coupled: bool = False, eps: float = 1e-6,
+                eps_gamma: float = 1e-6) -> Rule:
+    """The :class:`Rule` of Falcon-``variant`` (arguments already validated)."""
+    win = window if variant in WINDOW_VARIANTS else 1
+    gates = functools.partial(falcon_gates,
+                     statistic="lambda_max" if variant == "3" else "mean_sq_norm",
+                     step=step, scale_coupled=scale_coupled, eps=eps, eps_gamma=eps_gamma,
+                     per_column=variant in PER_COLUMN_VARIANTS)
+    return Rule(name=f"falcon-{variant}", regression=variant in REGRESSION_VARIANTS, window=win,
+                alignment=alignment, timing=timing, decay_before_residual=False, gates=gates)
+
+
+def _baseline_gates(x_win, in_win, valid, inputs):
+    """Same-step baselines: w = β (default 1), log γ = the given log decay (default 0)."""
+    like = inputs["log_decay"] if "log_decay" in inputs else inputs["beta"]
+    beta = inputs.get("beta", jnp.ones_like(like))
+    log_gamma = inputs.get("log_decay", jnp.zeros_like(like))
+    w = jnp.where(valid, beta, 0.0)[..., None, None]
+    return w.astype(x_win.dtype), log_gamma[..., None].astype(x_win.dtype)
+
+
+def baseline_rule(name: str, *, timing: str = "raw") -> Rule:
+    """``"linear_attention"`` (RetNet/Mamba-2 decayed), ``"deltanet"`` or ``"gated_deltanet"``."""
+    return Rule(name=name, regression=name != "linear_attention", window=1, alignment="same_step",
+                timing=timing, decay_before_residual=name == "gated_deltanet",
+                gates=_baseline_gates)
+

@@ -1,0 +1,73 @@
+"""The recurrent state a Falcon layer carries between calls and decode steps.
+
+One ``FalconState`` holds everything needed to continue a sequence exactly
+(SPEC §2, App. C.7):
+
+* ``S``          ``[B, H, dk, dv]`` the fast-weight matrix (fp32, fp64 under x64).
+* ``last_key``   ``[B, H, dk]`` the last key seen; under the shifted alignment it
+                 is the write feature ``x_0`` of the next call.
+* ``has_key``    ``[B]`` bool; False for a fresh state, so the next position is
+                 the boundary sentinel (no write, no decay).
+* ``tail_x``     ``[B, H, W-1, dk]`` the last ``W-1`` write pairs, oldest first,
+* ``tail_y``     ``[B, H, W-1, dv]`` for the sliding-window rules 3 and 3A
+* ``tail_valid`` ``[B, W-1]`` bool  (``W-1 = 0`` for every other rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FalconState:
+    S: jax.Array
+    last_key: jax.Array
+    has_key: jax.Array
+    tail_x: jax.Array
+    tail_y: jax.Array
+    tail_valid: jax.Array
+
+    @property
+    def tail_length(self) -> int:
+        """Number of earlier write pairs kept for the sliding window (``W-1``)."""
+        return self.tail_x.shape[-2]
+
+    def replace(self, **changes) -> "FalconState":
+        return dataclasses.replace(self, **changes)
+
+
+def tail_length_for(variant: str, window: int) -> int:
+    """``W-1`` for the sliding-window rules, 0 for the others."""
+    return window - 1 if variant in ("3", "3A") else 0
+
+
+def empty_state(batch: int, heads: int, dk: int, dv: int, tail: int, dtype) -> FalconState:
+    return FalconState(
+        S=jnp.zeros((batch, heads, dk, dv), dtype),
+        last_key=jnp.zeros((batch, heads, dk), dtype),
+        has_key=jnp.zeros((batch,), bool),
+        tail_x=jnp.zeros((batch, heads, tail, dk), dtype),
+        tail_y=jnp.zeros((batch, heads, tail, dv), dtype),
+        tail_valid=jnp.zeros((batch, tail), bool),
+    )
+
+
+def init_state(batch: int, heads: int, dk: int, dv: int, *, variant: str, window: int = 4,
+               dtype=jnp.float32) -> FalconState:
+    """A fresh (all-zero) state for ``falcon(..., initial_state=...)`` or ``falcon_step``.
+
+    Its first position is the boundary sentinel under the shifted alignment:
+    there is no previous key, so nothing is written and nothing decays.
+    """
+    from falcon_jax.validation import check_variant, check_window
+
+    check_variant(variant)
+    check_window(window)
+    for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_state: `{name}` must be a positive int, got {value!r}.")
+    return empty_state(batch, heads, dk, dv, tail_length_for(variant, window), dtype)
