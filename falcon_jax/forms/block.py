@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
+from jax import lax
 
 
 def _band(decay, w):
@@ -49,6 +49,30 @@ def _band(decay, w):
         pad = [(0, 0)] * (term.ndim - 2) + [(i, W - 1 - i), (0, 0)]
         out = out + jnp.pad(term, pad)
     return out
+
+
+def unit_lower_solve(A, rhs, block_size: int = 64):
+    """Solve ``(I + A) X = rhs`` for strictly lower-triangular ``A [..., N, N]``, rhs ``[..., N, M]``.
+
+    Blocked forward substitution: diagonal blocks by triangular solves, the
+    rest by matmuls.  (XLA's CPU triangular solve slows down sharply for
+    N > 64; blocks keep it fast and match what a kernel does.)
+    """
+    N = A.shape[-1]
+
+    def solve(a, b):
+        return lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+
+    if N <= block_size:
+        return solve(A, rhs)
+    parts = []
+    for start in range(0, N, block_size):
+        stop = min(start + block_size, N)
+        b = rhs[..., start:stop, :]
+        if parts:
+            b = b - A[..., start:stop, :start] @ jnp.concatenate(parts, axis=-2)
+        parts.append(solve(A[..., start:stop, start:stop], b))
+    return jnp.concatenate(parts, axis=-2)
 
 
 def block(q, x_ext, y_ext, w, log_gamma, run, S0, *, regression: bool, timing: str,
@@ -115,7 +139,7 @@ def block(q, x_ext, y_ext, w, log_gamma, run, S0, *, regression: bool, timing: s
         gram = jnp.einsum("...nk,...mk->...nm", x_v, x_v)
         A = jnp.moveaxis(w_v[..., :, None, :] * pred * gram[..., None], -1, -3)  # [..., G, N, N]
         rhs = w_v[..., None] * (y_v - jnp.einsum("...nk,...kgd->...ngd", x_v, S0g) * pred0[..., None])
-        P = solve_triangular(A, jnp.moveaxis(rhs, -2, -3), lower=True, unit_diagonal=True)
+        P = unit_lower_solve(A, jnp.moveaxis(rhs, -2, -3))
         P = jnp.moveaxis(P, -3, -2)  # [..., N, G, dg]
         qx = jnp.einsum("...tk,...nk->...tn", q, x_v)
         out = out + jnp.einsum("...tn,...tng,...ngd->...tgd", qx, per_pair(read, -2), P)

@@ -1,0 +1,277 @@
+"""Baseline token mixers in the same calling convention as :class:`~falcon_jax.nn.FalconAttention`.
+
+* :class:`SoftmaxAttention` — causal softmax attention with RoPE (LLaMA style, the paper's
+  Transformer): ``y = W_o softmax(RoPE(q) RoPE(k)ᵀ/√dk + mask) v``.
+* Recurrent baselines on the same-step pair ``(k_t, v_t)``, sharing the skeleton of
+  :class:`~falcon_jax.nn.attention.RecurrentMixer` (projections, short conv + SiLU, gated
+  per-head output RMSNorm, output projection); only normalisation, gates and rule differ:
+
+  ==================  =====================  ==========================================================
+  class               q, k normalisation     gates and rule
+  ==================  =====================  ==========================================================
+  RetNetMixer         none, read scale 1/√dk  fixed per-head decay γ_h = 1 − 2^(−5−h) (RetNet), no gain:
+                                             ``S_t = γ_h S_{t-1} + k_t v_tᵀ``
+  Mamba2Mixer         none                   Δ = softplus(W_Δ h + b_Δ), log γ = −exp(A_log)·Δ, β = Δ:
+                                             ``S_t = γ_t S_{t-1} + Δ_t k_t v_tᵀ``, then ``o += D ⊙ v``
+  DeltaNetMixer       ℓ2, read scale 1/√dk   β = σ(W_β h):  ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀk_t)ᵀ``
+  GatedDeltaNetMixer  ℓ2, read scale 1/√dk   β = σ(W_β h), log γ = −exp(A_log)·softplus(W_Δ h + b_Δ):
+                                             ``S_t = γ_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``
+  ==================  =====================  ==========================================================
+
+  Inits follow the papers: ``A_log = log U(1, 16)``, ``Δ`` at init log-uniform in
+  [1e-3, 1e-1] through ``b_Δ = softplus⁻¹(Δ₀)``, Mamba-2's skip ``D = 1``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
+from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
+from falcon_jax.nn.cache import KVCache
+from falcon_jax.nn.layers import dense, l2_normalize, make_param
+
+
+# ---------------------------------------------------------------------------- softmax attention
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) of ``x [B, T, H, d]`` at ``positions [T]``
+    (or ``[B, T]``); frequencies ``theta^(−2i/d)``, ``i < d/2``; computed in fp32 or wider."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"SoftmaxAttention: head_dim={d} must be even for RoPE.")
+    ft = jnp.promote_types(x.dtype, jnp.float32)
+    inv = 1.0 / (theta ** (jnp.arange(0, d // 2, dtype=ft) * (2.0 / d)))
+    ang = positions.astype(ft)[..., None] * inv  # [..., T, d/2]
+    if ang.ndim == 2:
+        ang = ang[None]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(ft)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class SoftmaxAttention(nnx.Module):
+    """Causal multi-head softmax attention with RoPE, no bias (the paper's Transformer mixer)::
+
+        q, k = RoPE(W_q h), RoPE(W_k h)      [B, T, H, dk];   v = W_v h   [B, T, H, dv]
+        o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s
+        y    = W_o o                         [B, T, D]
+
+    Runs through ``jax.nn.dot_product_attention``.  ``attn_impl="auto"`` picks cuDNN on GPU for
+    bf16/fp16 (where it is supported) and XLA elsewhere (``jax.nn.dot_product_attention``'s own
+    ``implementation=None`` means XLA in jax 0.10–0.11); ``"xla"``/``"cudnn"`` force one.
+    Packed sequences use a ``segment_ids`` mask.  The decode cache is a :class:`KVCache`
+    preallocated to ``max_len``; a call with a cache writes its T new keys/values at
+    ``cache.length`` and attends causally to everything written so far.
+    """
+
+    owner = "SoftmaxAttention"
+
+    def __init__(self, d_model: int, n_heads: int, *, head_dim=None, v_head_dim=None, rope_theta: float = 10000.0,
+                 attn_impl: str = "auto", init_std: float = 0.02, out_std: float | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        dk, dv = resolve_head_dims(self.owner, d_model, n_heads, head_dim, v_head_dim)
+        if dk % 2:
+            raise _err(self.owner, "head_dim", dk, "must be even for RoPE.")
+        if attn_impl not in ("auto", "xla", "cudnn"):
+            raise _err(self.owner, "attn_impl", attn_impl, "must be 'auto', 'xla' or 'cudnn'.")
+        self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
+        self.rope_theta, self.attn_impl = float(rope_theta), attn_impl
+        self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        out_std = init_std if out_std is None else out_std
+        kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.q_proj = dense(d_model, n_heads * dk, ("embed", "heads"), std=init_std, **kw)
+        self.k_proj = dense(d_model, n_heads * dk, ("embed", "heads"), std=init_std, **kw)
+        self.v_proj = dense(d_model, n_heads * dv, ("embed", "heads"), std=init_std, **kw)
+        self.o_proj = dense(n_heads * dv, d_model, ("heads", "embed"), std=out_std, **kw)
+
+    def _implementation(self, has_mask: bool):
+        if self.attn_impl == "auto":
+            gpu = jax.default_backend() == "gpu"
+            half = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            return "cudnn" if gpu and half and not has_mask else "xla"
+        return self.attn_impl
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Zeros ``[B, max_len, H, d]`` in the compute dtype; ``length = 0``."""
+        if max_len is None or max_len < 1:
+            raise _err(self.owner, "max_len", max_len, "must be a positive int: softmax layers keep a "
+                       "preallocated KV cache of max_len positions.")
+        return KVCache(k=jnp.zeros((batch, max_len, self.n_heads, self.dk), self.dtype),
+                       v=jnp.zeros((batch, max_len, self.n_heads, self.dv), self.dtype),
+                       length=jnp.zeros((), jnp.int32))
+
+    def __call__(self, h: jax.Array, *, segment_ids: jax.Array | None = None, cache: KVCache | None = None):
+        """h ``[B, T, D]`` -> y ``[B, T, D]``, or ``(y, cache)`` when a cache is given."""
+        h = h.astype(self.dtype)
+        B, T, _ = h.shape
+        H = self.n_heads
+        q = self.q_proj(h).reshape(B, T, H, self.dk)
+        k = self.k_proj(h).reshape(B, T, H, self.dk)
+        v = self.v_proj(h).reshape(B, T, H, self.dv)
+        start = jnp.zeros((), jnp.int32) if cache is None else cache.length
+        pos = start + jnp.arange(T, dtype=jnp.int32)
+        q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+        if cache is None:
+            mask = None
+            if segment_ids is not None:
+                mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B,1,T,T]
+            o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                             implementation=self._implementation(mask is not None))
+            return self.o_proj(o.reshape(B, T, H * self.dv))
+        # cached: write the T new positions, attend to [0, start + i] for query i.  Queries of
+        # one call share a segment with the cache (segment_ids restrict only within the call).
+        zero = jnp.zeros((), jnp.int32)  # index dtypes must agree (int64 literals under x64)
+        kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (zero, start, zero, zero))
+        vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
+        L = cache.max_len
+        key_pos = jnp.arange(L, dtype=jnp.int32)
+        mask = (key_pos[None, :] <= pos[:, None])[None, None]  # [1,1,T,L]
+        if segment_ids is not None:
+            # earlier positions (in the cache) count as the first segment of this call
+            seg_keys = jnp.concatenate(
+                [jnp.broadcast_to(segment_ids[:, :1], (B, L)), segment_ids], axis=1)
+            seg_keys = jax.lax.dynamic_slice_in_dim(seg_keys, L - start, L, axis=1)  # key j -> its id
+            mask = mask & (segment_ids[:, :, None] == seg_keys[:, None, :])[:, None]
+        o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask,
+                                         implementation="xla")
+        y = self.o_proj(o.reshape(B, T, H * self.dv))
+        return y, KVCache(k=kc, v=vc, length=start + T)
+
+
+# ---------------------------------------------------------------------------- recurrent baselines
+def _dt_bias_init(rng_key, H, dtype, low=1e-3, high=1e-1):
+    """b_Δ with softplus(b_Δ) = Δ₀ log-uniform in [low, high] (the Mamba-2 init)."""
+    u = jax.random.uniform(rng_key, (H,), jnp.float32)
+    dt = jnp.exp(jnp.log(low) + u * (jnp.log(high) - jnp.log(low)))
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def _a_log_init(rng_key, H, dtype):
+    return jnp.log(jax.random.uniform(rng_key, (H,), jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+class _RuleOptions:
+    form: str
+    chunk_size: int
+    impl: str
+
+    def _set_rule_options(self, form, chunk_size, impl):
+        if form not in ("recurrent", "parallel", "chunk"):
+            raise _err(self.owner, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
+        if not (isinstance(chunk_size, int) and chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0):
+            raise _err(self.owner, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
+        self.form, self.chunk_size, self.impl = form, chunk_size, impl
+
+    def _call_kwargs(self, step, initial_state, segment_ids):
+        # a decode step is a length-1 call of the recurrent form from the carried state
+        return dict(form="recurrent" if step else self.form, chunk_size=self.chunk_size, impl=self.impl,
+                    initial_state=initial_state, return_final_state=initial_state is not None,
+                    segment_ids=None if step else segment_ids)
+
+
+class RetNetMixer(_RuleOptions, RecurrentMixer):
+    """RetNet-style decayed linear attention (``"retnet"`` / ``"linear_attention"``): a fixed,
+    non-learned decay per head ``γ_h = 1 − 2^(−5−h)``, unit write gain, keys unnormalised,
+    read scale ``1/√dk``.  See the module table."""
+
+    owner = "RetNetMixer"
+
+    def __init__(self, d_model, n_heads, *, form="chunk", chunk_size=64, impl="auto", **kw):
+        self._set_rule_options(form, chunk_size, impl)
+        super().__init__(d_model, n_heads, **kw)
+
+    def log_decay(self):
+        h = np.arange(self.n_heads, dtype=np.float64)
+        return np.log1p(-(2.0 ** (-5.0 - h)))
+
+    def _gates(self, h):
+        B, T, _ = h.shape
+        gdt = _float_dtype(self.dtype)
+        return {"log_decay": jnp.broadcast_to(jnp.asarray(self.log_decay(), gdt), (B, T, self.n_heads))}
+
+    def _rule(self, q, k, v, gates, *, step, initial_state, segment_ids):
+        return decayed_linear_attention(q, k, v, gates["log_decay"], scale=self.dk ** -0.5,
+                                        **self._call_kwargs(step, initial_state, segment_ids))
+
+
+class Mamba2Mixer(_RuleOptions, RecurrentMixer):
+    """Mamba-2-style (SSD) mixer (``"mamba2"``): data-dependent scalar decay per head and a
+    Δ-scaled write, plus the skip ``o += D ⊙ v``.  q, k play Mamba-2's C and B.  Extra
+    parameters ``dt_proj [D, H]``, ``dt_bias [H]``, ``A_log [H]``, ``D_skip [H]``."""
+
+    owner = "Mamba2Mixer"
+
+    def __init__(self, d_model, n_heads, *, form="chunk", chunk_size=64, impl="auto", rngs: nnx.Rngs, **kw):
+        self._set_rule_options(form, chunk_size, impl)
+        super().__init__(d_model, n_heads, rngs=rngs, **kw)
+        H, std = self.n_heads, kw.get("init_std", 0.02)
+        pd = self.param_dtype
+        self.dt_proj = dense(d_model, H, ("embed", "heads"), std=std, rngs=rngs, dtype=self.dtype, param_dtype=pd)
+        self.dt_bias = make_param(rngs, lambda k, s, d: _dt_bias_init(k, s[0], d), (H,), ("heads",), pd)
+        self.A_log = make_param(rngs, lambda k, s, d: _a_log_init(k, s[0], d), (H,), ("heads",), pd)
+        self.D_skip = make_param(rngs, nnx.initializers.ones, (H,), ("heads",), pd)
+
+    def _gates(self, h):
+        gdt = _float_dtype(self.dtype)
+        dt = jax.nn.softplus(self.dt_proj(h).astype(gdt) + self.dt_bias[...].astype(gdt))
+        return {"log_decay": -jnp.exp(self.A_log[...].astype(gdt)) * dt, "beta": dt}
+
+    def _rule(self, q, k, v, gates, *, step, initial_state, segment_ids):
+        return decayed_linear_attention(q, k, v, gates["log_decay"], gates["beta"],
+                                        **self._call_kwargs(step, initial_state, segment_ids))
+
+    def _post(self, o, v):
+        return o + self.D_skip[...].astype(o.dtype)[:, None] * v.astype(o.dtype)
+
+
+class DeltaNetMixer(_RuleOptions, RecurrentMixer):
+    """DeltaNet (``"deltanet"``): ℓ2-normalised q, k; ``β = σ(W_β h)``; no decay.  Extra
+    parameter ``beta_proj [D, H]``."""
+
+    owner = "DeltaNetMixer"
+
+    def __init__(self, d_model, n_heads, *, form="chunk", chunk_size=64, impl="auto", rngs: nnx.Rngs, **kw):
+        self._set_rule_options(form, chunk_size, impl)
+        super().__init__(d_model, n_heads, rngs=rngs, **kw)
+        self.beta_proj = dense(d_model, self.n_heads, ("embed", "heads"), std=kw.get("init_std", 0.02),
+                               rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def _normalize_qk(self, q, k):
+        return l2_normalize(q, self.norm_eps), l2_normalize(k, self.norm_eps)
+
+    def _gates(self, h):
+        return {"beta": jax.nn.sigmoid(self.beta_proj(h).astype(_float_dtype(self.dtype)))}
+
+    def _rule(self, q, k, v, gates, *, step, initial_state, segment_ids):
+        return deltanet(q, k, v, gates["beta"], scale=self.dk ** -0.5,
+                        **self._call_kwargs(step, initial_state, segment_ids))
+
+
+class GatedDeltaNetMixer(DeltaNetMixer):
+    """Gated DeltaNet (``"gated_deltanet"``): DeltaNet plus Mamba-2's decay
+    ``log γ = −exp(A_log)·softplus(W_Δ h + b_Δ)``.  Extra parameters ``beta_proj [D, H]``,
+    ``dt_proj [D, H]``, ``dt_bias [H]``, ``A_log [H]``."""
+
+    owner = "GatedDeltaNetMixer"
+
+    def __init__(self, d_model, n_heads, *, rngs: nnx.Rngs, **kw):
+        super().__init__(d_model, n_heads, rngs=rngs, **kw)
+        H, pd = self.n_heads, self.param_dtype
+        self.dt_proj = dense(d_model, H, ("embed", "heads"), std=kw.get("init_std", 0.02), rngs=rngs,
+                             dtype=self.dtype, param_dtype=pd)
+        self.dt_bias = make_param(rngs, lambda k, s, d: _dt_bias_init(k, s[0], d), (H,), ("heads",), pd)
+        self.A_log = make_param(rngs, lambda k, s, d: _a_log_init(k, s[0], d), (H,), ("heads",), pd)
+
+    def _gates(self, h):
+        gdt = _float_dtype(self.dtype)
+        dt = jax.nn.softplus(self.dt_proj(h).astype(gdt) + self.dt_bias[...].astype(gdt))
+        return {"beta": jax.nn.sigmoid(self.beta_proj(h).astype(gdt)),
+                "log_decay": -jnp.exp(self.A_log[...].astype(gdt)) * dt}
+
+    def _rule(self, q, k, v, gates, *, step, initial_state, segment_ids):
+        return gated_deltanet(q, k, v, gates["beta"], gates["log_decay"], scale=self.dk ** -0.5,
+                              **self._call_kwargs(step, initial_state, segment_ids))

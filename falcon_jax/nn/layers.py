@@ -1,0 +1,120 @@
+"""Small building blocks shared by the mixers and the model.
+
+Every parameter carries *logical* axis names (``nnx.with_partitioning``, metadata
+``out_sharding``) from this vocabulary; :mod:`falcon_jax.nn.sharding` maps them to mesh axes:
+
+============  ==========================================================
+``vocab``     the vocabulary axis of the (tied) embedding
+``embed``     the model width D (input side of projections)
+``heads``     the flattened heads·head_dim axis of q/k/v/gate/out projections,
+              per-head gate projections and per-head vectors
+``mlp``       the SwiGLU hidden axis F
+``norm``      RMSNorm weights (replicated by default)
+``conv``      the tap axis of the short convolutions (replicated)
+============  ==========================================================
+
+Params are created with ``eager_sharding=False``: a model can be built without a mesh
+and placed on one later (:func:`falcon_jax.nn.sharding.shard_model`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def normal_init(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+def partitioned(init, axes: tuple):
+    """``init`` with the logical axis names ``axes`` attached (no eager placement)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def make_param(rngs: nnx.Rngs, init, shape: tuple, axes: tuple, param_dtype) -> nnx.Param:
+    """An ``nnx.Param`` of ``shape`` initialised by ``init(key, shape, dtype)`` with logical ``axes``."""
+    return nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=axes, eager_sharding=False)
+
+
+def dense(d_in: int, d_out: int, axes: tuple, *, std: float, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Linear:
+    """A bias-free ``nnx.Linear`` ``[d_in] -> [d_out]``, kernel ~ N(0, std²), kernel axes ``axes``."""
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=partitioned(normal_init(std), axes), rngs=rngs)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x², -1) + eps)`` computed in fp32 (or wider), returned in ``x.dtype``."""
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(sum(x², -1) + eps)`` in fp32 (or wider), returned in ``x.dtype``."""
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``y = x / sqrt(mean(x²) + eps) · scale`` over the last axis; ``scale [dim]`` starts at 1."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.eps = eps
+        self.dtype = dtype
+        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_normalize(x, self.eps).astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise convolution of width K over time, per channel::
+
+        y_t[c] = Σ_{i<K} w[i, c] · x_{t-K+1+i}[c] · [seg(t-K+1+i) = seg(t)]
+
+    x ``[B, T, C]`` -> y ``[B, T, C]``.  ``state [B, K-1, C]`` holds the last K-1 inputs of the
+    previous call (zeros for a fresh sequence), so a long input cut in pieces gives the same
+    output.  Positions of another packed segment (``segment_ids [B, T]``) never contribute; the
+    state counts as part of the first segment of ``x``.
+    Init: ``w ~ U(±1/√K)`` (the usual fan-in bound of a depthwise conv).
+    """
+
+    def __init__(self, channels: int, width: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.width = width
+        self.channels = channels
+        self.dtype = dtype
+        bound = 1.0 / math.sqrt(width)
+        init = nnx.initializers.uniform(scale=2 * bound)
+        self.kernel = make_param(rngs, lambda k, s, d: init(k, s, d) - jnp.asarray(bound, d), (width, channels),
+                                 ("conv", "heads"), param_dtype)
+
+    def init_state(self, batch: int, dtype) -> jax.Array:
+        return jnp.zeros((batch, self.width - 1, self.channels), dtype)
+
+    def __call__(self, x: jax.Array, state: jax.Array | None = None, segment_ids: jax.Array | None = None):
+        """Returns ``(y [B, T, C], new_state [B, K-1, C])``."""
+        B, T, C = x.shape
+        K = self.width
+        if state is None:
+            state = self.init_state(B, x.dtype)
+        ext = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+        w = self.kernel[...].astype(x.dtype)
+        if segment_ids is not None:
+            seg_ext = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
+        y = jnp.zeros_like(x)
+        for i in range(K):  # K is 4: an unrolled sum of shifted slices beats a conv call here
+            tap = ext[:, i:i + T] * w[i]
+            if segment_ids is not None:
+                tap = jnp.where((seg_ext[:, i:i + T] == segment_ids)[..., None], tap, 0)
+            y = y + tap
+        new_state = ext[:, T:]  # the last K-1 inputs
+        if segment_ids is not None:  # only the last segment's inputs carry over
+            new_state = jnp.where((seg_ext[:, T:] == segment_ids[:, -1:])[..., None], new_state, 0)
+        return y, new_state

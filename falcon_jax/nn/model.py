@@ -1,0 +1,218 @@
+"""The language model: :class:`FalconLM`, its loss, decoding and parameter counts.
+
+    h_0 = E[tokens]                               E [V, D], tied with the output
+    h_l = DecoderBlock_l(h_{l-1})                  l = 1..L, mixer per layer from the config
+    logits = RMSNorm(h_L) Eᵀ                       [B, T, V], fp32 (fp64 under fp64 compute)
+
+Decoding (O(1) memory for the recurrent layers)::
+
+    cache = model.init_cache(B, max_len)           # per layer: FalconState + conv state, or a KV cache
+    logits, cache = model(prompt, cache=cache)     # prefill (chunk form)
+    logits, cache = model(next_tok[:, None], cache=cache)   # one step (falcon_step / length-1 rule)
+    tokens = model.generate(prompt, 32, greedy=True)        # jit-compiled lax.scan loop
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from falcon_jax.nn.blocks import DecoderBlock
+from falcon_jax.nn.cache import LMCache
+from falcon_jax.nn.config import LMConfig, expected_param_count
+from falcon_jax.nn.layers import RMSNorm, make_param, normal_init
+
+
+class FalconLM(nnx.Module):
+    """Decoder-only LM over a stack of :class:`~falcon_jax.nn.blocks.DecoderBlock` (pre-norm
+    RMSNorm, SwiGLU, no bias, no dropout) with tied input/output embeddings.
+
+    Parameters: ``embedding [V, D]`` (logical axes ``("vocab", "embed")``), ``layers[i]``
+    (mixer, two norms, MLP), ``final_norm.scale [D]``.
+    """
+
+    def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"FalconLM: config must be an LMConfig (e.g. LMConfig.preset('falcon-1A-tiny')); "
+                            f"got {type(config).__name__}.")
+        self.config = config
+        dt, pdt = config.compute_dtype, config.storage_dtype
+        self.dtype = dt
+        self.embedding = make_param(rngs, normal_init(config.init_std), (config.vocab_size, config.d_model),
+                                    ("vocab", "embed"), pdt)
+        self.layers = nnx.List([DecoderBlock(config, spec, rngs=rngs) for spec in config.layer_specs()])
+        self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+    @property
+    def logits_dtype(self):
+        return jnp.promote_types(self.dtype, jnp.float32)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens ``[B, T]`` int -> ``[B, T, D]`` in the compute dtype."""
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """``[B, T, D]`` -> logits ``[B, T, V]`` in fp32 (the tied embedding, fp32 accumulation)."""
+        return jnp.einsum("btd,vd->btv", h, self.embedding[...].astype(self.dtype),
+                          preferred_element_type=self.logits_dtype)
+
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, cache: LMCache | None = None):
+        """tokens ``[B, T]`` -> logits ``[B, T, V]``; with ``cache``: ``(logits, new_cache)``.
+
+        ``segment_ids [B, T]`` packs several sequences in a row: no mixer passes information
+        across a change of id.  With a cache, the tokens continue the cached sequence.
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got shape {tuple(tokens.shape)}.")
+        x = self.embed(tokens)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, segment_ids=segment_ids)
+            else:
+                x, c = layer(x, segment_ids=segment_ids, cache=cache.layers[i])
+                new_layers.append(c)
+        logits = self.unembed(self.final_norm(x))
+        if cache is None:
+            return logits
+        return logits, LMCache(layers=tuple(new_layers), length=cache.length + tokens.shape[1])
+
+    # ------------------------------------------------------------------ decoding
+    def init_cache(self, batch: int, max_len: int) -> LMCache:
+        """A fresh cache for ``batch`` sequences of at most ``max_len`` tokens (prompt + generated).
+        Only softmax layers use ``max_len`` (a preallocated KV cache); recurrent layers keep a
+        fixed-size state."""
+        return LMCache(layers=tuple(layer.init_cache(batch, max_len) for layer in self.layers),
+                       length=jnp.zeros((), jnp.int32))
+
+    def prefill(self, tokens: jax.Array, max_len: int) -> tuple[jax.Array, LMCache]:
+        """Run the prompt ``[B, P]`` through a fresh cache; returns ``(logits [B, P, V], cache)``."""
+        return self(tokens, cache=self.init_cache(tokens.shape[0], max_len))
+
+    def decode_step(self, token: jax.Array, cache: LMCache) -> tuple[jax.Array, LMCache]:
+        """One token ``[B]`` -> ``(logits [B, V], cache)``."""
+        logits, cache = self(token[:, None], cache=cache)
+        return logits[:, 0], cache
+
+    def generate(self, tokens: jax.Array, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False,
+                 rng: jax.Array | None = None) -> jax.Array:
+        """Autoregressive generation: prefill ``tokens [B, P]``, then ``max_new_tokens`` decode
+        steps in one jit-compiled ``lax.scan``.  Returns ``[B, P + max_new_tokens]`` int32
+        (the prompt followed by the generated tokens).
+
+        ``greedy=True`` takes the argmax; otherwise samples ``softmax(logits / temperature)``
+        with ``rng`` (a ``jax.random.key``).
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 0; got {max_new_tokens!r}.")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"generate: tokens must be a [batch, prompt_len >= 1] prompt; got shape "
+                             f"{tuple(tokens.shape)}.")
+        if max_new_tokens == 0:
+            return tokens
+        if not greedy:
+            if rng is None:
+                raise ValueError("generate: pass rng=jax.random.key(seed) to sample, or greedy=True.")
+            if not temperature > 0:
+                raise ValueError(f"generate: temperature must be > 0 when sampling; got {temperature!r} "
+                                 "(use greedy=True for argmax decoding).")
+        else:
+            rng = jax.random.key(0)  # unused
+        graphdef, state = nnx.split(self)
+        return _generate(graphdef, state, tokens, rng, jnp.asarray(temperature, jnp.float32),
+                         max_new_tokens=max_new_tokens, greedy=bool(greedy))
+
+
+def _sample(logits, key, temperature, greedy):
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
+def _generate(graphdef, state, tokens, rng, temperature, *, max_new_tokens, greedy):
+    model = nnx.merge(graphdef, state)
+    B, P = tokens.shape
+    keys = jax.random.split(rng, max_new_tokens)
+    logits, cache = model(tokens, cache=model.init_cache(B, P + max_new_tokens))
+    first = _sample(logits[:, -1], keys[0], temperature, greedy)
+
+    def body(carry, key):
+        tok, cache = carry
+        logits, cache = model(tok[:, None], cache=cache)
+        nxt = _sample(logits[:, 0], key, temperature, greedy)
+        return (nxt, cache), nxt
+
+    _, rest = jax.lax.scan(body, (first, cache), keys[1:])
+    return jnp.concatenate([tokens, first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+
+
+# ---------------------------------------------------------------------- loss
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy (nats) of ``logits [..., V]`` against ``targets [...]`` over
+    the positions where ``mask`` (same shape as targets) is true; computed in fp32 or wider."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+    if mask is None:
+        return jnp.mean(nll)
+    mask = mask.astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def lm_loss(model: FalconLM, tokens: jax.Array, *, segment_ids=None, loss_mask=None) -> jax.Array:
+    """Next-token loss of ``tokens [B, T]``: position t predicts t+1; pairs that cross a
+    segment boundary and pairs whose *target* has ``loss_mask`` false are left out."""
+    logits = model(tokens[:, :-1], segment_ids=None if segment_ids is None else segment_ids[:, :-1])
+    mask = jnp.ones(tokens[:, 1:].shape, bool)
+    if segment_ids is not None:
+        mask &= segment_ids[:, 1:] == segment_ids[:, :-1]
+    if loss_mask is not None:
+        mask &= loss_mask[:, 1:].astype(bool)
+    return cross_entropy(logits, tokens[:, 1:], mask)
+
+
+# ---------------------------------------------------------------------- parameter counts
+def _group(path: str) -> str:
+    if "embedding" in path:
+        return "embedding"
+    if ".mixer" in path or "'mixer'" in path:
+        return "mixers"
+    if ".mlp" in path or "'mlp'" in path:
+        return "mlp"
+    return "norms"
+
+
+def param_counts(model: FalconLM) -> dict[str, int]:
+    """Parameters of a built (or ``nnx.eval_shape``-abstract) model, counted from
+    ``nnx.state(model, nnx.Param)``, grouped as embedding / mixers / mlp / norms / total."""
+    counts = {"embedding": 0, "mixers": 0, "mlp": 0, "norms": 0}
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    for path, leaf in leaves:
+        counts[_group(jax.tree_util.keystr(path))] += math.prod(leaf.shape)
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def abstract_model(config: LMConfig) -> FalconLM:
+    """The model with ``jax.ShapeDtypeStruct`` parameters (no memory, no compute)."""
+    return nnx.eval_shape(lambda: FalconLM(config, rngs=nnx.Rngs(0)))
+
+
+def summarize_params(config: LMConfig | str, *, print_fn=print) -> dict[str, int]:
+    """Count (abstractly) and print the parameters of a config or preset name; returns the counts."""
+    if isinstance(config, str):
+        name, config = config, LMConfig.preset(config)
+    else:
+        name = config.mixer
+    counts = param_counts(abstract_model(config))
+    if print_fn is not None:
+        formula = expected_param_count(config)
+        parts = ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in counts.items() if k != "total")
+        print_fn(f"{name}: {counts['total'] / 1e6:.2f}M parameters ({parts})"
+                 + ("" if formula == counts else f"  [formula says {formula['total']}]"))
+    return counts
