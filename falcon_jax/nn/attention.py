@@ -174,11 +174,17 @@ class FalconAttention(RecurrentMixer):
 
         q, k <- per head, weightless: RMSNorm (qk_norm="rms", ‖k‖² ≈ dk) or ℓ2 (qk_norm="l2", ‖k‖² ≈ 1)
         gain="ctx_beta":  β = 2σ(W_β h)              step="normalized": η = β/(E + λ + ε)
-        gain="ctx_eta":   η = 2σ(W_η h) / E_exp      step="direct", E_exp = dk ("rms") or 1 ("l2"),
-                                                     the expected energy ‖k‖² of a normalised key
+        gain="ctx_eta":   η = 2σ(W_η h) / dk         step="direct"; dk is the expected energy ‖k‖² of
+                                                     an RMS-normed key (SPEC §5).  It stays dk with ℓ2
+                                                     keys (‖k‖² = 1): their steps and decays are dk
+                                                     times smaller, which is what separates the
+                                                     paper's .2 (ℓ2) from .3 (RMS) setting; with
+                                                     1/E_exp instead the two would differ only by eps,
+                                                     the output norm removing the common scale
         lam="ctx":    λ̄ = lam_max·σ(W_λ h + b), scale-coupled (λ = λ̄·sg(E));
                       b starts at logit(λ̄₀/lam_max), λ̄₀ log-spaced over heads in lam_init
-        lam="const":  λ = softplus(p) per head, not scale-coupled; starts at λ̄₀·E_exp
+        lam="const":  λ = softplus(p) per head, not scale-coupled; starts at λ̄₀·E_exp with
+                      E_exp = dk ("rms") or 1 ("l2"), so that λ/‖k‖² starts at λ̄₀
         lam="none":   λ = 0 (no decay)
         o = falcon(q, k, v, β|η, λ; variant, window, alignment, timing, form, chunk_size, impl)
 
@@ -231,11 +237,12 @@ class FalconAttention(RecurrentMixer):
         self.variant, self.window, self.qk_norm, self.gain, self.lam = variant, window, qk_norm, gain, lam
         self.lam_max, self.per_column_gains = float(lam_max), bool(per_column_gains)
         self.form, self.chunk_size, self.impl = form, chunk_size, impl
-        self.options = dict(variant=variant, window=window, alignment=alignment, timing=timing,
-                            step="normalized" if gain == "ctx_beta" else "direct",
-                            scale_coupled=lam == "ctx", eps=eps, eps_gamma=eps_gamma)
+        # a tuple, not a dict: module attributes must stay hashable (graphdefs are jit-static)
+        self.rule_options = tuple(dict(variant=variant, window=window, alignment=alignment, timing=timing,
+                                       step="normalized" if gain == "ctx_beta" else "direct",
+                                       scale_coupled=lam == "ctx", eps=eps, eps_gamma=eps_gamma).items())
         self.tail = window - 1 if variant in ("3", "3A") else 0
-        # the expected energy of a normalised key: ‖RMSNorm(k)‖² ≈ dk, ‖k/‖k‖‖² = 1
+        # the expected energy of a normalised key, ‖RMSNorm(k)‖² ≈ dk, ‖k/‖k‖‖² = 1 (const-λ init)
         self.expected_energy = float(dk) if qk_norm == "rms" else 1.0
         kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
         self.gain_proj = dense(d_model, H * (dv if self.per_column_gains else 1), ("embed", "heads"),
@@ -251,6 +258,11 @@ class FalconAttention(RecurrentMixer):
             self.lam_const = make_param(rngs, lambda k, s, d: jnp.asarray(p0, d), (H,), ("heads",),
                                         self.param_dtype)
 
+    @property
+    def options(self) -> dict:
+        """The keyword arguments this layer passes to ``falcon`` / ``falcon_step``."""
+        return dict(self.rule_options)
+
     def _normalize_qk(self, q, k):
         norm = rms_normalize if self.qk_norm == "rms" else l2_normalize
         return norm(q, self.norm_eps), norm(k, self.norm_eps)
@@ -262,7 +274,7 @@ class FalconAttention(RecurrentMixer):
         z = self.gain_proj(h).astype(gdt)
         g = 2.0 * jax.nn.sigmoid(z)
         if self.gain == "ctx_eta":
-            g = g / self.expected_energy
+            g = g / self.dk
         g = g.reshape(B, T, H, self.dv) if self.per_column_gains else g.reshape(B, T, H)
         if self.lam == "ctx":
             lam = self.lam_max * jax.nn.sigmoid(self.lam_proj(h).astype(gdt) + self.lam_bias[...].astype(gdt))

@@ -102,7 +102,7 @@ class SoftmaxAttention(nnx.Module):
                        "preallocated KV cache of max_len positions.")
         return KVCache(k=jnp.zeros((batch, max_len, self.n_heads, self.dk), self.dtype),
                        v=jnp.zeros((batch, max_len, self.n_heads, self.dv), self.dtype),
-                       length=jnp.zeros((), jnp.int32))
+                       length=jnp.zeros((), jnp.int32), seg_start=jnp.zeros((batch,), jnp.int32))
 
     def __call__(self, h: jax.Array, *, segment_ids: jax.Array | None = None, cache: KVCache | None = None):
         """h ``[B, T, D]`` -> y ``[B, T, D]``, or ``(y, cache)`` when a cache is given."""
@@ -122,24 +122,30 @@ class SoftmaxAttention(nnx.Module):
             o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                              implementation=self._implementation(mask is not None))
             return self.o_proj(o.reshape(B, T, H * self.dv))
-        # cached: write the T new positions, attend to [0, start + i] for query i.  Queries of
-        # one call share a segment with the cache (segment_ids restrict only within the call).
+        # cached: write the T new positions at `start`, attend to keys j <= start + i of the query's
+        # segment.  Earlier keys (from previous calls) count as the first segment of this call and
+        # are visible from cache.seg_start on (the start of the segment the cache is in).
         zero = jnp.zeros((), jnp.int32)  # index dtypes must agree (int64 literals under x64)
         kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (zero, start, zero, zero))
         vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
         L = cache.max_len
         key_pos = jnp.arange(L, dtype=jnp.int32)
-        mask = (key_pos[None, :] <= pos[:, None])[None, None]  # [1,1,T,L]
+        old = (key_pos[None, :] < start) & (key_pos[None, :] >= cache.seg_start[:, None])  # [B, L]
+        mask = (key_pos[None, :] <= pos[:, None])[None] & ((key_pos[None, :] >= start)[None] | old[:, None, :])
+        seg_start = cache.seg_start
         if segment_ids is not None:
-            # earlier positions (in the cache) count as the first segment of this call
-            seg_keys = jnp.concatenate(
-                [jnp.broadcast_to(segment_ids[:, :1], (B, L)), segment_ids], axis=1)
-            seg_keys = jax.lax.dynamic_slice_in_dim(seg_keys, L - start, L, axis=1)  # key j -> its id
-            mask = mask & (segment_ids[:, :, None] == seg_keys[:, None, :])[:, None]
-        o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask,
+            seg = segment_ids.astype(jnp.int32)
+            new_ids = jax.lax.dynamic_update_slice(jnp.full((B, L), -1, jnp.int32), seg, (zero, start))
+            same_new = (new_ids[:, None, :] == seg[:, :, None]) | (key_pos < start)[None, None, :]
+            same_old = (seg == seg[:, :1])[:, :, None] | (key_pos >= start)[None, None, :]
+            mask = mask & same_new & same_old  # [B, T, L]
+            change = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+            last_change = jnp.max(jnp.where(change, jnp.arange(T, dtype=jnp.int32), -1), axis=1)
+            seg_start = jnp.where(last_change >= 0, start + last_change, seg_start)
+        o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask[:, None],
                                          implementation="xla")
         y = self.o_proj(o.reshape(B, T, H * self.dv))
-        return y, KVCache(k=kc, v=vc, length=start + T)
+        return y, KVCache(k=kc, v=vc, length=start + T, seg_start=seg_start)
 
 
 # ---------------------------------------------------------------------------- recurrent baselines

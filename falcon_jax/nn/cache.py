@@ -36,11 +36,13 @@ class RecurrentCache:
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """``k [B, L, H, dk]``, ``v [B, L, H, dv]`` with ``L = max_len``; ``length`` int32 ``[]``:
-    positions ``[0, length)`` are filled."""
+    positions ``[0, length)`` are filled; ``seg_start`` int32 ``[B]``: where the packed
+    segment that decoding continues begins (earlier keys are never attended to)."""
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    seg_start: jax.Array
 
     @property
     def max_len(self) -> int:

@@ -106,7 +106,7 @@ class LMConfig:
     ``v_head_dim = dv`` (default ``dk``); ``mlp_hidden = F`` (default :func:`swiglu_hidden`).
 
     Falcon layer options (SPEC §5): ``window`` (B for 3/3A), ``qk_norm`` ("rms" | "l2"),
-    ``gain`` ("ctx_beta": β = 2σ(W_β h), normalized step | "ctx_eta": η = 2σ(W_η h)/E[‖k‖²],
+    ``gain`` ("ctx_beta": β = 2σ(W_β h), normalized step | "ctx_eta": η = 2σ(W_η h)/dk,
     direct step), ``lam`` ("ctx": scale-coupled λ̄ = lam_max·σ(W_λ h + b) | "const": learned
     per-head λ = softplus(p) | "none"), ``lam_init`` (low, high): the initial λ̄ of the heads,
     log-spaced, ``per_column_gains`` (None = True exactly for variants 2/2A), ``alignment``,

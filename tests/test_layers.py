@@ -1,0 +1,285 @@
+"""Mixers and blocks of falcon_jax.nn: shapes, dtypes, the SPEC §5 layer equation, gate
+parameterization, packed sequences, gradients and configuration errors."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from falcon_jax import falcon
+from falcon_jax.nn import (DeltaNetMixer, FalconAttention, FalconLM, GatedDeltaNetMixer, LMConfig, Mamba2Mixer,
+                           RetNetMixer, RMSNorm, ShortConv, SoftmaxAttention, SwiGLU, lm_loss, make_mixer,
+                           parse_mixer)
+
+D, H, DK = 32, 4, 8
+ALL_MIXERS = ("falcon-1", "falcon-2", "falcon-3", "falcon-1A", "falcon-2A", "falcon-3A", "transformer", "retnet",
+              "mamba2", "deltanet", "gated_deltanet")
+
+
+def build(mixer, *, dtype="float32", seed=0, **over):
+    cfg = LMConfig(vocab_size=64, d_model=D, n_layers=1, n_heads=H, mixer=mixer, chunk_size=4, dtype=dtype,
+                   init_std=over.pop("init_std", 0.2), **over)
+    return make_mixer(cfg, parse_mixer(mixer), rngs=nnx.Rngs(seed))
+
+
+class Jitted:
+    """``mixer(h, segment_ids=seg)`` under one ``jax.jit`` (compiled once per input shape)."""
+
+    def __init__(self, module):
+        self.graphdef, self.state = nnx.split(module)
+        self.fn = jax.jit(lambda s, h, seg: nnx.merge(self.graphdef, s)(h, segment_ids=seg))
+
+    def __call__(self, h, segment_ids=None):
+        return self.fn(self.state, h, segment_ids)
+
+
+def run(mixer_module, h, **kw):
+    return Jitted(mixer_module)(h, **kw)
+
+
+# ------------------------------------------------------------------ shapes and dtypes
+@pytest.mark.parametrize("mixer", ["falcon-2", "transformer", "mamba2"])
+def test_mixer_shape_and_dtype_float32_under_x64(mixer, rng):
+    # conftest turns on x64: parameters and outputs must still be float32
+    m = build(mixer, form="parallel")
+    for _, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param)):
+        assert leaf.dtype == jnp.float32
+    h = jnp.asarray(rng.standard_normal((2, 9, D)), jnp.float32)
+    y = run(m, h)
+    chex.assert_shape(y, (2, 9, D))
+    chex.assert_type(y, jnp.float32)
+    chex.assert_tree_all_finite(y)
+
+
+@pytest.mark.parametrize("mixer", ["falcon-1A", "transformer"])
+def test_mixer_bf16_forward_is_finite(mixer, rng):
+    m = build(mixer, dtype="bfloat16", init_std=0.02)
+    h = jnp.asarray(rng.standard_normal((2, 16, D)), jnp.bfloat16)
+    y = run(m, h)
+    chex.assert_type(y, jnp.bfloat16)
+    chex.assert_shape(y, (2, 16, D))
+    chex.assert_tree_all_finite(y)
+    assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
+
+
+# ------------------------------------------------------------------ the SPEC §5 equation
+def _np(a):
+    return np.asarray(a, np.float64)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _conv(x, w):
+    """causal depthwise conv, x [B,T,C], w [K,C]: y_t = sum_i w[i] x_{t-K+1+i}"""
+    K = w.shape[0]
+    xp = np.concatenate([np.zeros((x.shape[0], K - 1, x.shape[2])), x], axis=1)
+    return sum(w[i] * xp[:, i:i + x.shape[1]] for i in range(K))
+
+
+def reference_falcon_attention(m: FalconAttention, h):
+    """An independent NumPy transcription of SPEC §5 from the module's parameters; the rule
+    itself through falcon(form="recurrent") (the core is tested elsewhere)."""
+    B, T, _ = h.shape
+    Hh, dk, dv = m.n_heads, m.dk, m.dv
+    W = {name: _np(getattr(m, name).kernel[...]) for name in ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj",
+                                                             "gain_proj")}
+    q, k, v = h @ W["q_proj"], h @ W["k_proj"], h @ W["v_proj"]
+    if m.conv_size:
+        q = _silu(_conv(q, _np(m.conv_q.kernel[...])))
+        k = _silu(_conv(k, _np(m.conv_k.kernel[...])))
+        v = _silu(_conv(v, _np(m.conv_v.kernel[...])))
+    q, k, v = q.reshape(B, T, Hh, dk), k.reshape(B, T, Hh, dk), v.reshape(B, T, Hh, dv)
+    if m.qk_norm == "rms":
+        q = q / np.sqrt(np.mean(q * q, -1, keepdims=True) + m.norm_eps)
+        k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + m.norm_eps)
+    else:
+        q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + m.norm_eps)
+        k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + m.norm_eps)
+    g = 2 * _sigmoid(h @ W["gain_proj"])
+    if m.gain == "ctx_eta":
+        g = g / dk
+    g = g.reshape(B, T, Hh, dv) if m.per_column_gains else g.reshape(B, T, Hh)
+    if m.lam == "ctx":
+        lam = m.lam_max * _sigmoid(h @ _np(m.lam_proj.kernel[...]) + _np(m.lam_bias[...]))
+    elif m.lam == "const":
+        lam = np.broadcast_to(np.log1p(np.exp(_np(m.lam_const[...]))), (B, T, Hh))
+    else:
+        lam = np.zeros((B, T, Hh))
+    opts = m.options
+    rule = jax.jit(lambda *a: falcon(*a, variant=opts["variant"], window=opts["window"],
+                                     alignment=opts["alignment"], timing=opts["timing"],
+                                     step="normalized" if m.gain == "ctx_beta" else "direct",
+                                     scale_coupled=m.lam == "ctx", eps=opts["eps"], eps_gamma=opts["eps_gamma"],
+                                     form="recurrent"))
+    o = np.asarray(rule(*(jnp.asarray(a) for a in (q, k, v, g, lam))))
+    o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + m.norm_eps) * _np(m.o_norm_scale[...])
+    return (o.reshape(B, T, Hh * dv) * _silu(h @ W["g_proj"])) @ W["o_proj"]
+
+
+# every variant, both norms, both gains, the three ridges, per-column gains on and off, and the
+# window / alignment / timing / conv switches; the forms vary too (each equals the recurrence)
+LAYER_CASES = [
+    dict(variant="1A", qk_norm="rms", gain="ctx_eta", lam="ctx"),  # the paper's .3 setting
+    dict(variant="1", qk_norm="l2", gain="ctx_beta", lam="ctx", form="parallel"),  # .1
+    dict(variant="2", qk_norm="l2", gain="ctx_eta", lam="const", form="parallel"),  # per-column gains
+    dict(variant="2A", qk_norm="rms", gain="ctx_beta", lam="none", per_column_gains=False, form="parallel"),
+    dict(variant="3", qk_norm="rms", gain="ctx_beta", lam="ctx", window=3, timing="rbw", form="recurrent"),
+    dict(variant="3A", qk_norm="rms", gain="ctx_eta", lam="const", window=2, alignment="same_step", conv_size=0,
+         form="parallel"),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_falcon_attention_matches_spec_equation(case, rng):
+    case = dict(case)
+    m = FalconAttention(D, H, head_dim=DK, v_head_dim=6, chunk_size=4, init_std=0.3, dtype=jnp.float64,
+                        param_dtype=jnp.float64, rngs=nnx.Rngs(1), **case)
+    h = rng.standard_normal((2, 10, D))
+    y = run(m, jnp.asarray(h))
+    ref = reference_falcon_attention(m, h)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-9, atol=1e-10)
+
+
+def test_falcon_attention_forwards_its_options():
+    """The options reach ``falcon``: the layer passes ``m.options`` (the test above checks that
+    the output is the rule run with them), and ``m.options`` is what was asked for."""
+    m = FalconAttention(D, H, variant="3a", window=5, alignment="same_step", timing="rbw", gain="ctx_beta",
+                        lam="const", eps=1e-5, eps_gamma=1e-3, form="parallel", chunk_size=8, impl="xla",
+                        rngs=nnx.Rngs(0))
+    assert m.options == dict(variant="3A", window=5, alignment="same_step", timing="rbw", step="normalized",
+                             scale_coupled=False, eps=1e-5, eps_gamma=1e-3)
+    assert (m.form, m.chunk_size, m.impl) == ("parallel", 8, "xla")
+    m = FalconAttention(D, H, variant="1", gain="ctx_eta", lam="ctx", rngs=nnx.Rngs(0))
+    assert (m.options["step"], m.options["scale_coupled"], m.options["window"]) == ("direct", True, 4)
+    assert m.init_cache(2).state.tail_x.shape == (2, H, 0, D // H)
+    assert FalconAttention(D, H, variant="3", window=5, rngs=nnx.Rngs(0)).init_cache(2).state.tail_x.shape == (
+        2, H, 4, D // H)
+
+
+def test_falcon_gates_at_init(rng):
+    """With the gate projections zeroed: β = 2σ(0) = 1, η = 1/dk (for RMS and ℓ2 keys alike), and
+    λ̄ starts at lam_init (log-spaced over heads), the const ridge at λ̄₀·E[‖k‖²]."""
+    h = jnp.asarray(rng.standard_normal((1, 3, D)), jnp.float32)
+
+    def gates(**kw):
+        m = FalconAttention(D, H, head_dim=DK, lam_init=(1e-3, 1e-1), rngs=nnx.Rngs(0), **kw)
+        m.gain_proj.kernel[...] = jnp.zeros_like(m.gain_proj.kernel[...])
+        if kw.get("lam", "ctx") == "ctx":
+            m.lam_proj.kernel[...] = jnp.zeros_like(m.lam_proj.kernel[...])
+        return m._gates(h)
+
+    lam0 = np.exp(np.linspace(np.log(1e-3), np.log(1e-1), H))
+    g = gates(gain="ctx_beta")
+    np.testing.assert_allclose(g["beta"], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(g["lam"][0, 0], lam0, rtol=1e-5)
+    np.testing.assert_allclose(gates(gain="ctx_eta")["beta"], 1.0 / DK, rtol=1e-6)
+    np.testing.assert_allclose(gates(gain="ctx_eta", qk_norm="l2")["beta"], 1.0 / DK, rtol=1e-6)
+    np.testing.assert_allclose(gates(lam="const", qk_norm="l2")["lam"][0, 0], lam0, rtol=1e-5)
+    np.testing.assert_allclose(gates(lam="const")["lam"][0, 0], lam0 * DK, rtol=1e-5)
+    np.testing.assert_array_equal(gates(lam="none")["lam"], 0.0)
+    chex.assert_shape(gates(variant="2A")["beta"], (1, 3, H, DK))  # per-column: dv gains per head
+
+
+# ------------------------------------------------------------------ packed sequences
+def test_short_conv_does_not_leak_across_segments(rng):
+    conv = ShortConv(6, 4, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((1, 9, 6)))
+    seg = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    y, state = nnx.jit(lambda c, x, s: c(x, segment_ids=s))(conv, x, seg)
+    w = np.asarray(conv.kernel[...])
+    for lo, hi in ((0, 3), (3, 5), (5, 9)):
+        np.testing.assert_allclose(np.asarray(y[:, lo:hi]), _conv(np.asarray(x[:, lo:hi]), w), rtol=1e-12)
+    # the carried state holds the last K-1 inputs, all of the last segment here
+    np.testing.assert_allclose(np.asarray(state), np.asarray(x[:, -3:]))
+    _, state2 = conv(x[:, :7], segment_ids=seg[:, :7])  # last segment only 2 long: older slot zeroed
+    np.testing.assert_allclose(np.asarray(state2[:, 0]), 0.0)
+    np.testing.assert_allclose(np.asarray(state2[:, 1:]), np.asarray(x[:, 5:7]))
+
+
+@pytest.mark.parametrize("mixer", ["falcon-3A", "transformer", "gated_deltanet"])
+def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
+    # the recurrent form compiles fastest; the forms' own segment handling is tested in the core
+    f = Jitted(build(mixer, dtype="float64", form="recurrent"))
+    ab = rng.standard_normal((2, 6, D))  # two sequences, run side by side ...
+    packed = jnp.asarray(ab.reshape(1, 12, D))  # ... and packed in one row
+    y = f(packed, jnp.asarray([[3] * 6 + [8] * 6], jnp.int32))
+    separate = f(jnp.asarray(ab), jnp.zeros((2, 6), jnp.int32))
+    np.testing.assert_allclose(np.asarray(y).reshape(2, 6, D), np.asarray(separate), rtol=1e-9, atol=1e-11)
+    # one id for the whole row: the second sequence now sees the first (the check can fail)
+    y_leak = f(packed, jnp.zeros((1, 12), jnp.int32))
+    assert float(jnp.max(jnp.abs(y_leak[:, 6:] - y[:, 6:]))) > 1e-4
+
+
+# ------------------------------------------------------------------ gradients
+def test_gradient_reaches_every_mixer_parameter(rng):
+    """One model stacking every kind of mixer parameter: per-column gains + ctx λ (falcon-2),
+    const λ (falcon-3A), Mamba-2's Δ/A/D, GDN's β/Δ/A (a superset of DeltaNet's; RetNet has only
+    the shared ones), softmax attention.  The parallel form keeps the compile short."""
+    mixers = ("falcon-2", "falcon-3A", "mamba2", "gated_deltanet", "transformer")
+    cfg = LMConfig(vocab_size=64, d_model=D, n_layers=len(mixers), n_heads=H, layer_mixers=mixers, lam="ctx",
+                   form="parallel", init_std=0.2)
+    model = FalconLM(cfg, rngs=nnx.Rngs(0))
+    # layer 2 with the constant ridge instead
+    model.layers[1].mixer = make_mixer(cfg.replace(lam="const"), parse_mixer("falcon-3A"), rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 9)), jnp.int32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grads = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), tokens)))(params)
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    for name in ("lam_const", "lam_bias", "gain_proj", "A_log", "D_skip", "dt_bias", "beta_proj", "conv_q"):
+        assert any(name in p for p in paths), name
+    for path, g in flat:
+        assert float(jnp.max(jnp.abs(g))) > 0, f"zero gradient for {jax.tree_util.keystr(path)}"
+
+
+# ------------------------------------------------------------------ blocks
+def test_rmsnorm_and_swiglu(rng):
+    x = jnp.asarray(rng.standard_normal((2, 3, 8)) * 5)
+    norm = RMSNorm(8, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    norm.scale[...] = jnp.arange(1.0, 9.0)
+    xn = np.asarray(x)
+    expect = xn / np.sqrt(np.mean(xn ** 2, -1, keepdims=True) + 1e-6) * np.arange(1.0, 9.0)
+    np.testing.assert_allclose(np.asarray(norm(x)), expect, rtol=1e-12)
+    mlp = SwiGLU(8, 12, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    g, u, d = (np.asarray(p.kernel[...]) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    np.testing.assert_allclose(np.asarray(mlp(x)), (_silu(xn @ g) * (xn @ u)) @ d, rtol=1e-10)
+
+
+def test_mixer_classes_by_name():
+    expect = {"transformer": SoftmaxAttention, "softmax": SoftmaxAttention, "retnet": RetNetMixer,
+              "linear_attention": RetNetMixer, "mamba2": Mamba2Mixer, "deltanet": DeltaNetMixer,
+              "gated_deltanet": GatedDeltaNetMixer, "gdn": GatedDeltaNetMixer, "falcon-1A.3": FalconAttention}
+    for name, cls in expect.items():
+        assert type(build(name)) is cls, name
+    m = build("falcon-1A.1")
+    assert (m.variant, m.qk_norm, m.gain, m.lam) == ("1A", "l2", "ctx_beta", "ctx")
+    m = build("Falcon-3A.2", qk_norm="rms")  # the suffix wins over the config fields
+    assert (m.variant, m.qk_norm, m.gain, m.window) == ("3A", "l2", "ctx_eta", 4)
+    assert type(build("falcon-2")).__name__ == "FalconAttention" and build("falcon-2").per_column_gains
+
+
+# ------------------------------------------------------------------ errors
+def test_layer_config_errors():
+    with pytest.raises(ValueError, match=r"n_heads=5 does not divide d_model=32.*head_dim"):
+        FalconAttention(32, 5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"per_column_gains=True.*variant '1A'.*'2' or '2A'"):
+        FalconAttention(32, 4, variant="1A", per_column_gains=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"variant='4'"):
+        FalconAttention(32, 4, variant="4", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"gain='eta'"):
+        FalconAttention(32, 4, gain="eta", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"chunk_size=48.*power of two"):
+        DeltaNetMixer(32, 4, chunk_size=48, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"head_dim=7 must be even"):
+        SoftmaxAttention(28, 4, rngs=nnx.Rngs(0))
+    # a per-column FalconAttention does accept its gains (the check is not over-eager)
+    FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
