@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
 from falcon_jax import validation as val
 from falcon_jax.forms.chunk import chunk
+from falcon_jax.forms.chunk_pallas import chunk_pallas
+from falcon_jax.forms.chunk_pallas import supports as pallas_unsupported
 from falcon_jax.forms.parallel import parallel
 from falcon_jax.forms.recurrent import recurrent
 from falcon_jax.forms.recurrent import step as recurrent_step
@@ -30,6 +34,30 @@ def _heads_first(a):
     return jnp.moveaxis(a, 2, 1)
 
 
+_warned: set[str] = set()
+
+
+def _use_pallas(impl: str, rule: Rule, inputs: dict, dk: int, dv: int, dtype, chunk_size: int) -> bool:
+    """``"pallas"``: the kernels or an error; ``"auto"``: the kernels on GPU when they serve the call,
+    else XLA (warning once per reason); ``"xla"``: never."""
+    if impl == "xla":
+        return False
+    on_gpu = jax.default_backend() == "gpu"
+    reason = pallas_unsupported(rule, inputs, dv, dk, dtype, interpret=not on_gpu, chunk_size=chunk_size)
+    if impl == "pallas":
+        if reason is not None:
+            raise NotImplementedError(f"impl='pallas': {reason}; use impl='auto' or 'xla'.")
+        return True
+    if not on_gpu:
+        return False
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"falcon: {reason}; using the XLA chunk form.", stacklevel=3)
+        return False
+    return True
+
+
 def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, scale,
              initial_state: FalconState | None, segment_ids, impl: str, return_final_state: bool):
     """Shared driver of ``falcon`` and the baselines (arguments already validated).
@@ -46,9 +74,6 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     else:
         val.check_state(initial_state, B, H, dk, dv, tail)
         state = cast_state(initial_state, cdt)
-    if impl == "pallas" and form == "chunk":
-        raise NotImplementedError(
-            "`impl='pallas'`: the Pallas kernels are not part of this release yet; use impl='xla' or 'auto'.")
     qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
     inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
     resets = segment_starts(segment_ids, B, T)
@@ -56,6 +81,9 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
         o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
     elif form == "parallel":
         o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
+    elif _use_pallas(impl, rule, inputs_h, dk, dv, out_dtype, chunk_size):
+        o, final = chunk_pallas(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size,
+                                kernel_dtype=out_dtype)
     else:
         o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
     out = (jnp.moveaxis(o, 1, 2) * scale).astype(out_dtype)
@@ -96,7 +124,9 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
       initial_state: a :class:`FalconState` to continue from (fed to the first segment).
       return_final_state: also return the state after the last position.
       segment_ids: ``[B, T]`` ints for packed sequences; the state resets where the id changes.
-      impl: implementation of the chunk form: "xla", "pallas" or "auto".
+      impl: implementation of the chunk form: "xla" (plain XLA), "pallas" (the Pallas kernels; on CPU
+        they run in interpret mode; raises NotImplementedError for rules without a kernel) or "auto"
+        (the kernels on GPU where they exist, else XLA with a one-time warning).
 
     Returns:
       ``out [B, T, H, dv]`` in the inputs' dtype, or ``(out, FalconState)``.

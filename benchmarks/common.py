@@ -1,0 +1,71 @@
+"""Timing, memory and table helpers shared by the benchmark scripts (GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+
+
+def time_jax(fn, *args, calls: int = 20, repeats: int = 7) -> float:
+    """Median milliseconds per call of a jitted ``fn``: ``calls`` back-to-back calls per sample,
+    so per-call dispatch overlaps with the previous call's kernels."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
+def time_torch(fn) -> float:
+    """Median milliseconds of a torch callable (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def compiled_memory(fn, *args) -> int | None:
+    """Temporary + output bytes of the compiled executable (XLA memory analysis)."""
+    try:
+        analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+        return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+    except Exception:  # noqa: BLE001 - some backends do not report it
+        return None
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), measured on 4 GiB."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((1 << 30,), jnp.float32)
+    ms = time_jax(jax.jit(lambda a: a * 1.0), x, calls=5, repeats=5)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print(" | ".join(c.rjust(widths[c]) for c in columns))
+    print("-+-".join("-" * widths[c] for c in columns))
+    for r in rows:
+        print(" | ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def write_json(path: str, payload) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)

@@ -1,0 +1,198 @@
+"""Public entry: ``decayed_attention(..., implementation=...)`` with a hand-written backward.
+
+    S_t = [same segment] · e^{a_t} S_{t-1} + x_t y_tᵀ,   o_t = S_tᵀ q_t       (reference.py)
+
+Implementations: ``"pallas_gpu"`` (Triton lowering; on CPU it runs in
+interpret mode), ``"xla"`` (the plain-JAX reference, O(T²)), ``"auto"``
+(GPU kernel on a GPU, else the reference).  A request the GPU kernel cannot
+serve raises ``NotImplementedError`` with the reason, so callers can fall back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decayed_attention import pallas_gpu
+from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+
+IMPLEMENTATIONS = ("auto", "pallas_gpu", "xla")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | None:
+    dk, dv = q.shape[-1], y.shape[-1]
+    for name, d in (("dk", dk), ("dv", dv)):
+        if d < 16 or d & (d - 1):
+            return f"{name}={d}: the Triton kernel needs a power of two >= 16"
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        return f"chunk_size={chunk_size}: the Triton kernel needs a power of two >= 16"
+    if not interpret and q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"dtype {q.dtype}: the Triton kernel takes bf16, fp16 or fp32"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the GPU kernels (tuned on the H200: benchmarks/bench_inner_product.py --tune)."""
+
+    block_v: int = 64  # value columns per program of the state walks
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    state_warps: int = 4
+    grad_warps: int = 4
+    grad_stages: int = 1
+    target_programs: int = 264  # cut the sequence into pieces until this many programs run
+
+
+def _pieces(bh: int, nv: int, n_chunks: int, target_programs: int = 264) -> int:
+    """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
+    P = 1
+    while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
+        P *= 2
+    return P
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
+    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret)
+    return out
+
+
+def _prepare(log_decay, run, chunk):
+    """Chunk-local cumsum of the log decay and chunk-local run index, [BH, L]."""
+    BH, L = log_decay.shape
+    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk), axis=-1).reshape(BH, L)
+    r = run.reshape(BH, L // chunk, chunk)
+    before = jnp.concatenate([jnp.zeros((BH, 1), r.dtype), r[:, :-1, -1]], axis=1)
+    return g, (r - before[:, :, None]).reshape(BH, L)
+
+
+def _piece_decay(g, rl, chunk, pieces):
+    """[BH, P]: total decay over each piece (0 if a segment starts inside it)."""
+    BH, L = g.shape
+    g_last = g.reshape(BH, L // chunk, chunk)[..., -1]
+    cont = rl.reshape(BH, L // chunk, chunk)[..., -1] == 0
+    log_a = jnp.where(cont, g_last, -jnp.inf).reshape(BH, pieces, -1).sum(-1)
+    return jnp.exp(log_a)
+
+
+def _piece_starts(ends_from_zero, a, s0):
+    """True initial state of each piece: S(p+1) = a_p S(p) + E_p, S(0) = s0. Returns ([BH,P,dk,dv], final)."""
+
+    def step(S, inp):
+        a_p, e_p = inp
+        return a_p[:, None, None] * S + e_p, S
+
+    final, starts = jax.lax.scan(step, s0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(ends_from_zero, 1, 0)))
+    return jnp.moveaxis(starts, 0, 1), final
+
+
+def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
+    g, rl = _prepare(log_decay, run, chunk)
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
+              num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    BH, _, dk = q.shape
+    dv = y.shape[-1]
+    if pieces > 1:
+        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+        (ends,) = pallas_gpu.forward_pass(q, x, y, g, rl, zeros, write_o=False, write_h=False, **kw)
+        starts, _ = _piece_starts(ends, _piece_decay(g, rl, chunk, pieces), s0)
+    else:
+        starts = s0[:, None]
+    o, s_end = pallas_gpu.forward_pass(q, x, y, g, rl, starts, write_o=True, write_h=False, **kw)
+    return (o, s_end[:, -1]), (q, x, y, g, rl, starts)
+
+
+def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
+    out, (q, x, y, g, rl, starts) = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret)
+    return out, (q, x, y, g, rl, starts, run)
+
+
+def _bwd_rule(chunk, config, pieces, interpret, res, cts):
+    q, x, y, g, rl, starts, run = res
+    do, ds_final = cts
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret)
+    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
+    do = do.astype(y.dtype)
+    ds_final = ds_final.astype(jnp.float32)
+    # 1) states at every chunk start, recomputed from each piece's true initial state
+    h, _ = pallas_gpu.forward_pass(q, x, y, g, rl, starts, write_o=False, write_h=True, **fwd_kw)
+    # 2) gradients w.r.t. every chunk's end state, by a reverse pass (pieces: reverse scan over pieces)
+    if pieces > 1:
+        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+        (local,) = pallas_gpu.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **state_kw)
+        a = _piece_decay(g, rl, chunk, pieces)
+        # dS_end(p-1) = a_p dS_end(p) + local_p, walked from the last piece
+        ends_rev, _ = _piece_starts(local[:, ::-1], a[:, ::-1], ds_final)
+        ds_ends = ends_rev[:, ::-1]
+    else:
+        ds_ends = ds_final[:, None]
+    dh, ds_start = pallas_gpu.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
+    # 3) per-chunk gradients
+    dq, dx, dy, dg = pallas_gpu.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
+                                                interpret=interpret, num_warps=config.grad_warps,
+                                                num_stages=config.grad_stages)
+    # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
+    dg = dg.reshape(BH, L // chunk, chunk)
+    dlog = jnp.flip(jnp.cumsum(jnp.flip(dg, -1), -1), -1).reshape(BH, L)
+    return dq, dx, dy, dlog, None, ds_start[:, 0]
+
+
+_kernel_op.defvjp(_fwd_rule, _bwd_rule)
+
+
+def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int = 64,
+                      implementation: str = "auto", config: KernelConfig | None = None,
+                      pieces: int | None = None, interpret: bool | None = None):
+    """Chunked decayed attention.
+
+    Args:
+      q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
+      log_decay: ``[B, H, T]`` (cast to fp32).
+      run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
+        ``initial_state``).
+      initial_state: ``[B, H, dk, dv]``.
+    Returns:
+      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    on_gpu = jax.default_backend() == "gpu"
+    if implementation == "xla" or (implementation == "auto" and not on_gpu):
+        o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
+        return o.astype(y.dtype), final
+    interpret = (not on_gpu) if interpret is None else interpret
+    reason = unsupported_reason(q, y, chunk_size, interpret)
+    if reason is not None:
+        raise NotImplementedError(f"pallas_gpu decayed_attention: {reason}")
+    B, H, T, dk = q.shape
+    dv = y.shape[-1]
+    dtype = q.dtype
+    chunk = chunk_size
+    n_chunks = _next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
+    L = n_chunks * chunk
+    config = config or KernelConfig()
+    config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
+
+    def flat(a, fill="zero"):
+        a = a.reshape(B * H, T, *a.shape[3:])
+        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
+        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
+
+    # padding: zero pairs, zero log decay (identity steps), run continued
+    o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
+                          flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), "edge"),
+                          initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
+                          bool(interpret))
+    return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

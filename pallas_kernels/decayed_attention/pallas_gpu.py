@@ -1,0 +1,277 @@
+"""GPU kernels (Pallas, Triton lowering) for decayed attention with scalar gates.
+
+Layout: batch·heads flattened, ``q, x [BH, L, dk]``, ``y [BH, L, dv]``,
+``g [BH, L]`` the *chunk-local* inclusive cumsum of the log decay, ``rl [BH, L]``
+the chunk-local run index (0 = same segment as the chunk's initial state).
+
+Schedule (forward): one program per (batch·head, piece of the sequence,
+block of value columns) walks its chunks in order with the state in
+registers: per chunk ``o = (q xᵀ ⊙ D) y + e^{g} q S`` and
+``S ← e^{g_last} S + (x ⊙ e^{g_last − g})ᵀ y``.  When batch·heads alone
+would leave the GPU idle, the sequence is cut into pieces: a first pass
+gives each piece's end state from zero, a short scan over pieces (XLA) their
+true initial states, and the output pass runs from those (exact).
+
+Backward: states recomputed per chunk (same kernel, writing them), a reverse
+pass for the state gradients (pieces likewise), then one program per chunk
+for dq, dx, dy and the gradient of the log-decay cumsum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton lowering is chosen by its compiler params (SPEC §8)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+
+def _dot(a, b, precision):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _chunk_masks(g, rl, chunk):
+    """Decay mask ``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within one segment."""
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    mask = (rows >= cols) & (rl[:, None] == rl[None, :])
+    return jnp.exp(jnp.where(mask, g[:, None] - g[None, :], -jnp.inf))
+
+
+def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_o,
+                    write_h, precision):
+    refs = list(out_refs)
+    o_ref = refs.pop(0) if write_o else None
+    h_ref = refs.pop(0) if write_h else None
+    (s_end_ref,) = refs
+
+    def body(c, S):
+        start = pl.multiple_of(c * chunk, chunk)
+        rows = pl.ds(start, chunk)
+        x = x_ref[rows, :]
+        y = y_ref[rows, :]
+        g = g_ref[rows]
+        rl = rl_ref[rows]
+        g_last = g_ref[start + chunk - 1]
+        rl_last = rl_ref[start + chunk - 1]
+        if write_h:
+            h_ref[c, :, :] = S
+        if write_o:
+            q = q_ref[rows, :]
+            scores = _dot(q, x.T, precision) * _chunk_masks(g, rl, chunk)
+            inter = _dot(q, S.astype(q.dtype), precision)
+            o = _dot(scores.astype(y.dtype), y, precision) + jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None] * inter
+            o_ref[rows, :] = o.astype(o_ref.dtype)
+        w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
+        write = _dot((x * w_last[:, None]).astype(x.dtype).T, y, precision)
+        return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * S + write
+
+    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(jnp.float32))
+
+
+def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chunk, n_chunks, write_dh,
+                       precision):
+    """Reverse pass: ``dS_start(c) = e^{g_last}[no reset] dS_end(c) + (q ⊙ e^{g}[cont])ᵀ do``."""
+    refs = list(out_refs)
+    dh_ref = refs.pop(0) if write_dh else None
+    (ds_start_ref,) = refs
+
+    def body(i, dS):
+        c = n_chunks - 1 - i
+        start = pl.multiple_of(c * chunk, chunk)
+        rows = pl.ds(start, chunk)
+        if write_dh:
+            dh_ref[c, :, :] = dS
+        q = q_ref[rows, :]
+        do = do_ref[rows, :]
+        g = g_ref[rows]
+        rl = rl_ref[rows]
+        g_last = g_ref[start + chunk - 1]
+        rl_last = rl_ref[start + chunk - 1]
+        qw = (q * jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None]).astype(do.dtype)
+        return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * dS + _dot(qw.T, do, precision)
+
+    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(jnp.float32))
+
+
+def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, dy_ref,
+                       dg_ref, *, chunk, block_v, precision):
+    """Gradients inside one chunk from its start state ``h`` and end-state gradient ``dh``.
+
+    ``dg`` is the gradient w.r.t. the chunk-local cumsum ``g``:
+    ``q·dq − x·dx`` plus ``⟨S_end, dh⟩`` at the chunk's last position.
+    Value columns are visited in blocks of ``block_v`` so that only one block
+    of ``y, do, h, dh`` is live at a time (shared memory).
+    """
+    q, x = q_ref[...], x_ref[...]
+    g, rl = g_ref[...], rl_ref[...]
+    dk = q.shape[-1]
+    dv = y_ref.shape[-1]
+    g_last = g_ref[chunk - 1]
+    rl_last = rl_ref[chunk - 1]
+    decay = _chunk_masks(g, rl, chunk)
+    scores = (_dot(q, x.T, precision) * decay).astype(q.dtype)  # [C, C]
+    cont = jnp.where(rl == 0, jnp.exp(g), 0.0)
+    w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
+    a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+    dscores = jnp.zeros((chunk, chunk), jnp.float32)
+    dq_state = jnp.zeros((chunk, dk), jnp.float32)
+    y_dh = jnp.zeros((chunk, dk), jnp.float32)
+    end_term = jnp.zeros((), jnp.float32)
+    for j in range(dv // block_v):  # static: a few blocks
+        cols = pl.ds(j * block_v, block_v)
+        y, do = y_ref[:, cols], do_ref[:, cols]
+        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        dscores += _dot(do, y.T, precision)
+        dq_state += _dot(do, h.T.astype(do.dtype), precision)
+        y_dh += _dot(y, dh.T.astype(y.dtype), precision)
+        end_term += a_last * jnp.sum(h * dh)
+        dy = _dot(scores.T, do, precision) + w_last[:, None] * _dot(x, dh.astype(x.dtype), precision)
+        dy_ref[:, cols] = dy.astype(dy_ref.dtype)
+    dscores = (dscores * decay).astype(q.dtype)
+    dq = _dot(dscores, x, precision) + cont[:, None] * dq_state
+    dx = _dot(dscores.T, q, precision) + w_last[:, None] * y_dh
+    xf, qf = x.astype(jnp.float32), q.astype(jnp.float32)
+    end_term += jnp.sum(w_last * jnp.sum(xf * y_dh, axis=1))
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    dg_ref[...] = jnp.sum(qf * dq, axis=1) - jnp.sum(xf * dx, axis=1) + jnp.where(last, end_term, 0.0)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+_POISON_OUTPUTS = [False]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Testing aid: every kernel output starts as NaN (aliased input buffers), so an element
+    a kernel fails to write shows up as NaN instead of stale or zero memory."""
+    _POISON_OUTPUTS.append(True)
+    try:
+        yield
+    finally:
+        _POISON_OUTPUTS.pop()
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
+    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs."""
+    if not _POISON_OUTPUTS[-1]:
+        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              compiler_params=compiler_params, interpret=interpret, name=name)(*args)
+    n_in, n_out = len(args), len(out_shape)
+    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+
+    def kernel_skipping_poison(*refs):
+        kernel(*refs[:n_in], *refs[n_in + n_out:])
+
+    return pl.pallas_call(kernel_skipping_poison, grid=grid, in_specs=list(in_specs) + list(out_specs),
+                          out_specs=out_specs, out_shape=out_shape,
+                          input_output_aliases={n_in + i: i for i in range(n_out)},
+                          compiler_params=compiler_params, interpret=interpret, name=name)(*args, *poison)
+
+
+def _params(num_warps, num_stages):
+    if pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _precision(dtype):
+    # fp32 inputs: true fp32 dots (default fp32 dots run in TF32 on Hopper); bf16: native
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=4,
+                 num_stages=2):
+    """Run the chunk walk for every (batch·head, piece, value block).
+
+    q, x [BH, L, dk]; y [BH, L, dv]; g, rl [BH, L]; s0 [BH, P, dk, dv] initial state of each piece.
+    Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
+    """
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    P = pieces
+    Lp = L // P
+    n = Lp // chunk
+    NV = dv // block_v
+    in_specs = [
+        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+    ]
+    out_shape, out_specs = [], []
+    if write_o:
+        out_shape.append(jax.ShapeDtypeStruct((BH, L, dv), y.dtype))
+        out_specs.append(pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)))
+    if write_h:
+        out_shape.append(jax.ShapeDtypeStruct((BH, P * n, dk, dv), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+    out_shape.append(jax.ShapeDtypeStruct((BH, P, dk, dv), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+    kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
+                               precision=_precision(q.dtype))
+    return _call(kernel, grid=(BH, P, NV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                 args=(q, x, y, g, rl, s0), compiler_params=None if interpret else _params(num_warps, num_stages),
+                 interpret=interpret, name="falcon_decayed_attention_fwd")
+
+
+def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret, num_warps=4,
+                    num_stages=2):
+    """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
+
+    Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
+    ds_start [BH, P, dk, dv]).
+    """
+    BH, L, dk = q.shape
+    dv = do.shape[-1]
+    P = pieces
+    Lp = L // P
+    n = Lp // chunk
+    NV = dv // block_v
+    in_specs = [
+        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+    ]
+    out_shape, out_specs = [], []
+    if write_dh:
+        out_shape.append(jax.ShapeDtypeStruct((BH, P * n, dk, dv), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+    out_shape.append(jax.ShapeDtypeStruct((BH, P, dk, dv), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+    kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
+                               precision=_precision(q.dtype))
+    return _call(kernel, grid=(BH, P, NV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                 args=(q, g, rl, do, ds_end), compiler_params=None if interpret else _params(num_warps, num_stages),
+                 interpret=interpret, name="falcon_decayed_attention_dstate")
+
+
+def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
+    """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv]. Returns dq, dx [BH,L,dk], dy [BH,L,dv], dg [BH,L] f32."""
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    n = L // chunk
+    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
+    row_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=_precision(q.dtype))
+    return _call(kernel, grid=(BH, n), in_specs=[row_k, row_k, row_v, row, row, row_v, state, state],
+                 out_specs=[row_k, row_k, row_v, row],
+                 out_shape=[jax.ShapeDtypeStruct((BH, L, dk), q.dtype), jax.ShapeDtypeStruct((BH, L, dk), x.dtype),
+                            jax.ShapeDtypeStruct((BH, L, dv), y.dtype), jax.ShapeDtypeStruct((BH, L), jnp.float32)],
+                 args=(q, x, y, g, rl, do, h, dh),
+                 compiler_params=None if interpret else _params(num_warps, num_stages), interpret=interpret,
+                 name="falcon_decayed_attention_chunk_grads")

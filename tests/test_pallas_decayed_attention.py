@@ -1,0 +1,170 @@
+"""The decayed-attention Pallas kernels (GPU Triton lowering) run in interpret mode on CPU.
+
+Ground truth: the op's O(T²) definition (``reference.py``) in float64; the
+kernels accumulate in fp32, so bounds are fp32-sized.  Every kernel call here
+runs with poisoned (NaN) outputs, so an element a kernel does not write fails
+the comparison.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from falcon_jax import decayed_linear_attention, falcon
+from pallas_kernels.decayed_attention import decayed_attention
+from pallas_kernels.decayed_attention.api import KernelConfig
+from pallas_kernels.decayed_attention.pallas_gpu import poisoned_outputs
+from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+
+FP32_TOL = 2e-5
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def op_inputs(rng, B=1, H=2, T=37, dk=16, dv=32, segments=False, decay_range=(0.0, 0.3)):
+    q = rng.normal(size=(B, H, T, dk))
+    x = rng.normal(size=(B, H, T, dk)) / np.sqrt(dk)
+    y = rng.normal(size=(B, H, T, dv))
+    log_decay = -rng.uniform(*decay_range, size=(B, H, T))
+    if segments:
+        starts = rng.uniform(size=(B, 1, T)) < 0.08
+        starts[..., 0] = False
+        run = np.broadcast_to(np.cumsum(starts, axis=-1), (B, H, T))
+    else:
+        run = np.zeros((B, H, T), np.int64)
+    s0 = rng.normal(size=(B, H, dk, dv))
+    return q, x, y, log_decay, jnp.asarray(run, jnp.int32), s0
+
+
+def kernel(q, x, y, log_decay, run, s0, **kw):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    with poisoned_outputs():
+        return decayed_attention(f32(q), f32(x), f32(y), f32(log_decay), run, f32(s0), chunk_size=16,
+                                 implementation="pallas_gpu", **kw)
+
+
+@pytest.mark.parametrize("T", [1, 16, 37, 100])
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("segments", [False, True])
+def test_forward_matches_reference(T, pieces, segments):
+    rng = np.random.default_rng(T * 10 + pieces + 100 * segments)
+    q, x, y, log_decay, run, s0 = op_inputs(rng, T=T, segments=segments)
+    if pieces > 1 and T <= 16:
+        pytest.skip("one chunk cannot be cut into pieces")
+    o, final = kernel(q, x, y, log_decay, run, s0, pieces=pieces)
+    o_ref, final_ref = decayed_attention_reference(*(jnp.asarray(a) for a in (q, x, y, log_decay)), run, jnp.asarray(s0))
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert rel_err(o, o_ref) < FP32_TOL
+    assert rel_err(final, final_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("pieces,segments,block_v", [(1, False, 32), (2, True, 32), (4, True, 16)])
+def test_gradients_match_reference(pieces, segments, block_v):
+    rng = np.random.default_rng(7 + pieces)
+    q, x, y, log_decay, run, s0 = op_inputs(rng, T=70, segments=segments)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+
+    def loss(fn):
+        def f(q, x, y, log_decay, s0):
+            o, s = fn(q, x, y, log_decay, run, s0)
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return f
+
+    got = jax.grad(loss(lambda *a: kernel(*a, pieces=pieces, config=KernelConfig(block_v=block_v))),
+                   argnums=(0, 1, 2, 3, 4))(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, log_decay, s0)))
+    want = jax.grad(loss(decayed_attention_reference), argnums=(0, 1, 2, 3, 4))(
+        *(jnp.asarray(a) for a in (q, x, y, log_decay, s0)))
+    for name, g, w in zip(["q", "x", "y", "log_decay", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < 5e-5, name
+
+
+def test_extreme_decays_stay_finite_and_exact():
+    """γ at the clamp (log γ = log 1e-6 ≈ −13.8) and γ = 1 in one sequence."""
+    rng = np.random.default_rng(3)
+    q, x, y, _, run, s0 = op_inputs(rng, T=64)
+    log_decay = np.where(rng.uniform(size=(1, 2, 64)) < 0.5, np.log1p(-(1 - 1e-6)), 0.0)
+    o, final = kernel(q, x, y, log_decay, run, s0)
+    o_ref, final_ref = decayed_attention_reference(*(jnp.asarray(a) for a in (q, x, y, log_decay)), run, jnp.asarray(s0))
+    assert np.all(np.isfinite(np.asarray(o)))
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(final, final_ref) < FP32_TOL
+
+
+def falcon_inputs(rng, B=2, T=45, H=2, dk=16, dv=32):
+    q = rng.normal(size=(B, T, H, dk))
+    k = rng.normal(size=(B, T, H, dk)) / 4
+    v = rng.normal(size=(B, T, H, dv))
+    beta = rng.uniform(0.05, 1.95, size=(B, T, H))
+    lam = rng.uniform(0, 1, size=(B, T, H))
+    return [jnp.asarray(a, jnp.float32) for a in (q, k, v, beta, lam)]
+
+
+@pytest.mark.parametrize("options", [{}, {"timing": "rbw"}, {"alignment": "same_step"}, {"scale_coupled": True},
+                                     {"segments": True}, {"segments": True, "timing": "rbw"}])
+def test_falcon_1a_pallas_equals_xla_chunk_form(options):
+    rng = np.random.default_rng(len(str(options)))
+    q, k, v, beta, lam = falcon_inputs(rng)
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, 45)), axis=1))
+    kw = dict(variant="1A", chunk_size=16, return_final_state=True, **options)
+    # continue from a non-trivial state so the initial-state path is exercised
+    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
+    with poisoned_outputs():
+        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
+    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
+    assert rel_err(got, want) < FP32_TOL
+    assert rel_err(got_state.S, want_state.S) < FP32_TOL
+    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
+
+    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(*a):
+            return jnp.sum(falcon(*a, impl=impl, **{**kw, "return_final_state": False}) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
+
+    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
+        assert rel_err(g, w) < 1e-4, name
+
+
+def test_linear_attention_baseline_through_kernel():
+    rng = np.random.default_rng(11)
+    q, k, v, beta, _ = falcon_inputs(rng)
+    log_decay = jnp.asarray(-rng.uniform(0, 0.5, size=beta.shape), jnp.float32)
+    with poisoned_outputs():
+        got = decayed_linear_attention(q, k, v, log_decay, beta, impl="pallas", chunk_size=16)
+    want = decayed_linear_attention(q, k, v, log_decay, beta, impl="xla", chunk_size=16)
+    assert rel_err(got, want) < FP32_TOL
+
+
+def test_bf16_error_within_twice_the_xla_forms():
+    """bf16 inputs: the kernel (bf16 matmuls, fp32 accumulation and state) against the fp64
+    recurrence, bounded by twice the error of the XLA chunk form (fp32 compute on the same
+    bf16 inputs)."""
+    rng = np.random.default_rng(5)
+    q, k, v, beta, lam = falcon_inputs(rng, T=64)
+    exact = falcon(*(a.astype(jnp.float64) for a in (q, k, v, beta, lam)), variant="1A", form="recurrent")
+    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)] + [beta, lam]
+    err_kernel = rel_err(falcon(*bf, variant="1A", impl="pallas", chunk_size=16), exact)
+    err_xla = rel_err(falcon(*bf, variant="1A", impl="xla", chunk_size=16), exact)
+    assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
+
+
+def test_rules_without_kernel_raise_or_fall_back():
+    rng = np.random.default_rng(2)
+    q, k, v, beta, lam = falcon_inputs(rng, T=20)
+    with pytest.raises(NotImplementedError, match="impl='pallas'"):
+        falcon(q, k, v, beta, lam, variant="1", impl="pallas")
+    with pytest.raises(NotImplementedError, match="chunk_size"):
+        falcon(q, k, v, beta, lam, variant="1A", impl="pallas", chunk_size=8)
+    # on CPU "auto" is the XLA chunk form, exactly
+    np.testing.assert_array_equal(falcon(q, k, v, beta, lam, variant="1", impl="auto"),
+                                  falcon(q, k, v, beta, lam, variant="1", impl="xla"))
