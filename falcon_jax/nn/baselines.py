@@ -65,7 +65,8 @@ class SoftmaxAttention(nnx.Module):
     ``implementation=None`` means XLA in jax 0.10–0.11); ``"xla"``/``"cudnn"`` force one.
     Packed sequences use a ``segment_ids`` mask.  The decode cache is a :class:`KVCache`
     preallocated to ``max_len``; a call with a cache writes its T new keys/values at
-    ``cache.length`` and attends causally to everything written so far.
+    ``cache.length`` and attends causally to everything written so far in the current segment.
+    Writing past ``max_len`` is an error the caller must avoid (XLA clamps a traced index).
     """
 
     owner = "SoftmaxAttention"
@@ -122,6 +123,9 @@ class SoftmaxAttention(nnx.Module):
             o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                              implementation=self._implementation(mask is not None))
             return self.o_proj(o.reshape(B, T, H * self.dv))
+        if T > cache.max_len:  # a static check; a traced overflow would be clamped by XLA, silently
+            raise ValueError(f"SoftmaxAttention: {T} new positions do not fit a KV cache of max_len="
+                             f"{cache.max_len}; make the cache with max_len >= prompt + generated tokens.")
         # cached: write the T new positions at `start`, attend to keys j <= start + i of the query's
         # segment.  Earlier keys (from previous calls) count as the first segment of this call and
         # are visible from cache.seg_start on (the start of the segment the cache is in).

@@ -64,7 +64,8 @@ class FalconLM(nnx.Module):
         """tokens ``[B, T]`` -> logits ``[B, T, V]``; with ``cache``: ``(logits, new_cache)``.
 
         ``segment_ids [B, T]`` packs several sequences in a row: no mixer passes information
-        across a change of id.  With a cache, the tokens continue the cached sequence.
+        across a change of id.  With a cache, the tokens continue the cached sequence (its last
+        segment); a one-token decode step always continues it.
         """
         if tokens.ndim != 2:
             raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got shape {tuple(tokens.shape)}.")
