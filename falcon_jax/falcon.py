@@ -38,17 +38,17 @@ _warned: set[str] = set()
 
 
 def _use_pallas(impl: str, rule: Rule, inputs: dict, dk: int, dv: int, dtype, chunk_size: int) -> bool:
-    """``"pallas"``: the kernels or an error; ``"auto"``: the kernels on GPU when they serve the call,
+    """``"pallas"``: the kernels or an error; ``"auto"``: the kernels on GPU/TPU when they serve the call,
     else XLA (warning once per reason); ``"xla"``: never."""
     if impl == "xla":
         return False
-    on_gpu = jax.default_backend() == "gpu"
-    reason = pallas_unsupported(rule, inputs, dv, dk, dtype, interpret=not on_gpu, chunk_size=chunk_size)
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    reason = pallas_unsupported(rule, inputs, dv, dk, dtype, interpret=not on_accelerator, chunk_size=chunk_size)
     if impl == "pallas":
         if reason is not None:
             raise NotImplementedError(f"impl='pallas': {reason}; use impl='auto' or 'xla'.")
         return True
-    if not on_gpu:
+    if not on_accelerator:
         return False
     if reason is not None:
         if reason not in _warned:
@@ -126,7 +126,7 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
       segment_ids: ``[B, T]`` ints for packed sequences; the state resets where the id changes.
       impl: implementation of the chunk form: "xla" (plain XLA), "pallas" (the Pallas kernels; on CPU
         they run in interpret mode; raises NotImplementedError for rules without a kernel) or "auto"
-        (the kernels on GPU where they exist, else XLA with a one-time warning).
+        (the kernels on GPU/TPU where they exist, else XLA with a one-time warning).
 
     Returns:
       ``out [B, T, H, dv]`` in the inputs' dtype, or ``(out, FalconState)``.

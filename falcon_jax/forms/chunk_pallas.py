@@ -60,8 +60,10 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
         q_read = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
     else:
         q_read = q
+    # the kernel of this machine's accelerator; on CPU the GPU kernel in interpret mode
+    implementation = "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"
     o, S = decayed_attention(q_read.astype(kd), x.astype(kd), y.astype(kd), log_gamma, run, state.S,
-                             chunk_size=chunk_size, implementation="pallas_gpu")
+                             chunk_size=chunk_size, implementation=implementation)
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S)

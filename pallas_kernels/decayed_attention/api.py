@@ -2,9 +2,10 @@
 
     S_t = [same segment] · e^{a_t} S_{t-1} + x_t y_tᵀ,   o_t = S_tᵀ q_t       (reference.py)
 
-Implementations: ``"pallas_gpu"`` (Triton lowering; on CPU it runs in
-interpret mode), ``"xla"`` (the plain-JAX reference, O(T²)), ``"auto"``
-(GPU kernel on a GPU, else the reference).  A request the GPU kernel cannot
+Implementations: ``"pallas_gpu"`` (Triton lowering), ``"pallas_tpu"``
+(Mosaic TPU lowering) — on a machine without that accelerator each runs in
+its interpret mode —, ``"xla"`` (the plain-JAX reference, O(T²)) and
+``"auto"`` (the kernel of the machine's accelerator, else the reference).  A request the GPU kernel cannot
 serve raises ``NotImplementedError`` with the reason, so callers can fall back.
 """
 
@@ -16,10 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decayed_attention import pallas_gpu
+from pallas_kernels.decayed_attention import pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
-IMPLEMENTATIONS = ("auto", "pallas_gpu", "xla")
+IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
+_BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
 def _next_pow2(n: int) -> int:
@@ -59,9 +61,9 @@ def _pieces(bh: int, nv: int, n_chunks: int, target_programs: int = 264) -> int:
     return P
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
-    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
+    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend)
     return out
 
 
@@ -94,7 +96,8 @@ def _piece_starts(ends_from_zero, a, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
+def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
+    kernels = _BACKENDS[backend]
     g, rl = _prepare(log_decay, run, chunk)
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               num_warps=config.fwd_warps, num_stages=config.fwd_stages)
@@ -102,20 +105,22 @@ def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
     dv = y.shape[-1]
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
-        (ends,) = pallas_gpu.forward_pass(q, x, y, g, rl, zeros, write_o=False, write_h=False, **kw)
+        (ends,) = kernels.forward_pass(q, x, y, g, rl, zeros, write_o=False, write_h=False, **kw)
         starts, _ = _piece_starts(ends, _piece_decay(g, rl, chunk, pieces), s0)
     else:
         starts = s0[:, None]
-    o, s_end = pallas_gpu.forward_pass(q, x, y, g, rl, starts, write_o=True, write_h=False, **kw)
+    o, s_end = kernels.forward_pass(q, x, y, g, rl, starts, write_o=True, write_h=False, **kw)
     return (o, s_end[:, -1]), (q, x, y, g, rl, starts)
 
 
-def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret):
-    out, (q, x, y, g, rl, starts) = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret)
+def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
+    out, (q, x, y, g, rl, starts) = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret,
+                                             backend)
     return out, (q, x, y, g, rl, starts, run)
 
 
-def _bwd_rule(chunk, config, pieces, interpret, res, cts):
+def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
+    kernels = _BACKENDS[backend]
     q, x, y, g, rl, starts, run = res
     do, ds_final = cts
     BH, L, dk = q.shape
@@ -126,20 +131,20 @@ def _bwd_rule(chunk, config, pieces, interpret, res, cts):
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     # 1) states at every chunk start, recomputed from each piece's true initial state
-    h, _ = pallas_gpu.forward_pass(q, x, y, g, rl, starts, write_o=False, write_h=True, **fwd_kw)
+    h, _ = kernels.forward_pass(q, x, y, g, rl, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse pass (pieces: reverse scan over pieces)
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
-        (local,) = pallas_gpu.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **state_kw)
+        (local,) = kernels.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **state_kw)
         a = _piece_decay(g, rl, chunk, pieces)
         # dS_end(p-1) = a_p dS_end(p) + local_p, walked from the last piece
         ends_rev, _ = _piece_starts(local[:, ::-1], a[:, ::-1], ds_final)
         ds_ends = ends_rev[:, ::-1]
     else:
         ds_ends = ds_final[:, None]
-    dh, ds_start = pallas_gpu.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
+    dh, ds_start = kernels.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    dq, dx, dy, dg = pallas_gpu.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
+    dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
                                                 interpret=interpret, num_warps=config.grad_warps,
                                                 num_stages=config.grad_stages)
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
@@ -167,14 +172,17 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    on_gpu = jax.default_backend() == "gpu"
-    if implementation == "xla" or (implementation == "auto" and not on_gpu):
+    platform = jax.default_backend()
+    if implementation == "auto":
+        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    if implementation == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
-    interpret = (not on_gpu) if interpret is None else interpret
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
+    interpret = (not native) if interpret is None else interpret
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
-        raise NotImplementedError(f"pallas_gpu decayed_attention: {reason}")
+        raise NotImplementedError(f"{implementation} decayed_attention: {reason}")
     B, H, T, dk = q.shape
     dv = y.shape[-1]
     dtype = q.dtype
@@ -183,7 +191,10 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     L = n_chunks * chunk
     config = config or KernelConfig()
     config = dataclasses.replace(config, block_v=min(config.block_v, dv))
-    P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
+    if implementation == "pallas_tpu":
+        P = 1  # TPU: batch·heads across cores, chunks sequential on each
+    else:
+        P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
     def flat(a, fill="zero"):
         a = a.reshape(B * H, T, *a.shape[3:])
@@ -194,5 +205,5 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), "edge"),
                           initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
-                          bool(interpret))
+                          bool(interpret), implementation)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
