@@ -1,0 +1,1 @@
+"""falcon-jax trainer: ``falcon-train --preset addition-tiny`` (see docs/training.md)."""

@@ -1,0 +1,76 @@
+"""``falcon-train`` / ``python -m train``: the command line.
+
+    falcon-train --preset addition-tiny
+    falcon-train --preset lm-tiny --model gated_deltanet --set train.steps=100
+    falcon-train --config run.toml --set optim.lr=3e-4 --set mesh.fsdp=4
+    falcon-train --run-dir runs/addition-tiny --resume      # config from the run's config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from train.config import PRESETS, ConfigError, TrainConfig, build_config
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="falcon-train", description="Train Falcon (and baseline) language models "
+                                "on the addition task or local text.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--preset", help=f"named setting: {', '.join(PRESETS)}")
+    p.add_argument("--config", help="a .json or .toml config file (sections model/data/optim/train/mesh/checkpoint)")
+    p.add_argument("--model", help="mixer name, e.g. falcon-1A.3, falcon-3A, transformer, mamba2, gated_deltanet")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
+    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in the run dir")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    return p
+
+
+def resolve(args) -> TrainConfig:
+    overrides = list(args.set)
+    if args.run_dir:
+        overrides.append(f"train.run_dir={args.run_dir}")
+    saved = os.path.join(args.run_dir or "", "config.json")
+    if args.resume and args.preset is None and args.config is None and args.run_dir and os.path.exists(saved):
+        # resuming a run by its directory alone: start from the config it was started with
+        return build_config(config_file=saved, model=args.model, overrides=overrides)
+    if args.preset is None and args.config is None:
+        raise ConfigError("give --preset NAME or --config FILE (or --run-dir DIR --resume for an existing run); "
+                          f"presets: {', '.join(PRESETS)}.")
+    return build_config(preset=args.preset, config_file=args.config, model=args.model, overrides=overrides)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.list_presets:
+        for name, p in PRESETS.items():
+            print(f"{name:16s} model={p['model'].get('mixer')} d={p['model'].get('d_model')} "
+                  f"L={p['model'].get('n_layers')} data={p['data']['kind']} steps={p['train']['steps']}")
+        return 0
+    try:
+        cfg = resolve(args)
+        cfg.lm_config(vocab_size=16)  # validate the model fields early, with LMConfig's own messages
+    except (ConfigError, ValueError, TypeError) as e:
+        print(f"falcon-train: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from train.mesh import MeshError
+    from train.trainer import RunDirError, run
+    try:
+        run(cfg, resume=args.resume)
+    except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:
+        print(f"falcon-train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

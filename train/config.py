@@ -1,0 +1,287 @@
+"""Trainer configuration: sections, presets, config files and ``--set`` overrides.
+
+A config is a :class:`TrainConfig` of six sections (``model``, ``data``, ``optim``, ``train``,
+``mesh``, ``checkpoint``).  ``model`` is a dict of :class:`falcon_jax.nn.LMConfig` fields
+(validated against them); the others are dataclasses.  Sources, later ones winning::
+
+    preset (--preset NAME)  <  config file (--config run.toml | run.json)  <  --model NAME  <  --set key=value
+
+``--set`` keys are dotted (``optim.lr=3e-4``, ``model.d_model=128``, ``data.eval_widths=[9,10]``);
+values are parsed as JSON when they parse (numbers, booleans, lists, null), else taken as strings.
+An unknown section or key is an error that names it and suggests the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from typing import Any
+
+from falcon_jax.nn import LMConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """``kind="addition"``: SPEC §6 (train widths uniform in [train_min_width, train_max_width],
+    eval widths split into in-distribution and longer-than-trained by the training range).
+    ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens."""
+
+    kind: str = "addition"
+    seed: int = 0
+    # addition
+    train_min_width: int = 1
+    train_max_width: int = 8
+    eval_widths: list = dataclasses.field(default_factory=lambda: list(range(1, 13)))
+    eval_examples: int = 256
+    greedy_widths: list | None = None  # widths for free-running greedy eval (None = all eval widths)
+    greedy_examples: int = 64
+    heldout_frac: float = 0.05
+    split_seed: int = 1234
+    # text
+    paths: list = dataclasses.field(default_factory=list)
+    seq_len: int = 256
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    val_frac: float = 0.05
+    val_batches: int = 8
+    text_key: str = "text"
+    cache_dir: str = ".cache/falcon-train"
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to ``lr * min_lr_ratio``; global-norm clip.
+    Weight decay applies to matrices only (projection and conv kernels); never to norms,
+    biases, per-head gate vectors (``lam_bias``, ``dt_bias``, ``A_log``...), and to the
+    embedding only if ``decay_embedding``."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    decay_embedding: bool = False
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """``batch_size`` is the *global* batch (rows per optimizer step, all devices and
+    accumulation steps together); ``grad_accum`` splits it into that many micro-batches."""
+
+    steps: int = 1000
+    batch_size: int = 64
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 0  # 0 = only at the end
+    run_dir: str = "runs/default"
+    plots: bool = True
+    step_sleep: float = 0.0  # testing aid: seconds to sleep after every step (the SIGKILL test)
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh axis sizes (one of them may be -1 = all remaining devices) and
+    ``distributed``: "auto" calls ``jax.distributed.initialize()`` when a multi-host
+    environment (SLURM, Open MPI, a TPU pod, or JAX_COORDINATOR_ADDRESS) is detected."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    distributed: str = "auto"
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 500  # 0 = no periodic checkpoints (the final step is still saved)
+    keep: int = 3
+    async_save: bool = True
+    enabled: bool = True
+
+
+SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": LoopConfig, "mesh": MeshConfig,
+            "checkpoint": CheckpointConfig}
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: dict = dataclasses.field(default_factory=dict)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        cfg = cls()
+        apply_dict(cfg, d)
+        return cfg
+
+    def lm_config(self, vocab_size: int | None = None) -> LMConfig:
+        """The model's :class:`LMConfig` (``vocab_size`` from the data unless set explicitly)."""
+        fields = dict(self.model)
+        if vocab_size is not None and "vocab_size" not in fields:
+            fields["vocab_size"] = vocab_size
+        for k in ("lam_init", "layer_mixers"):
+            if isinstance(fields.get(k), list):
+                fields[k] = tuple(fields[k])
+        return LMConfig(**fields)
+
+
+class ConfigError(ValueError):
+    """A bad preset, config file or override; the message names the offending key."""
+
+
+def _suggest(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def set_key(cfg: TrainConfig, key: str, value: Any) -> None:
+    """Set a dotted key (``"optim.lr"``, ``"model.d_model"``); ConfigError naming it if unknown."""
+    section, _, name = key.partition(".")
+    if not name:
+        raise ConfigError(f"config key {key!r} must be 'section.field' with section in "
+                          f"{['model', *SECTIONS]} (e.g. optim.lr=3e-4).")
+    if section == "model":
+        if name not in MODEL_FIELDS:
+            raise ConfigError(f"unknown config key {key!r}: LMConfig has no field {name!r}."
+                              + _suggest(name, MODEL_FIELDS))
+        cfg.model[name] = value
+        return
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config key {key!r}: no section {section!r}; sections are "
+                          f"{['model', *SECTIONS]}." + _suggest(section, ["model", *SECTIONS]))
+    obj = getattr(cfg, section)
+    names = [f.name for f in dataclasses.fields(obj)]
+    if name not in names:
+        raise ConfigError(f"unknown config key {key!r}: section {section!r} has no field {name!r}."
+                          + _suggest(name, names) + f" Valid: {', '.join(names)}.")
+    old = getattr(obj, name)
+    if isinstance(old, bool) and not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false; got {value!r}.")
+    if isinstance(old, (int, float)) and not isinstance(old, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be a number; got {value!r}.")
+        if isinstance(old, int) and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"config key {key!r} must be an integer; got {value!r}.")
+        value = type(old)(value)
+    setattr(obj, name, value)
+
+
+def apply_dict(cfg: TrainConfig, d: dict, prefix: str = "") -> None:
+    """Merge a nested dict (from a preset or a config file) into ``cfg``."""
+    for k, v in d.items():
+        if not prefix and k == "model":
+            if not isinstance(v, dict):
+                raise ConfigError("config 'model' must be a table/dict of LMConfig fields.")
+            for mk, mv in v.items():
+                set_key(cfg, f"model.{mk}", mv)
+        elif not prefix and isinstance(v, dict):
+            for sk, sv in v.items():
+                set_key(cfg, f"{k}.{sk}", sv)
+        else:
+            set_key(cfg, f"{prefix}{k}", v)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"optim.lr=3e-4"`` -> ``("optim.lr", 0.0003)``; values parse as JSON if they can."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value (e.g. --set optim.lr=3e-4).")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_file(path: str) -> dict:
+    """A config file: ``.json`` or ``.toml`` (sections as tables)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist.")
+    if path.endswith(".toml"):
+        import tomllib
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    if path.endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    raise ConfigError(f"config file {path!r}: use a .json or .toml file.")
+
+
+# ----------------------------------------------------------------------------- presets
+_ADDITION_TINY = {
+    # A 2-layer Falcon-1A.3 of width 64 on CPU.  Settings chosen so a 2-core CPU run takes
+    # ~3 minutes and learns the in-distribution widths (see docs/training.md for numbers).
+    "model": dict(mixer="falcon-1A.3", d_model=64, n_layers=2, n_heads=4, mlp_hidden=192, chunk_size=16,
+                  dtype="float32", param_dtype="float32"),
+    "data": dict(kind="addition", train_min_width=1, train_max_width=8, eval_widths=list(range(1, 13)),
+                 eval_examples=256, greedy_widths=[2, 4, 6, 8, 10, 12], greedy_examples=64),
+    "optim": dict(lr=3e-3, warmup_steps=100, weight_decay=0.1, min_lr_ratio=0.05),
+    "train": dict(steps=1500, batch_size=64, log_every=100, eval_every=500, run_dir="runs/addition-tiny"),
+    "checkpoint": dict(every=500, keep=2),
+}
+_ADDITION_PAPER = {
+    # SPEC §6 protocol: train widths 1..32 uniform, held-out widths 33..48, loss on the target;
+    # the paper's best step is ~2,000.  Model size and batch are this project's choice (the
+    # paper does not state them): 4 layers of width 256, batch 256, bf16 compute.
+    "model": dict(mixer="falcon-1A.3", d_model=256, n_layers=4, n_heads=8, chunk_size=64,
+                  dtype="bfloat16", param_dtype="float32"),
+    "data": dict(kind="addition", train_min_width=1, train_max_width=32, eval_widths=list(range(1, 49)),
+                 eval_examples=512, greedy_widths=[8, 16, 32, 33, 40, 48], greedy_examples=128),
+    "optim": dict(lr=1e-3, warmup_steps=200, weight_decay=0.1, min_lr_ratio=0.1),
+    "train": dict(steps=4000, batch_size=256, log_every=50, eval_every=250, run_dir="runs/addition-paper"),
+    "checkpoint": dict(every=250, keep=3),
+}
+_LM_TINY = {
+    # Byte-level LM on local text (by default this repository's docs); CPU-sized.
+    "model": dict(mixer="falcon-1A.3", d_model=128, n_layers=2, n_heads=4, chunk_size=32,
+                  dtype="float32", param_dtype="float32"),
+    "data": dict(kind="text", paths=["docs", "README.md", "/work/shared/SPEC.md"], seq_len=256,
+                 tokenizer="byte", val_batches=4),
+    "optim": dict(lr=2e-3, warmup_steps=50, weight_decay=0.1),
+    "train": dict(steps=300, batch_size=16, log_every=25, eval_every=100, run_dir="runs/lm-tiny"),
+    "checkpoint": dict(every=100, keep=2),
+}
+_LM_130M = {
+    # SPEC §5 / App. B.1: AdamW lr 1e-3 cosine, 2,000 warm-up, betas (0.9, 0.95), wd 0.1,
+    # clip 1.0, bf16, seq 1,024, global batch 480, 100k steps.  data.paths must be set.
+    "model": dict(mixer="falcon-1A.3", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, chunk_size=64,
+                  dtype="bfloat16", param_dtype="float32"),
+    "data": dict(kind="text", paths=[], seq_len=1024, tokenizer="bpe", bpe_vocab_size=50304, val_batches=50),
+    "optim": dict(lr=1e-3, warmup_steps=2000, b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=1.0,
+                  min_lr_ratio=0.1),
+    "train": dict(steps=100_000, batch_size=480, log_every=50, eval_every=2000, run_dir="runs/lm-130m"),
+    "checkpoint": dict(every=1000, keep=3),
+}
+PRESETS = {"addition-tiny": _ADDITION_TINY, "addition-paper": _ADDITION_PAPER, "lm-tiny": _LM_TINY,
+           "lm-130m": _LM_130M}
+
+
+def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,
+                 overrides: list[str] = ()) -> TrainConfig:
+    """Assemble a config from its sources (see the module docstring)."""
+    cfg = TrainConfig()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}."
+                              + _suggest(preset, PRESETS))
+        apply_dict(cfg, json.loads(json.dumps(PRESETS[preset])))
+    if config_file is not None:
+        apply_dict(cfg, load_file(config_file))
+    if model is not None:
+        set_key(cfg, "model.mixer", model)
+    for o in overrides:
+        set_key(cfg, *parse_override(o))
+    return cfg

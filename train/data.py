@@ -1,0 +1,428 @@
+"""Data for the trainer: the addition task (SPEC §6), local text corpora, packing.
+
+Every iterator here is a pure function of ``(seed, step)``: batch ``i`` is computed from the
+seed and ``i`` alone, so the whole iterator state is ``{"step": i}`` (a JSON dict saved in
+every checkpoint) and a resumed run sees exactly the batches the uninterrupted one would have.
+Each host builds the same global batch and places only its addressable shards
+(:func:`train.mesh.put_batch`), so nothing has to be coordinated between hosts.
+
+Batches are dicts of numpy arrays, all ``[B, T]``:
+
+* ``tokens`` int32 — the token ids (position t predicts t+1);
+* ``segment_ids`` int32 — packed-document ids (the model never passes information across a
+  change of id; pairs that cross one are not trained on);
+* ``loss_mask`` bool — whether the token at t is a training *target* (used for ``t >= 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- addition
+# Character vocabulary of the addition task.  PAD fills the right end of short rows, BOS starts
+# every row (the first token the model reads), EOS ends the target (so free-running decoding
+# knows when a sum is finished; it is a target too).
+PAD, BOS, EOS, PLUS, EQUALS = 0, 1, 2, 3, 4
+DIGIT0 = 5  # '0'..'9' are ids 5..14
+ADDITION_VOCAB = ("<pad>", "<bos>", "<eos>", "+", "=") + tuple("0123456789")
+ADDITION_VOCAB_SIZE = 16  # 15 symbols, rounded up to 16
+
+
+def addition_seq_len(width: int) -> int:
+    """Row length of one width-n problem: BOS, n digits, '+', n digits, '=', n+1 sum digits, EOS."""
+    return 3 * width + 5
+
+
+def decode_addition(ids: Iterable[int]) -> str:
+    """Token ids -> a readable string (for logs and docs)."""
+    return "".join(ADDITION_VOCAB[int(i)] if 0 <= int(i) < len(ADDITION_VOCAB) else "?" for i in ids)
+
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (a fast, well-spread integer hash)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def problem_hash(a: np.ndarray, b: np.ndarray, split_seed: int) -> np.ndarray:
+    """A 64-bit hash of the *unordered* problem {a, b} at its width.
+
+    a, b: ``[N, n]`` digit arrays (most significant first, zero-padded to width n).
+    Returns ``[N]`` uint64.  ``problem_hash(a, b) == problem_hash(b, a)``: the pair is put in
+    a canonical order (lexicographic on the digits = numeric order) before hashing, so a+b and
+    b+a always land on the same side of the train / held-out split.
+    """
+    a = np.asarray(a, np.int64)
+    b = np.asarray(b, np.int64)
+    n = a.shape[1]
+    diff = a != b
+    first = np.argmax(diff, axis=1)
+    rows = np.arange(a.shape[0])
+    a_less = np.where(diff.any(axis=1), a[rows, first] < b[rows, first], True)
+    lo = np.where(a_less[:, None], a, b)
+    hi = np.where(a_less[:, None], b, a)
+    with np.errstate(over="ignore"):
+        h = _mix64(np.full(a.shape[0], np.uint64(split_seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(n)))
+        for col in np.concatenate([lo, hi], axis=1).T:
+            h = _mix64(h ^ (col.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019)))
+    return h
+
+
+def is_heldout(a: np.ndarray, b: np.ndarray, split_seed: int, heldout_frac: float) -> np.ndarray:
+    """``[N]`` bool: whether problem {a, b} belongs to the held-out bucket (never trained on)."""
+    u = (problem_hash(a, b, split_seed) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return u < heldout_frac
+
+
+def add_digits(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sum of digit arrays ``[N, n]`` (MSD first) as ``[N, n+1]`` digits, *least* significant first."""
+    N, n = a.shape
+    out = np.zeros((N, n + 1), np.int64)
+    carry = np.zeros(N, np.int64)
+    for i in range(n):  # from the least significant column
+        s = a[:, n - 1 - i] + b[:, n - 1 - i] + carry
+        out[:, i] = s % 10
+        carry = s // 10
+    out[:, n] = carry
+    return out
+
+
+def sample_problems(rng: np.random.Generator, n: int, count: int, *, split_seed: int, heldout_frac: float,
+                    heldout: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` problems of width n from the train (``heldout=False``) or held-out bucket.
+
+    Operands are uniform n-digit strings (leading zeros allowed: the task writes every operand
+    with exactly n digits).  Rejection sampling keeps only problems of the requested bucket,
+    so the training stream can never contain a held-out problem.  Returns digit arrays
+    ``a, b [count, n]`` (MSD first).
+    """
+    if heldout and heldout_frac <= 0:
+        raise ValueError("sample_problems: heldout_frac is 0, there is no held-out bucket to sample from.")
+    a_out, b_out, have = [], [], 0
+    for _ in range(10_000):
+        m = max(2 * (count - have), 16)
+        a = rng.integers(0, 10, size=(m, n))
+        b = rng.integers(0, 10, size=(m, n))
+        keep = is_heldout(a, b, split_seed, heldout_frac) == heldout
+        a_out.append(a[keep]), b_out.append(b[keep])
+        have += int(keep.sum())
+        if have >= count:
+            return np.concatenate(a_out)[:count], np.concatenate(b_out)[:count]
+    raise RuntimeError(f"sample_problems: could not find {count} {'held-out' if heldout else 'training'} "
+                       f"problems of width {n} (heldout_frac={heldout_frac}).")
+
+
+def encode_addition(a: np.ndarray, b: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Problems ``a, b [N, n]`` -> a right-padded batch of ``seq_len`` columns.
+
+    Row layout (n = width): ``BOS a_1..a_n + b_1..b_n = s_0..s_n EOS PAD...`` with the sum
+    least-significant digit first.  ``loss_mask`` is true on the n+1 sum digits and EOS only.
+    """
+    N, n = a.shape
+    L = addition_seq_len(n)
+    if L > seq_len:
+        raise ValueError(f"encode_addition: width {n} needs {L} tokens but seq_len is {seq_len}.")
+    s = add_digits(a, b)
+    tokens = np.full((N, seq_len), PAD, np.int32)
+    tokens[:, 0] = BOS
+    tokens[:, 1:1 + n] = a + DIGIT0
+    tokens[:, 1 + n] = PLUS
+    tokens[:, 2 + n:2 + 2 * n] = b + DIGIT0
+    tokens[:, 2 + 2 * n] = EQUALS
+    tokens[:, 3 + 2 * n:4 + 3 * n] = s + DIGIT0
+    tokens[:, 4 + 3 * n] = EOS
+    loss_mask = np.zeros((N, seq_len), bool)
+    loss_mask[:, 3 + 2 * n:5 + 3 * n] = True
+    return {"tokens": tokens, "segment_ids": np.zeros((N, seq_len), np.int32), "loss_mask": loss_mask}
+
+
+def target_slice(width: int) -> slice:
+    """Columns of the n+1 sum digits in a row of :func:`encode_addition` (EOS excluded)."""
+    return slice(3 + 2 * width, 4 + 3 * width)
+
+
+@dataclasses.dataclass
+class AdditionData:
+    """The addition task: training stream and fixed evaluation sets.
+
+    * training: every row has its own width, uniform in ``[train_min_width, train_max_width]``;
+      rows are padded to ``seq_len = addition_seq_len(train_max_width)``;
+    * evaluation: ``eval_examples`` held-out problems per width in ``eval_widths``, all padded
+      to one length (one compiled program for every width).  Eval problems come from the
+      held-out bucket of the hash split at *every* width, so they are disjoint from training
+      even where the eval widths overlap the training widths.
+    """
+
+    seed: int = 0
+    train_min_width: int = 1
+    train_max_width: int = 8
+    eval_widths: tuple[int, ...] = ()
+    eval_examples: int = 256
+    heldout_frac: float = 0.05
+    split_seed: int = 1234
+
+    def __post_init__(self):
+        if not 1 <= self.train_min_width <= self.train_max_width:
+            raise ValueError(f"data: need 1 <= train_min_width <= train_max_width; got "
+                             f"{self.train_min_width}, {self.train_max_width}.")
+        if not 0 < self.heldout_frac < 1:
+            raise ValueError(f"data.heldout_frac={self.heldout_frac} must be in (0, 1).")
+
+    @property
+    def seq_len(self) -> int:
+        return addition_seq_len(self.train_max_width)
+
+    @property
+    def eval_seq_len(self) -> int:
+        return addition_seq_len(max((*self.eval_widths, self.train_max_width)))
+
+    def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        """The training batch of ``step`` (a pure function of ``seed`` and ``step``): ``[B, seq_len]``."""
+        rng = np.random.default_rng([self.seed, 0xADD, int(step)])
+        widths = rng.integers(self.train_min_width, self.train_max_width + 1, size=batch_size)
+        out = {k: np.empty((batch_size, self.seq_len), dt) for k, dt in
+               (("tokens", np.int32), ("segment_ids", np.int32), ("loss_mask", bool))}
+        for n in np.unique(widths):
+            rows = np.nonzero(widths == n)[0]
+            a, b = sample_problems(rng, int(n), len(rows), split_seed=self.split_seed,
+                                   heldout_frac=self.heldout_frac, heldout=False)
+            enc = encode_addition(a, b, self.seq_len)
+            for k in out:
+                out[k][rows] = enc[k]
+        return out
+
+    def eval_set(self, width: int) -> dict[str, np.ndarray]:
+        """The fixed held-out set of ``width``: ``eval_examples`` rows of ``eval_seq_len``, plus
+        ``a``/``b`` digit arrays (for checks).  Independent of the training seed's stream."""
+        rng = np.random.default_rng([self.seed, 0xE7A1, int(width)])
+        a, b = sample_problems(rng, width, self.eval_examples, split_seed=self.split_seed,
+                               heldout_frac=self.heldout_frac, heldout=True)
+        out = encode_addition(a, b, self.eval_seq_len)
+        out["a"], out["b"] = a, b
+        return out
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then PAD=256, BOS=257, EOS=258 (vocab 259)."""
+
+    kind = "byte"
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
+        self.vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A byte-level BPE trained locally with HF ``tokenizers`` (no download); special tokens
+    ``<pad>``, ``<bos>``, ``<eos>`` get the ids 0, 1, 2."""
+
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.pad_id, self.bos_id, self.eos_id = (tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>"))
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, path: str | None = None) -> "BPETokenizer":
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        except ImportError as e:
+            raise RuntimeError("data.tokenizer='bpe' needs the 'tokenizers' package: "
+                               "pip install 'falcon-jax[train]' (or pip install tokenizers), "
+                               "or use data.tokenizer='byte'.") from e
+        if path and os.path.exists(path):
+            return cls(Tokenizer.from_file(path))
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        if path:
+            tok.save(path)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+# ----------------------------------------------------------------------------- text corpora
+def expand_paths(patterns) -> list[str]:
+    """Glob patterns / directories -> a sorted list of .txt/.md/.jsonl/.json/.parquet files."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files = []
+    for p in patterns:
+        if os.path.isdir(p):
+            for ext in ("txt", "md", "jsonl", "json", "parquet"):
+                files += glob.glob(os.path.join(p, "**", f"*.{ext}"), recursive=True)
+        else:
+            files += glob.glob(p, recursive=True)
+    return sorted(set(files))
+
+
+def read_documents(paths, text_key: str = "text") -> list[str]:
+    """Documents from local files: a .txt/.md file is one document per blank-line-separated
+    block; .jsonl/.json rows give ``row[text_key]``; .parquet (needs pyarrow) its ``text_key``
+    column."""
+    files = expand_paths(paths)
+    if not files:
+        raise FileNotFoundError(f"data.paths={paths!r} matched no .txt/.md/.jsonl/.parquet files.")
+    docs: list[str] = []
+    for f in files:
+        if f.endswith((".jsonl", ".json")):
+            with open(f, encoding="utf-8") as fh:
+                for line in fh:
+                    line = line.strip()
+                    if line:
+                        row = json.loads(line)
+                        if text_key not in row:
+                            raise KeyError(f"{f}: a row has no key {text_key!r} (set data.text_key).")
+                        docs.append(str(row[text_key]))
+        elif f.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as e:
+                raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
+            docs += [str(t) for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
+        else:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                docs += [blk.strip() for blk in fh.read().split("\n\n") if blk.strip()]
+    return docs
+
+
+def tokenize_documents(docs: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
+    """Documents -> one token stream ``[N]`` (each doc ``BOS ... EOS``) and its ``[N]`` doc ids."""
+    ids, doc_ids = [], []
+    for i, d in enumerate(docs):
+        t = [tok.bos_id] + tok.encode(d) + [tok.eos_id]
+        ids.append(np.asarray(t, np.int32))
+        doc_ids.append(np.full(len(t), i, np.int32))
+    if not ids:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    return np.concatenate(ids), np.concatenate(doc_ids)
+
+
+def pack_windows(stream: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Cut ``[B]`` windows of ``seq_len`` tokens from a packed stream.
+
+    ``segment_ids`` number the documents inside each row from 0 (a document cut by the window
+    start is just segment 0); the model resets its state at every change, and the loss skips
+    the pair that crosses it.  ``loss_mask`` is all true (each doc's first token is its BOS,
+    which is never a target because its pair crosses a boundary).
+    """
+    idx = starts[:, None] + np.arange(seq_len)[None, :]
+    tokens = np.asarray(stream[idx], np.int32)
+    d = np.asarray(doc_ids[idx])
+    seg = np.concatenate([np.zeros((len(starts), 1), np.int32),
+                          np.cumsum(d[:, 1:] != d[:, :-1], axis=1, dtype=np.int32)], axis=1)
+    return {"tokens": tokens, "segment_ids": seg, "loss_mask": np.ones_like(tokens, bool)}
+
+
+@dataclasses.dataclass
+class TextData:
+    """Packed LM data from local files, tokenized once into memory-mapped ``.npy`` arrays in
+    ``cache_dir`` (reused by later runs with the same files and tokenizer).
+
+    Documents are split into train / validation by a hash of their index (``val_frac``).  A
+    training batch at ``step`` is ``B`` windows of ``seq_len`` tokens whose start offsets come
+    from a seeded permutation of all window starts (one permutation per epoch), so the stream
+    position is a function of ``step`` alone.
+    """
+
+    paths: tuple[str, ...]
+    seq_len: int
+    seed: int = 0
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    val_frac: float = 0.05
+    text_key: str = "text"
+    cache_dir: str = ".cache/falcon-train"
+
+    def __post_init__(self):
+        docs = read_documents(self.paths, self.text_key)
+        files = expand_paths(self.paths)
+        key = hashlib.sha1(json.dumps([[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
+                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac]).encode()).hexdigest()[:16]
+        os.makedirs(self.cache_dir, exist_ok=True)
+        base = os.path.join(self.cache_dir, key)
+        if self.tokenizer == "byte":
+            self.tok = ByteTokenizer()
+        elif self.tokenizer == "bpe":
+            self.tok = BPETokenizer.train(docs, self.bpe_vocab_size, base + "-bpe.json")
+        else:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: use 'byte' or 'bpe'.")
+        is_val = _mix64(np.arange(len(docs), dtype=np.uint64) + np.uint64(7)) % np.uint64(10_000) \
+            < np.uint64(int(self.val_frac * 10_000))
+        if self.val_frac > 0 and not is_val.any() and len(docs) > 1:
+            is_val[-1] = True  # tiny corpora: still keep one validation document
+        self.splits = {}
+        for name, sel in (("train", ~is_val), ("val", is_val)):
+            f_tok, f_doc = f"{base}-{name}-tokens.npy", f"{base}-{name}-docs.npy"
+            if not (os.path.exists(f_tok) and os.path.exists(f_doc)):
+                stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s], self.tok)
+                for f, arr in ((f_tok, stream), (f_doc, dids)):
+                    np.save(f + ".tmp.npy", arr)
+                    os.replace(f + ".tmp.npy", f)  # atomic: a killed run never leaves half a file
+            self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
+        n_train = len(self.splits["train"][0])
+        if n_train < self.seq_len + 1:
+            raise ValueError(f"data: the training split has {n_train} tokens, fewer than seq_len={self.seq_len}; "
+                             "add more text or lower data.seq_len.")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.vocab_size
+
+    def _starts(self, name: str) -> int:
+        return len(self.splits[name][0]) - self.seq_len + 1
+
+    def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        """The training batch of ``step``: ``[B, seq_len]`` packed windows."""
+        n = self._starts("train")
+        pos = int(step) * batch_size + np.arange(batch_size)
+        epochs, offs = pos // n, pos % n
+        starts = np.empty(batch_size, np.int64)
+        for e in np.unique(epochs):
+            perm = np.random.default_rng([self.seed, 0x7E77, int(e)]).permutation(n)
+            starts[epochs == e] = perm[offs[epochs == e]]
+        stream, dids = self.splits["train"]
+        return pack_windows(stream, dids, starts, self.seq_len)
+
+    def val_batches(self, batch_size: int, max_batches: int):
+        """Non-overlapping validation windows, in order (the same every time)."""
+        stream, dids = self.splits["val"]
+        if len(stream) < self.seq_len:
+            return
+        starts = np.arange(0, len(stream) - self.seq_len + 1, self.seq_len)
+        for i in range(min(max_batches, -(-len(starts) // batch_size))):
+            s = starts[i * batch_size:(i + 1) * batch_size]
+            if len(s) < batch_size:  # keep one static shape: pad by repeating, masked out below
+                b = pack_windows(stream, dids, np.concatenate([s, np.repeat(s[:1], batch_size - len(s))]), self.seq_len)
+                b["loss_mask"][len(s):] = False
+                yield b
+            else:
+                yield pack_windows(stream, dids, s, self.seq_len)

@@ -1,0 +1,303 @@
+"""The training loop: build, (re)start from a checkpoint, train, evaluate, report.
+
+One optimizer step (``train_step``, jit-compiled, params and optimizer state donated)::
+
+    batch [A, B/A, T]  --lax.scan over the A micro-batches-->  Σ grad(Σ nll), Σ count
+    grads = Σ grad / Σ count            (= the gradient of the token-mean loss of the whole batch)
+    params, opt_state <- AdamW(clip(grads))
+
+Params are stored in ``param_dtype`` (fp32 master copy); the model computes in ``dtype``
+(bf16 on GPU presets), so the casts happen inside the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from falcon_jax.nn import FalconLM, param_counts, state_shardings
+from train import evaluate as ev
+from train.checkpoint import Checkpointer
+from train.config import TrainConfig
+from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
+from train.mesh import check_batch, make_mesh, maybe_initialize_distributed, put_batch, replicate
+from train.optim import make_optimizer
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+def build_data(cfg: TrainConfig):
+    d = cfg.data
+    if d.kind == "addition":
+        return AdditionData(seed=d.seed, train_min_width=d.train_min_width, train_max_width=d.train_max_width,
+                            eval_widths=tuple(d.eval_widths), eval_examples=d.eval_examples,
+                            heldout_frac=d.heldout_frac, split_seed=d.split_seed)
+    if d.kind == "text":
+        if not d.paths:
+            raise ValueError("data.paths is empty: give local text files, e.g. "
+                             "--set 'data.paths=[\"corpus/*.jsonl\"]'.")
+        return TextData(paths=tuple(d.paths), seq_len=d.seq_len + 1, seed=d.seed, tokenizer=d.tokenizer,
+                        bpe_vocab_size=d.bpe_vocab_size, val_frac=d.val_frac, text_key=d.text_key,
+                        cache_dir=d.cache_dir)
+    raise ValueError(f"data.kind={d.kind!r}: use 'addition' or 'text'.")
+
+
+def make_train_step(graphdef, tx):
+    """The jitted step ``(params, rest, opt_state, batch) -> (params, opt_state, metrics)``."""
+
+    def step(params, rest, opt_state, batch):
+        def micro(carry, mb):
+            g_acc, s_acc, n_acc = carry
+
+            def f(p):
+                return ev.loss_terms(nnx.merge(graphdef, p, rest), mb["tokens"], mb["segment_ids"],
+                                     mb["loss_mask"])
+
+            (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+            return (g_acc, s_acc + s, n_acc + n), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (g, s, n), _ = jax.lax.scan(micro, init, batch)
+        n = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda a, p: (a / n).astype(p.dtype), g, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
+        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(grads)))
+        return params, opt_state, {"loss": s / n, "grad_norm": gnorm, "tokens": n}
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+class Logger:
+    """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
+    continues the file; readers take the last record of each step)."""
+
+    def __init__(self, run_dir: str, is_main: bool):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.is_main = is_main
+
+    def write(self, rec: dict):
+        if self.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def print(self, msg: str):
+        if self.is_main:
+            print(msg, flush=True)
+
+
+def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
+    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
+    train, evals = {}, []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if r.get("kind") == "train":
+                    train[r["step"]] = r
+                elif r.get("kind") == "eval":
+                    evals.append(r)
+    return train, evals
+
+
+def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
+    """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation)."""
+    maybe_initialize_distributed(cfg.mesh.distributed)
+    is_main = jax.process_index() == 0
+    run_dir = cfg.train.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    logger = Logger(run_dir, is_main)
+    say = log or logger.print
+
+    mesh = make_mesh(cfg.mesh)
+    micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
+    data = build_data(cfg)
+    vocab = ADDITION_VOCAB_SIZE if cfg.data.kind == "addition" else data.vocab_size
+    if cfg.data.kind == "text" and "vocab_size" not in cfg.model:
+        vocab = 64 * math.ceil(vocab / 64)  # a multiple of 64 keeps the unembedding matmul aligned
+    lm_cfg = cfg.lm_config(vocab_size=vocab)
+    if lm_cfg.vocab_size < vocab:
+        raise ValueError(f"model.vocab_size={lm_cfg.vocab_size} is smaller than the tokenizer's {vocab}.")
+
+    # ---- model and optimizer, initialised directly on their shards
+    rngs_seed = cfg.train.seed
+    abstract = nnx.eval_shape(lambda: FalconLM(lm_cfg, rngs=nnx.Rngs(rngs_seed)))
+    graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
+    p_shard = state_shardings(abs_params, mesh)
+    r_shard = state_shardings(abs_rest, mesh)
+
+    def init_fn():
+        _, p, r = nnx.split(FalconLM(lm_cfg, rngs=nnx.Rngs(rngs_seed)), nnx.Param, ...)
+        return p, r
+
+    params, rest = jax.jit(init_fn, out_shardings=(p_shard, r_shard))()
+    tx, sched = make_optimizer(cfg.optim, cfg.train.steps, params)
+    opt_state = jax.jit(tx.init)(params)
+    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32), "rng": rng}
+
+    # ---- checkpoints: refuse to clobber an existing run unless resuming
+    ckpt = None
+    start = 0
+    if cfg.checkpoint.enabled:
+        ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save, log=say)
+        existing = ckpt.steps()
+        if existing and not resume:
+            ckpt.close()
+            raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
+                              f"continue that run, or choose another train.run_dir.")
+        if resume:
+            abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+            got = ckpt.restore_latest(abs_state)
+            if got is None:
+                say(f"[resume] no usable checkpoint in {ckpt.dir}; starting from step 0.")
+            else:
+                step0, state, meta = got
+                start = int(meta["data"]["step"])
+                if start != step0:
+                    raise RuntimeError(f"checkpoint {step0}: data-iterator step {start} does not match.")
+                say(f"[resume] restored step {step0} from {ckpt.dir}.")
+    if is_main:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+
+    counts = param_counts(abstract)
+    say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
+        f"compute {lm_cfg.dtype}, params {lm_cfg.param_dtype}) | mesh {dict(mesh.shape)} on "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s) | batch {cfg.train.batch_size} "
+        f"(micro {micro} x {cfg.train.grad_accum}) | steps {cfg.train.steps}")
+
+    step_fn = make_train_step(graphdef, tx)
+    params, opt_state = state["params"], state["opt_state"]
+    pending: list[tuple[int, dict]] = []
+    last_train: dict = {}
+
+    def flush(t_elapsed, n_steps_timed, tokens_timed):
+        nonlocal last_train
+        for s, m in pending:
+            m = jax.device_get(m)
+            last_train = {"kind": "train", "step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                          "lr": float(sched(s - 1))}
+            logger.write(last_train)
+        pending.clear()
+
+    def meta(step):
+        return {"data": {"step": step}, "config": cfg.to_dict()}
+
+    def do_eval(step, final=False):
+        model_state = nnx.merge(graphdef, params, rest)
+        gd, st = nnx.split(model_state)
+        rec = {"kind": "eval", "step": step}
+        put = lambda x: replicate(x, mesh)  # noqa: E731
+        if cfg.data.kind == "addition":
+            acc = ev.addition_accuracy(gd, st, data, cfg.data.eval_widths, put=put)
+            rec["teacher_forced"] = {str(k): v for k, v in acc.items()}
+            if final:
+                gw = cfg.data.greedy_widths if cfg.data.greedy_widths is not None else cfg.data.eval_widths
+                greedy = ev.addition_greedy(model_state, data, gw, cfg.data.greedy_examples)
+                rec["greedy"] = {str(k): v for k, v in greedy.items()}
+            ind = [v["exact"] for k, v in acc.items() if k <= cfg.data.train_max_width]
+            ood = [v["exact"] for k, v in acc.items() if k > cfg.data.train_max_width]
+            rec["in_dist_exact"] = float(np.mean(ind)) if ind else None
+            rec["heldout_width_exact"] = float(np.mean(ood)) if ood else None
+            say(f"[eval step {step}] teacher-forced exact: in-distribution widths {_fmt(rec['in_dist_exact'])}, "
+                f"longer-than-trained widths {_fmt(rec['heldout_width_exact'])}")
+        else:
+            rec.update(ev.lm_validation(gd, st, data.val_batches(micro, cfg.data.val_batches), put=put))
+            if "val_loss" in rec:
+                say(f"[eval step {step}] val loss {rec['val_loss']:.4f}  ppl {rec['val_ppl']:.2f}")
+        logger.write(rec)
+        return rec
+
+    tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
+    t_last, steps_since = time.perf_counter(), 0
+    last_eval = None
+    step = start
+    try:
+        for step in range(start + 1, cfg.train.steps + 1):
+            batch = put_batch(data.batch(step - 1, cfg.train.batch_size), mesh, cfg.train.grad_accum)
+            params, opt_state, metrics = step_fn(params, rest, opt_state, batch)
+            pending.append((step, metrics))
+            steps_since += 1
+            if cfg.train.step_sleep:
+                time.sleep(cfg.train.step_sleep)
+            log_now = step % max(cfg.train.log_every, 1) == 0 or step == cfg.train.steps
+            save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps)
+            if log_now or save_now or cfg.train.step_sleep:
+                jax.block_until_ready(metrics["loss"])
+                dt = time.perf_counter() - t_last
+                flush(dt, steps_since, tokens_per_step * steps_since)
+                if log_now:
+                    tps = tokens_per_step * steps_since / max(dt, 1e-9)
+                    eta = (cfg.train.steps - step) * dt / max(steps_since, 1)
+                    say(f"step {step:>6}/{cfg.train.steps} | loss {last_train['loss']:.4f} | "
+                        f"gnorm {last_train['grad_norm']:.3f} | lr {last_train['lr']:.2e} | "
+                        f"{tps / 1e3:,.1f}k tok/s | eta {eta:,.0f}s")
+                    logger.write({"kind": "speed", "step": step, "tokens_per_s": tps, "s_per_step": dt / steps_since})
+                    t_last, steps_since = time.perf_counter(), 0
+            if save_now:
+                ckpt.save(step, {"params": params, "opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+                                 "rng": state["rng"]}, meta(step), force=step == cfg.train.steps)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+                last_eval = do_eval(step)
+                t_last, steps_since = time.perf_counter(), 0
+        if pending:
+            flush(0, 0, 0)
+        last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+    summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval}
+    if is_main:
+        print_summary(cfg, last_eval, say)
+        if cfg.train.plots:
+            from train.report import make_plots
+            note = make_plots(run_dir, cfg)
+            if note:
+                say(note)
+    return summary
+
+
+def _fmt(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def print_summary(cfg: TrainConfig, rec: dict | None, say=print):
+    """The end-of-run table."""
+    if not rec:
+        return
+    if cfg.data.kind == "addition":
+        tf, gr = rec.get("teacher_forced", {}), rec.get("greedy", {})
+        say(f"\nAddition accuracy at step {rec['step']} (trained widths {cfg.data.train_min_width}-"
+            f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} per width)")
+        say(f"{'width':>5} | {'split':<12} | {'exact (TF)':>10} | {'digit (TF)':>10} | {'greedy exact':>12}")
+        say("-" * 62)
+        for k in sorted(tf, key=int):
+            split = "in-dist" if int(k) <= cfg.data.train_max_width else "longer"
+            g = f"{100 * gr[k]:.1f}%" if k in gr else "-"
+            say(f"{int(k):>5} | {split:<12} | {100 * tf[k]['exact']:>9.1f}% | {100 * tf[k]['digit']:>9.1f}% | {g:>12}")
+        say("-" * 62)
+        say(f"mean teacher-forced exact: in-distribution {_fmt(rec.get('in_dist_exact'))}, "
+            f"longer-than-trained {_fmt(rec.get('heldout_width_exact'))}")
+    elif "val_loss" in rec:
+        say(f"\nValidation at step {rec['step']}: loss {rec['val_loss']:.4f} nats/token, ppl {rec['val_ppl']:.2f} "
+            f"({rec['val_tokens']} tokens)")
