@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from falcon_jax.nn import FalconLM, param_counts, state_shardings
 from train import evaluate as ev
@@ -53,8 +54,13 @@ def build_data(cfg: TrainConfig):
     raise ValueError(f"data.kind={d.kind!r}: use 'addition' or 'text'.")
 
 
-def make_train_step(graphdef, tx):
-    """The jitted step ``(params, rest, opt_state, batch) -> (params, opt_state, metrics)``."""
+def make_train_step(graphdef, tx, shardings=None):
+    """The jitted step ``(params, rest, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    ``shardings``: optional ``(params, opt_state)`` sharding pytrees; pinning the outputs to
+    the input shardings keeps every call on the one compiled program (otherwise the first
+    call's outputs may come back with an equivalent but differently spelled sharding and
+    trigger a second compilation)."""
 
     def step(params, rest, opt_state, batch):
         def micro(carry, mb):
@@ -78,7 +84,26 @@ def make_train_step(graphdef, tx):
         gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(grads)))
         return params, opt_state, {"loss": s / n, "grad_norm": gnorm, "tokens": n}
 
-    return jax.jit(step, donate_argnums=(0, 2))
+    if shardings is None:
+        return jax.jit(step, donate_argnums=(0, 2))
+    return jax.jit(step, donate_argnums=(0, 2), out_shardings=(shardings[0], shardings[1], None))
+
+
+def place_like_params(opt_state, params, mesh):
+    """Put every optimizer-state leaf on the sharding of the parameter it belongs to (AdamW's
+    mu/nu mirror the params; matched by key path suffix), scalars replicated.  Without this
+    the state leaves start uncommitted and the train step would compile a second time."""
+    by_path = {jax.tree_util.keystr(p): (x.shape, x.sharding) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    repl = NamedSharding(mesh, PartitionSpec())
+
+    def one(path, x):
+        key = jax.tree_util.keystr(path)
+        for pk, (shape, sh) in by_path.items():
+            if key.endswith(pk) and tuple(x.shape) == tuple(shape):
+                return jax.device_put(x, sh)
+        return jax.device_put(x, repl)
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
 class Logger:
@@ -149,7 +174,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
 
     params, rest = jax.jit(init_fn, out_shardings=(p_shard, r_shard))()
     tx, sched = make_optimizer(cfg.optim, cfg.train.steps, params)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = place_like_params(jax.jit(tx.init)(params), params, mesh)
     rng = jax.random.key_data(jax.random.key(cfg.train.seed))
     state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32), "rng": rng}
 
@@ -185,8 +210,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         f"{jax.device_count()} {jax.devices()[0].platform} device(s) | batch {cfg.train.batch_size} "
         f"(micro {micro} x {cfg.train.grad_accum}) | steps {cfg.train.steps}")
 
-    step_fn = make_train_step(graphdef, tx)
     params, opt_state = state["params"], state["opt_state"]
+    step_fn = make_train_step(graphdef, tx, (jax.tree.map(lambda x: x.sharding, params),
+                                             jax.tree.map(lambda x: x.sharding, opt_state)))
     pending: list[tuple[int, dict]] = []
     last_train: dict = {}
 

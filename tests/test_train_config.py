@@ -1,0 +1,110 @@
+"""Trainer config, CLI errors, the optimizer's decay mask and gradient accumulation."""
+import json
+
+import numpy as np
+import pytest
+
+from train import cli
+from train.config import ConfigError, build_config
+
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
+        "data.train_max_width=3", "train.batch_size=8", "train.plots=false"]
+
+
+def _run_cli(argv, capsys):
+    rc = cli.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_bad_preset_is_a_clear_error(capsys):
+    rc, _, err = _run_cli(["--preset", "addition-tiyn"], capsys)
+    assert rc == 2 and "unknown preset 'addition-tiyn'" in err and "addition-tiny" in err
+
+
+@pytest.mark.parametrize("key,named,hint", [
+    ("optim.lrr=1e-3", "optim.lrr", "'lr'"),
+    ("model.d_modle=64", "model.d_modle", "'d_model'"),
+    ("optimizer.lr=1", "optimizer.lr", "'optim'"),
+    ("steps=3", "steps", "section.field"),
+])
+def test_bad_override_key_names_the_key(capsys, key, named, hint):
+    rc, _, err = _run_cli(["--preset", "addition-tiny", "--set", key], capsys)
+    assert rc == 2 and repr(named) in err and hint in err
+
+
+def test_bad_override_value_type(capsys):
+    rc, _, err = _run_cli(["--preset", "addition-tiny", "--set", "train.steps=many"], capsys)
+    assert rc == 2 and "'train.steps' must be a number" in err
+    rc, _, err = _run_cli(["--preset", "addition-tiny", "--model", "falcon-9"], capsys)
+    assert rc == 2 and "falcon-9" in err  # LMConfig's own message for an unknown mixer
+
+
+def test_print_config_applies_sources_in_order(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[optim]\nlr = 5e-4\n[model]\nd_model = 96\n[train]\nsteps = 7\n')
+    rc, out, _ = _run_cli(["--preset", "addition-tiny", "--config", str(toml), "--model", "gated_deltanet",
+                           "--set", "train.steps=9", "--print-config"], capsys)
+    cfg = json.loads(out)
+    assert rc == 0
+    assert cfg["optim"]["lr"] == 5e-4 and cfg["model"]["d_model"] == 96 and cfg["model"]["mixer"] == "gated_deltanet"
+    assert cfg["train"]["steps"] == 9  # --set beats the file
+    assert cfg["data"]["train_max_width"] == 4  # the preset shows through
+
+
+def test_every_preset_builds_a_valid_model_config():
+    from train.config import PRESETS
+    for name in PRESETS:
+        cfg = build_config(preset=name)
+        cfg.lm_config(vocab_size=259)
+    with pytest.raises(ConfigError, match="no field 'foo'"):
+        build_config(preset="lm-tiny", overrides=["data.foo=1"])
+
+
+def test_decay_mask_skips_norms_vectors_and_embedding():
+    import jax
+    from flax import nnx
+
+    from falcon_jax.nn import FalconLM, LMConfig
+    from train.optim import decay_mask
+
+    model = FalconLM(LMConfig.preset("mamba2-tiny"), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    mask = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(decay_mask(params))}
+    assert not mask["['embedding'].value"] and not mask["['final_norm']['scale'].value"]
+    for k, v in mask.items():
+        if any(s in k for s in ("norm", "A_log", "dt_bias", "D_skip")):
+            assert not v, k
+        if "_proj']['kernel']" in k:
+            assert v, k
+    mask_e = decay_mask(params, decay_embedding=True)
+    assert jax.tree_util.tree_leaves(mask_e)[[jax.tree_util.keystr(p) for p, _ in
+                                              jax.tree_util.tree_leaves_with_path(mask_e)].index("['embedding'].value")]
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """grad_accum=4 gives the update of one batch of 16 rows (token-weighted, not micro-batch-mean)."""
+    import jax
+    from flax import nnx
+
+    from falcon_jax.nn import FalconLM
+    from train.data import AdditionData
+    from train.mesh import make_mesh, put_batch
+    from train.optim import make_optimizer
+    from train.trainer import make_train_step
+
+    cfg = build_config(preset="addition-tiny", overrides=TINY)
+    lm = cfg.lm_config(vocab_size=16)
+    graphdef, params, rest = nnx.split(FalconLM(lm, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tx, _ = make_optimizer(cfg.optim, 10, params)
+    step = make_train_step(graphdef, tx)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    batch = AdditionData(train_max_width=3).batch(0, 16)  # rows of different widths: unequal token counts
+    outs = []
+    for accum in (1, 4):
+        p = jax.tree.map(lambda x: x.copy(), params)
+        new_p, _, m = step(p, rest, tx.init(p), put_batch(batch, mesh, accum))
+        outs.append((float(m["loss"]), jax.tree.leaves(new_p)))
+    assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -1,0 +1,99 @@
+"""Mesh construction and placement on 8 simulated CPU devices (in a subprocess: the device
+count must be fixed before jax is imported), plus the mesh/batch error messages."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from train.mesh import MeshError, resolve_axes
+
+SCRIPT = textwrap.dedent(r"""
+    import json, os, sys
+    import jax, numpy as np
+    assert jax.device_count() == 8, jax.device_count()
+    from train.config import build_config
+    from train.mesh import make_mesh, check_batch, put_batch, MeshError
+    from train.trainer import run, read_metrics
+
+    out = {}
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": -1})
+    out["mesh"] = dict(mesh.shape)
+    b = put_batch({"tokens": np.arange(16 * 5, dtype=np.int32).reshape(16, 5)}, mesh, 2)["tokens"]
+    out["batch_spec"] = str(b.sharding.spec)
+    out["batch_shard_shape"] = list(b.sharding.shard_shape(b.shape))
+    np.testing.assert_array_equal(np.asarray(b).reshape(16, 5), np.arange(16 * 5).reshape(16, 5))
+    for bad in ({"data": 3, "fsdp": 1, "tensor": 1}, {"data": -1, "fsdp": 3, "tensor": 1}):
+        try:
+            make_mesh(bad); out.setdefault("mesh_errors", []).append(None)
+        except MeshError as e:
+            out.setdefault("mesh_errors", []).append(str(e))
+    try:
+        check_batch(make_mesh({"data": 4, "fsdp": 2, "tensor": 1}), 12, 1)
+    except MeshError as e:
+        out["batch_error"] = str(e)
+
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
+            "data.train_max_width=3", "data.eval_widths=[2]", "data.eval_examples=8", "data.greedy_widths=[]",
+            "train.batch_size=16", "train.steps=3", "train.plots=false", "checkpoint.enabled=false"]
+    losses = {}
+    for name, axes in (("one", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]),
+                       ("eight", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])):
+        cfg = build_config(preset="addition-tiny", overrides=tiny + axes + [f"train.run_dir={sys.argv[1]}/{name}"])
+        if name == "one":
+            # a 1-device mesh on an 8-device host: restrict via the mesh itself
+            import train.trainer as T
+            orig = T.make_mesh
+            T.make_mesh = lambda c: orig(c, jax.devices()[:1])
+            run(cfg, log=lambda *a: None)
+            T.make_mesh = orig
+        else:
+            run(cfg, log=lambda *a: None)
+        losses[name] = [r["loss"] for _, r in sorted(read_metrics(f"{sys.argv[1]}/{name}")[0].items())]
+    out["losses"] = losses
+
+    # parameter placement through the model's logical axes
+    from flax import nnx
+    from falcon_jax.nn import FalconLM, state_shardings
+    cfg = build_config(preset="addition-tiny", overrides=tiny).lm_config(vocab_size=16)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _, params, _ = nnx.split(FalconLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params = jax.device_put(params, state_shardings(params, mesh))
+    flat = {jax.tree_util.keystr(p): str(x.sharding.spec) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    out["embedding_spec"] = flat["['embedding'].value"]
+    out["q_spec"] = flat["['layers'][0]['mixer']['q_proj']['kernel'].value"]
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_mesh_placement_and_training_on_8_simulated_devices(tmp_path):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert out["batch_spec"] == "P(None, ('data', 'fsdp'))"
+    assert out["batch_shard_shape"] == [2, 2, 5]  # [accum, 8 rows / 4 data shards, T]
+    e1, e2 = out["mesh_errors"]
+    assert e1 and "3 devices but 8 are available" in e1
+    assert e2 and "does not divide" in e2
+    assert "not divisible by the 8 data-parallel shards" in out["batch_error"]
+    assert out["embedding_spec"] == "P('tensor', 'fsdp')"
+    assert out["q_spec"] == "P('fsdp', 'tensor')"
+    one, eight = out["losses"]["one"], out["losses"]["eight"]
+    assert len(one) == len(eight) == 3
+    for a, b in zip(one, eight):  # the same training run, sharded 2x2x2 instead of on one device
+        assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_resolve_axes_errors():
+    assert resolve_axes({"data": -1, "fsdp": 2, "tensor": 1}, 8) == {"data": 4, "fsdp": 2, "tensor": 1}
+    with pytest.raises(MeshError, match="at most one axis"):
+        resolve_axes({"data": -1, "fsdp": -1, "tensor": 1}, 8)
+    with pytest.raises(MeshError, match="positive ints"):
+        resolve_axes({"data": 0, "fsdp": 1, "tensor": 1}, 8)

@@ -1,0 +1,97 @@
+"""Checkpoints: SIGKILL mid-run + --resume reproduces the uninterrupted losses step for step;
+a corrupt latest checkpoint is reported and the previous one used."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train.trainer import read_metrics
+
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
+        "data.train_max_width=3", "data.eval_widths=[2,4]", "data.eval_examples=8", "data.greedy_widths=[]",
+        "data.greedy_examples=4", "train.batch_size=8", "train.plots=false", "train.log_every=5",
+        "optim.warmup_steps=3", "checkpoint.every=3", "checkpoint.keep=2"]
+
+
+def _cmd(run_dir, steps, *extra):
+    args = [sys.executable, "-m", "train", "--preset", "addition-tiny", "--run-dir", str(run_dir),
+            "--set", f"train.steps={steps}"]
+    for o in TINY + list(extra):
+        args += ["--set", o]
+    return args
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=240, **kw)
+
+
+def test_sigkill_and_resume_reproduces_losses(tmp_path):
+    steps = 14
+    ref = _run(_cmd(tmp_path / "ref", steps))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_losses, _ = read_metrics(tmp_path / "ref")
+    assert sorted(ref_losses) == list(range(1, steps + 1))
+
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(run_dir, steps, "train.step_sleep=0.4"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env())
+    deadline = time.time() + 200
+    killed_after = None
+    while time.time() < deadline and proc.poll() is None:
+        got, _ = read_metrics(run_dir)
+        ckpts = [d for d in os.listdir(run_dir / "checkpoints")] if (run_dir / "checkpoints").exists() else []
+        if got and max(got) >= 8 and any(c.isdigit() and int(c) >= 6 for c in ckpts):
+            proc.send_signal(signal.SIGKILL)
+            killed_after = max(got)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    assert killed_after is not None, "the run finished (or hung) before it could be killed"
+    assert killed_after < steps and proc.returncode == -signal.SIGKILL
+
+    res = _run([sys.executable, "-m", "train", "--run-dir", str(run_dir), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[resume] restored step" in res.stdout
+    got, evals = read_metrics(run_dir)
+    assert sorted(got) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):  # bit-for-bit: same programs, same data, restored fp32 state
+        assert got[s]["loss"] == ref_losses[s]["loss"], (s, got[s]["loss"], ref_losses[s]["loss"])
+    assert evals and evals[-1]["step"] == steps
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _run(_cmd(run_dir, 6, "checkpoint.keep=3"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    ck = run_dir / "checkpoints"
+    assert sorted(int(d) for d in os.listdir(ck) if d.isdigit()) == [3, 6]
+
+    # starting again without --resume must not touch the existing checkpoints
+    again = _run(_cmd(run_dir, 6))
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+    # corrupt step 6: truncate every file in it
+    for root, _, files in os.walk(ck / "6"):
+        for f in files:
+            with open(os.path.join(root, f), "r+b") as fh:
+                fh.truncate(0)
+    res = _run(_cmd(run_dir, 9, "checkpoint.keep=3") + ["--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 6" in res.stdout and "corrupt" in res.stdout
+    assert "[resume] restored step 3" in res.stdout
+    assert os.listdir(run_dir / "checkpoints_corrupt")  # kept for inspection, not deleted
+    steps_now = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
+    assert steps_now == [3, 6, 9]  # 6 re-made from the resumed run
+    got, _ = read_metrics(run_dir)
+    assert sorted(got) == list(range(1, 10))
