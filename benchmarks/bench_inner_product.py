@@ -165,7 +165,7 @@ def main() -> int:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         floor = 4 * q.nbytes / (bw * 1e9) * 1e3
         rows.append({"impl": "HBM floor", "shape": "x".join(map(str, shape)), "fwd_ms": floor})
-        for variant in ("1A",):
+        for variant in ("1A", "3A"):
             f, b = fwd_and_bwd(ours_falcon(variant), 5)
             measure(f"falcon-{variant} pallas", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
         f, b = fwd_and_bwd(kernel_only, 4)

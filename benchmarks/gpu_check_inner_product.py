@@ -4,7 +4,7 @@
 
 Checks (exit 1 if any fails):
   * fp32: falcon(variant="1A", impl="pallas") vs the float64 XLA chunk form at T = 8192,
-    outputs, final state and gradients, rel. error <= 1e-4;
+    outputs, final state and gradients, rel. error <= 1e-4; Falcon-3A outputs likewise;
   * bf16: kernel error vs the float64 reference within 2x the XLA chunk form's bf16 error;
   * segments + initial state + read-before-write on the GPU lowering;
   * T = 65536: forward and backward finite.
@@ -62,6 +62,12 @@ def main() -> int:
     out32, state32 = pal_fn(*x32)
     check("fp32 T=8192 output rel err", rel(out32, ref_out), 1e-4)
     check("fp32 T=8192 final state rel err", rel(state32.S, ref_state.S), 1e-4)
+    # Falcon-3A through the same kernel (coefficients + banded correction), clamp active on some steps
+    lam_clamp = jnp.where(jnp.asarray(rng.uniform(size=x64[4].shape) < 0.1), 1e6, x64[4])
+    x64_3a = x64[:4] + [lam_clamp]
+    ref3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="xla"))(*x64_3a)
+    got3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="pallas"))(*[a.astype(jnp.float32) for a in x64_3a])
+    check("fp32 T=8192 Falcon-3A output rel err", rel(got3, ref3), 1e-4)
 
     ct = jnp.asarray(rng.normal(size=ref_out.shape))
 

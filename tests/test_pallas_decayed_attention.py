@@ -116,16 +116,24 @@ def falcon_inputs(rng, B=2, T=45, H=2, dk=16, dv=32):
     return [jnp.asarray(a, jnp.float32) for a in (q, k, v, beta, lam)]
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({}, marks=pytest.mark.slow), {"timing": "rbw", "alignment": "same_step"},
-    pytest.param({"scale_coupled": True}, marks=pytest.mark.slow), {"segments": True, "timing": "rbw"}])
-def test_falcon_1a_pallas_equals_xla_chunk_form(options):
-    rng = np.random.default_rng(len(str(options)))
+@pytest.mark.parametrize("variant,options", [
+    pytest.param("1A", {}, marks=pytest.mark.slow), ("1A", {"timing": "rbw", "alignment": "same_step"}),
+    pytest.param("1A", {"scale_coupled": True}, marks=pytest.mark.slow), ("1A", {"segments": True, "timing": "rbw"}),
+    ("3A", {"segments": True}), ("3A", {"timing": "rbw", "alignment": "same_step", "clamp": True}),
+    pytest.param("3A", {"window": 2, "timing": "rbw", "segments": True}, marks=pytest.mark.slow),
+])
+def test_falcon_pallas_equals_xla_chunk_form(variant, options):
+    """Falcon-1A and 3A (window pairs handed to the kernel with summed coefficients plus a banded
+    correction) against the XLA chunk form, continuing from a non-trivial state; ``clamp`` puts
+    λ = 1e6 on a third of the steps so γ sits at its clamp."""
+    rng = np.random.default_rng(len(str(options)) + len(variant))
     q, k, v, beta, lam = falcon_inputs(rng)
     options = dict(options)
     if options.pop("segments", False):
         options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, 45)), axis=1))
-    kw = dict(variant="1A", chunk_size=16, return_final_state=True, **options)
+    if options.pop("clamp", False):
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    kw = dict(variant=variant, chunk_size=16, return_final_state=True, **options)
     # continue from a non-trivial state so the initial-state path is exercised
     _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
     with poisoned_outputs():

@@ -1,8 +1,26 @@
 """Chunk form through the Pallas kernels (``impl="pallas"``).
 
-Serves the rules whose chunk computation is decayed attention with scalar
-gates: Falcon-1A (and 2A with one gain per head) and decayed linear
-attention.  Everything else raises ``NotImplementedError`` with the reason;
+Serves the inner-product rules with scalar gates — Falcon-1A, Falcon-3A (and
+2A with one gain per head) and decayed linear attention — through one kernel
+op, ``pallas_kernels.decayed_attention``::
+
+    S_p = e^{a_p} S_{p-1} + x_p y'_pᵀ,   o_p = S_pᵀ q_p      (per position p)
+
+Falcon-1A maps onto it with ``y' = η v``.  Falcon-3A writes each pair
+``(x_j, y_j)`` at the W steps of the windows that contain it.  The pair is
+handed to the kernel at its *last* writer ``s = j``-th step (window slot 0),
+with the writes summed into one coefficient decayed forward to that step::
+
+    c_j = Σ_i w_{s_i, i} · exp(Σ_{r=s_i+1}^{s_0} a_r)      (s_i = the step writing j through slot i)
+
+Every factor is a decay ≤ 1: nothing is divided by a small γ.  A read at step
+t that comes before a pair's last writer misses that pair's earlier writes; a
+banded correction (at most W−1 pairs per step, plain XLA) adds them, and the
+same correction adds the last W−1 pairs' partial writes to the final state.
+Read-before-write reads the position before with query q_t; a virtual first
+position holds the initial state's read.
+
+Everything else raises ``NotImplementedError`` with the reason;
 ``impl="auto"`` then falls back to the XLA chunk form.
 """
 
@@ -28,12 +46,19 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
             return f"{rule.name}: {reason}"
     if rule.regression:
         return f"{rule.name}: no Pallas kernel for regression rules yet"
-    if rule.window != 1:
-        return f"{rule.name}: no Pallas kernel for the sliding window yet"
     beta = inputs.get("beta")
     if beta is not None and beta.ndim == 4:
         return f"{rule.name}: no Pallas kernel for per-column gains yet"
     return None
+
+
+def _shift(a, d: int, axis: int = 2):
+    """``out[p] = a[p − d]`` along ``axis`` (zeros in front)."""
+    if d == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (d, 0)
+    return jax.lax.slice_in_dim(jnp.pad(a, widths), 0, a.shape[axis], axis=axis)
 
 
 def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
@@ -41,7 +66,7 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     """Same arguments and result as :func:`falcon_jax.forms.chunk.chunk`.
 
     ``kernel_dtype``: dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16);
-    gates, decays and states stay fp32.
+    gates, decays, coefficients and states stay fp32.
     """
     from pallas_kernels.decayed_attention import decayed_attention
 
@@ -49,24 +74,53 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     if reason is not None:
         raise NotImplementedError(reason)
     B, H, T, _ = q.shape
+    W = rule.window
     kd = kernel_dtype or q.dtype
     stream = write_stream(rule, k, v, inputs, resets, state)
-    x = stream.x_ext  # W = 1: no tail in front
-    y = stream.w[..., 0, :] * v  # [B,H,T,1] * [B,H,T,dv]: the write weight folded into the value
-    log_gamma = stream.log_gamma[..., 0]
-    run = jnp.broadcast_to(stream.run[:, None, :], (B, H, T))
-    if rule.timing == "rbw":
-        # read S_{t-1}: the raw read of position t-1 with query q_t; 0 where a segment starts
-        q_read = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
+    w = stream.w[..., 0]  # [B,H,T,W]: step s writes pair s+i (tail-ext index) with weight w[s, i]
+    lg = stream.log_gamma[..., 0]  # [B,H,T]
+    run = stream.run  # [B,T]
+    # decay[m][t] = exp(Σ_{r=t-m+1}^{t} a_r): from step t-m to step t (m < W)
+    decay = [jnp.ones_like(lg)]
+    for m in range(1, W):
+        decay.append(decay[-1] * jnp.exp(_shift(lg, m - 1)))
+
+    def writes_before(d):
+        """Σ_{i≥d} w[t+d-i, i] · decay[i-d][t] over same-segment steps: the writes of pair t+d done by
+        steps ≤ t, decayed to t.  [B,H,T]"""
+        total = jnp.zeros_like(lg)
+        for i in range(d, W):
+            same = (_shift(run, i - d, axis=1) == run) & (jnp.arange(T) >= i - d)
+            total = total + jnp.where(same[:, None], _shift(w[..., i], i - d), 0.0) * decay[i - d]
+        return total
+
+    x_pair = stream.x_ext[:, :, :T]  # the pair whose last writer is step s
+    y_pair = writes_before(0)[..., None] * stream.y_ext[:, :, :T]
+    pad1 = lambda a, axis=2: jnp.pad(a, [(0, 0)] * axis + [(1, 0)] + [(0, 0)] * (a.ndim - axis - 1))  # noqa: E731
+    # position 0 is virtual (no pair, no decay); position 1+s is step s
+    if rule.timing == "raw":
+        q_read, q_step = pad1(q), q  # step t reads at its own position
     else:
-        q_read = q
-    # the kernel of this machine's accelerator; on CPU the GPU kernel in interpret mode
-    implementation = "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"
-    o, S = decayed_attention(q_read.astype(kd), x.astype(kd), y.astype(kd), log_gamma, run, state.S,
-                             chunk_size=chunk_size, implementation=implementation)
-    o = o.astype(q.dtype)
+        q_read = jnp.pad(q, ((0, 0), (0, 0), (0, 1), (0, 0)))  # step t reads position t (= step t-1)
+        q_step = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)  # query read at step t
+    o, S = decayed_attention(q_read.astype(kd), pad1(x_pair).astype(kd), pad1(y_pair).astype(kd), pad1(lg),
+                             jnp.broadcast_to(pad1(run, 1)[:, None], (B, H, T + 1)), state.S,
+                             chunk_size=chunk_size, implementation=_implementation())
+    o = o.astype(q.dtype)[:, :, 1:]  # reads at steps 0..T-1 (rbw: query of step t+1)
+    # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
+    for d in range(1, W):
+        coef = writes_before(d)
+        x_d, y_d = stream.x_ext[:, :, d:d + T], stream.y_ext[:, :, d:d + T]
+        o = o + (jnp.einsum("bhtk,bhtk->bht", q_step, x_d) * coef)[..., None] * y_d
+        last = coef[:, :, -1]  # the final state gets pair T-1+d's writes up to step T-1
+        S = S + jnp.einsum("bhk,bh,bhd->bhkd", x_d[:, :, -1], last, y_d[:, :, -1])
     if rule.timing == "rbw":
-        first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S)
+        first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S)  # step 0 reads the initial state
         o = jnp.concatenate([first[:, :, None], o[:, :, :-1]], axis=2)
-        o = jnp.where(resets[:, None, :, None], 0.0, o)
+        o = jnp.where(resets[:, None, :, None], 0.0, o)  # a segment start reads the reset state
     return o, final_state(stream, S.astype(state.S.dtype), k, rule)
+
+
+def _implementation() -> str:
+    """The kernel of this machine's accelerator; on CPU the GPU kernel in interpret mode."""
+    return "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"
