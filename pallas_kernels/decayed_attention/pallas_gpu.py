@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +189,26 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def _walk_layout(q, y, chunk, pieces, block_v):
+    """Grid and block specs shared by the chunk walks: grid (batch·head, piece, value block)."""
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    Lp = L // pieces
+    n = Lp // chunk
+    specs = types.SimpleNamespace(
+        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+    )
+    shapes = types.SimpleNamespace(
+        piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
+    )
+    return (BH, pieces, dv // block_v), n, specs, shapes
+
+
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=4,
                  num_stages=2):
     """Run the chunk walk for every (batch·head, piece, value block).
@@ -195,32 +216,20 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h
     q, x [BH, L, dk]; y [BH, L, dv]; g, rl [BH, L]; s0 [BH, P, dk, dv] initial state of each piece.
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
     """
-    BH, L, dk = q.shape
-    dv = y.shape[-1]
-    P = pieces
-    Lp = L // P
-    n = Lp // chunk
-    NV = dv // block_v
-    in_specs = [
-        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
-        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-    ]
+    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v)
+    in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.piece_state]
     out_shape, out_specs = [], []
     if write_o:
-        out_shape.append(jax.ShapeDtypeStruct((BH, L, dv), y.dtype))
-        out_specs.append(pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)))
+        out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+        out_specs.append(specs.rows_v)
     if write_h:
-        out_shape.append(jax.ShapeDtypeStruct((BH, P * n, dk, dv), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)))
-    out_shape.append(jax.ShapeDtypeStruct((BH, P, dk, dv), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+        out_shape.append(shapes.chunk_states)
+        out_specs.append(specs.chunk_states)
+    out_shape.append(shapes.piece_states)
+    out_specs.append(specs.piece_state)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=_precision(q.dtype))
-    return _call(kernel, grid=(BH, P, NV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    return _call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                  args=(q, x, y, g, rl, s0), compiler_params=None if interpret else _params(num_warps, num_stages),
                  interpret=interpret, name="falcon_decayed_attention_fwd")
 
@@ -232,28 +241,17 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    BH, L, dk = q.shape
-    dv = do.shape[-1]
-    P = pieces
-    Lp = L // P
-    n = Lp // chunk
-    NV = dv // block_v
-    in_specs = [
-        pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
-        pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-    ]
+    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v)
+    in_specs = [specs.rows_k, specs.gate, specs.gate, specs.rows_v, specs.piece_state]
     out_shape, out_specs = [], []
     if write_dh:
-        out_shape.append(jax.ShapeDtypeStruct((BH, P * n, dk, dv), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)))
-    out_shape.append(jax.ShapeDtypeStruct((BH, P, dk, dv), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)))
+        out_shape.append(shapes.chunk_states)
+        out_specs.append(specs.chunk_states)
+    out_shape.append(shapes.piece_states)
+    out_specs.append(specs.piece_state)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
                                precision=_precision(q.dtype))
-    return _call(kernel, grid=(BH, P, NV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    return _call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                  args=(q, g, rl, do, ds_end), compiler_params=None if interpret else _params(num_warps, num_stages),
                  interpret=interpret, name="falcon_decayed_attention_dstate")
 
