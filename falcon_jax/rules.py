@@ -78,7 +78,7 @@ def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, sca
         η_t = β_t / (E_t + λ_t + ε)  (step="normalized")  or  β_t  (step="direct")
         α_t = min(η_t λ_t, 1 − ε_γ),  log γ_t = log1p(−α_t)
         w_{t,i} = η_t / B_t · [pair i ∈ I_t]
-    and η = α = 0 at the sentinel.
+    and η = α = 0 at the sentinel and wherever ``E_t + λ_t + ε = 0``.
     """
     beta, lam = inputs["beta"], inputs["lam"]
     dtype = x_win.dtype
@@ -96,7 +96,9 @@ def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, sca
     energy_g, lam_g, valid_g = energy[..., None], lam_eff[..., None], valid[..., None]
     if step == "normalized":
         denom = energy_g + lam_g + eps
-        # the sentinel's denominator may be 0 (eps=0); keep its unused branch finite
+        # η := 0 where the denominator vanishes (zero key, λ = 0, eps = 0: the paper's convention
+        # at Eq. 3.4, the gradient is zero there); keep the unused branch finite for the gradient
+        valid_g = valid_g & (denom != 0)
         eta = beta_g / jnp.where(valid_g, denom, 1.0)
     else:
         eta = beta_g

@@ -1,0 +1,128 @@
+"""Every variant x form x option equals the float64 NumPy reference (rel. err <= 1e-10),
+outputs and final state.
+
+The main cross product is variant x form x single option.  Each option case uses its own
+sequence length, so lengths shorter than a chunk, multiples of the chunk and ragged tails are
+all covered without multiplying the number of compilations.  Combinations of options are
+spread over the variant x form grid instead of being crossed with it.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from falcon_jax import falcon
+from tests.helpers import (ALL_VARIANTS, FORMS, as_jnp, assert_close, assert_state_close, jcall,
+                           make_initial_state, make_inputs, make_segment_ids, to_lib_state)
+from tests.reference import reference_falcon
+
+TOL = 1e-10
+B, H, DK, DV = 2, 2, 6, 5
+CHUNK = 8
+
+
+def run_case(rng, variant, form, *, T=20, B=B, H=H, dk=DK, dv=DV, chunk_size=CHUNK, segments=False,
+             initial_state=False, window=4, beta_per_head=False, impl="auto", **opts):
+    """Draw inputs, run the library (jitted) and the reference, compare outputs and final states."""
+    step = opts.get("step", "normalized")
+    if initial_state:
+        B = max(B, 3)  # rows: key + full tail, fresh, key + partial tail
+    q, k, v, beta, lam = make_inputs(rng, variant="1" if beta_per_head else variant, B=B, T=T, H=H,
+                                     dk=dk, dv=dv, step=step)
+    seg = make_segment_ids(rng, B, T) if segments else None
+    init = make_initial_state(rng, variant=variant, window=window, B=B, H=H, dk=dk, dv=dv) \
+        if initial_state else None
+    ref_out, ref_state = reference_falcon(q, k, v, beta, lam, variant=variant, window=window,
+                                          segment_ids=seg, initial_state=init, **opts)
+    out, state = jcall(falcon, *as_jnp(q, k, v, beta, lam), variant=variant, window=window, form=form,
+                       chunk_size=chunk_size, impl=impl, return_final_state=True,
+                       segment_ids=None if seg is None else jnp.asarray(seg),
+                       initial_state=None if init is None else to_lib_state(init), **opts)
+    assert out.dtype == jnp.float64
+    assert_close(out, ref_out, TOL, f"{variant}/{form} output")
+    assert_state_close(state, ref_state, TOL, f"{variant}/{form} final state")
+    return out, ref_out
+
+
+# option -> (kwargs, T).  chunk 8: T = 7 < chunk, 24 = 3 chunks exactly, the rest ragged.
+OPTION_CASES = {
+    "default": ({}, 20),
+    "same_step": ({"alignment": "same_step"}, 13),
+    "rbw": ({"timing": "rbw"}, 24),
+    "direct": ({"step": "direct"}, 7),
+    "scale_coupled": ({"scale_coupled": True}, 17),
+    "segments": ({"segments": True}, 37),
+    "initial_state": ({"initial_state": True}, 11),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_single_option(rng, variant, case, form):
+    opts, T = OPTION_CASES[case]
+    out, ref = run_case(rng, variant, form, T=T, **opts)
+    assert np.max(np.abs(ref)) > 0.1  # the comparison is not vacuous
+
+
+COMBO_CASES = [
+    dict(segments=True, initial_state=True, timing="rbw"),
+    dict(alignment="same_step", segments=True, initial_state=True, scale_coupled=True),
+    dict(step="direct", scale_coupled=True, timing="rbw", scale=0.37, initial_state=True),
+    dict(alignment="same_step", step="direct", segments=True, eps=1e-3, eps_gamma=1e-3, timing="rbw"),
+]
+COMBO_GRID = [(v, f, (i + j) % len(COMBO_CASES)) for i, v in enumerate(ALL_VARIANTS) for j, f in enumerate(FORMS)]
+
+
+@pytest.mark.parametrize("variant,form,combo", COMBO_GRID)
+def test_option_combinations(rng, variant, form, combo):
+    """Each (variant, form) gets one combination; every combination meets every variant and form."""
+    run_case(rng, variant, form, T=19, **COMBO_CASES[combo])
+
+
+@pytest.mark.parametrize("variant,form", [(v, "chunk") for v in ALL_VARIANTS] + [("1", "parallel"),
+                                                                               ("3", "parallel")])
+def test_single_step_sequence(rng, variant, form):
+    """T = 1 (a one-token call continuing a state: the decode-by-call case).  The recurrent form is
+    one scan step and is covered by test_continuation's step loops."""
+    out, ref = run_case(rng, variant, form, T=1, initial_state=True)
+    assert np.max(np.abs(ref)) > 0.01
+
+
+WINDOW_GRID = [(v, w, "chunk") for v in ("3", "3A") for w in (1, 2, 5, 12)] + [("3", 12, "parallel"),
+                                                                              ("3A", 12, "parallel")]
+
+
+@pytest.mark.parametrize("variant,window,form", WINDOW_GRID)
+def test_window_sizes(rng, variant, window, form):
+    """Window 12 is wider than the chunk (8): the overlap reaches back more than one chunk."""
+    run_case(rng, variant, form, T=29, window=window, segments=True, initial_state=True)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 32])
+def test_chunk_sizes(rng, chunk_size):
+    """Degenerate chunks (1, 2) and one chunk longer than the sequence (32 > 13)."""
+    for variant in ("1", "3A"):
+        run_case(rng, variant, "chunk", chunk_size=chunk_size, T=13, segments=True, initial_state=True,
+                 window=3)
+
+
+@pytest.mark.parametrize("variant", ["2", "2A"])
+def test_per_column_variant_accepts_per_head_beta(rng, variant):
+    """A [B,T,H] beta given to 2/2A broadcasts over the value columns."""
+    run_case(rng, variant, "chunk", beta_per_head=True, segments=True)
+
+
+@pytest.mark.parametrize("variant", ["3", "1A"])
+def test_impl_xla(rng, variant):
+    for impl in ("auto", "xla"):
+        run_case(rng, variant, "chunk", impl=impl, segments=True)
+
+
+def test_eager_call_defaults_and_plain_return(rng):
+    """Un-jitted call with the defaults (form='chunk', chunk_size=64, window=4, shifted, raw,
+    normalized): returns a plain array when return_final_state is False."""
+    q, k, v, beta, lam = make_inputs(rng, variant="3", B=1, T=70, H=1, dk=4, dv=3)
+    ref, _ = reference_falcon(q, k, v, beta, lam, variant="3")
+    out = falcon(*as_jnp(q, k, v, beta, lam), variant="3")
+    assert isinstance(out, jnp.ndarray) and out.shape == (1, 70, 1, 3)
+    assert_close(out, ref, TOL)

@@ -1,0 +1,167 @@
+"""Bad arguments raise ValueError / TypeError whose message names the argument.
+
+The accepted calls are traced with jax.eval_shape (validation happens at trace time), so
+no program is compiled here."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from falcon_jax import decayed_linear_attention, deltanet, falcon, falcon_step, gated_deltanet, init_state
+from tests.helpers import as_jnp, make_initial_state, make_inputs, to_lib_state
+
+B, T, H, DK, DV = 2, 8, 2, 4, 3
+ERRORS = (ValueError, TypeError)
+
+
+@pytest.fixture
+def inputs(rng):
+    return dict(zip(("q", "k", "v", "beta", "lam"), as_jnp(*make_inputs(rng, B=B, T=T, H=H, dk=DK, dv=DV))))
+
+
+def call(inputs, variant="1", **kw):
+    a = dict(inputs)
+    for name in ("q", "k", "v", "beta", "lam"):
+        if name in kw:
+            a[name] = kw.pop(name)
+    return falcon(a["q"], a["k"], a["v"], a["beta"], a["lam"], variant=variant, **kw)
+
+
+def test_valid_call_does_not_raise(inputs):
+    """The baseline for every case below: the unmodified inputs are accepted."""
+    for form in ("recurrent", "parallel", "chunk"):
+        out = jax.eval_shape(lambda: call(inputs, form=form, chunk_size=4))
+        assert out.shape == (B, T, H, DV)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_wrong_rank(inputs, name):
+    bad = inputs[name][0]  # rank 3
+    with pytest.raises(ERRORS, match=rf"\b{name}\b"):
+        call(inputs, **{name: bad})
+
+
+@pytest.mark.parametrize("name,shape,pattern", [
+    ("k", (B, T, H, DK + 1), r"\b[qk]\b"),   # dk mismatch between q and k
+    ("k", (B, T + 1, H, DK), r"\b[qk]\b"),   # T mismatch between q and k
+    ("v", (B, T - 1, H, DV), r"\bv\b"),      # v shorter than q
+    ("v", (B, T, H + 1, DV), r"\bv\b"),      # v with other heads
+    ("beta", (B, T, H + 1), r"\bbeta\b"),
+    ("beta", (B, T), r"\bbeta\b"),
+    ("lam", (B, T - 1, H), r"\blam\b"),
+    ("lam", (B, T, H, DV), r"\blam\b"),
+])
+def test_mismatched_shapes(inputs, name, shape, pattern):
+    with pytest.raises(ERRORS, match=pattern):
+        call(inputs, **{name: jnp.ones(shape, jnp.float64)})
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("variant", "4"), ("variant", "1B"), ("variant", 1),
+    ("form", "fused"), ("form", None),
+    ("alignment", "prefix"), ("timing", "raw_after"), ("step", "normalised"), ("impl", "cuda"),
+])
+def test_unknown_option(inputs, arg, value):
+    kw = {"variant": "1", arg: value}
+    variant = kw.pop("variant")
+    with pytest.raises(ERRORS, match=arg):
+        call(inputs, variant=variant, **kw)
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.5])
+def test_bad_window(inputs, window):
+    with pytest.raises(ERRORS, match="window"):
+        call(inputs, variant="3", window=window)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 3, 48, -8])
+def test_chunk_size_not_power_of_two(inputs, chunk_size):
+    with pytest.raises(ERRORS, match="chunk_size"):
+        call(inputs, form="chunk", chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("variant", ["1", "3", "1A", "3A"])
+def test_per_column_beta_for_scalar_variant(inputs, variant):
+    with pytest.raises(ERRORS, match=r"\bbeta\b"):
+        call(inputs, variant=variant, beta=jnp.ones((B, T, H, DV), jnp.float64))
+
+
+@pytest.mark.parametrize("variant", ["2", "2A"])
+def test_per_column_beta_wrong_columns(inputs, variant):
+    with pytest.raises(ERRORS, match=r"\bbeta\b"):
+        call(inputs, variant=variant, beta=jnp.ones((B, T, H, DV + 1), jnp.float64))
+
+
+def test_segment_ids_shape(inputs):
+    with pytest.raises(ERRORS, match="segment_ids"):
+        call(inputs, segment_ids=jnp.zeros((B, T + 1), jnp.int32))
+
+
+@pytest.mark.parametrize("what", ["heads", "dk", "dv", "batch", "tail", "no_tail"])
+def test_mismatched_initial_state(rng, inputs, what):
+    dims = dict(B=B, H=H, dk=DK, dv=DV)
+    variant, window = "3", 4
+    if what == "heads":
+        dims["H"] = H + 1
+    elif what == "dk":
+        dims["dk"] = DK + 1
+    elif what == "dv":
+        dims["dv"] = DV + 1
+    elif what == "batch":
+        dims["B"] = B + 1
+    elif what == "tail":
+        window = 3  # the state of a window-3 call given to a window-4 call
+    elif what == "no_tail":
+        variant = "1"  # a state without tail given to variant 3
+    state = to_lib_state(make_initial_state(rng, variant=variant, window=window, **dims))
+    with pytest.raises(ERRORS, match="initial_state"):
+        call(inputs, variant="3", window=4, initial_state=state)
+
+
+def test_initial_state_accepted_when_matching(rng, inputs):
+    state = to_lib_state(make_initial_state(rng, variant="3", window=4, B=B, H=H, dk=DK, dv=DV))
+    out = jax.eval_shape(lambda: call(inputs, variant="3", window=4, initial_state=state))
+    assert out.shape == (B, T, H, DV)
+
+
+def test_falcon_step_validation(rng, inputs):
+    state = init_state(B, H, DK, DV, variant="3", window=4, dtype=jnp.float64)
+    q_t, k_t, v_t = (inputs[n][:, 0] for n in ("q", "k", "v"))
+    beta_t, lam_t = inputs["beta"][:, 0], inputs["lam"][:, 0]
+    o, _ = jax.eval_shape(lambda: falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, variant="3", window=4))
+    assert o.shape == (B, H, DV)
+    with pytest.raises(ERRORS, match=r"\bstate\b"):
+        falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, variant="3", window=2)
+    with pytest.raises(ERRORS, match="variant"):
+        falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, variant="7", window=4)
+    with pytest.raises(ERRORS, match=r"\bbeta"):
+        falcon_step(state, q_t, k_t, v_t, jnp.ones((B, H, DV)), lam_t, variant="3", window=4)
+    with pytest.raises(ERRORS, match=r"\bq"):
+        falcon_step(state, q_t[0], k_t, v_t, beta_t, lam_t, variant="3", window=4)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(variant="9"), "variant"), (dict(window=0), "window"), (dict(heads=0), "heads"),
+])
+def test_init_state_validation(kw, pattern):
+    args = dict(batch=B, heads=H, dk=DK, dv=DV, variant="3", window=4)
+    args.update(kw)
+    with pytest.raises(ERRORS, match=pattern):
+        init_state(args.pop("batch"), args.pop("heads"), args.pop("dk"), args.pop("dv"), **args)
+
+
+@pytest.mark.parametrize("fn,extra", [
+    (decayed_linear_attention, ("log_decay",)), (deltanet, ("beta",)), (gated_deltanet, ("beta", "log_decay")),
+])
+def test_baseline_validation(inputs, fn, extra):
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    gates = [-inputs["lam"] if n == "log_decay" else inputs["beta"] for n in extra]
+    assert jax.eval_shape(lambda: fn(q, k, v, *gates, form="recurrent")).shape == (B, T, H, DV)
+    with pytest.raises(ERRORS, match="form"):
+        fn(q, k, v, *gates, form="nope")
+    with pytest.raises(ERRORS, match="chunk_size"):
+        fn(q, k, v, *gates, form="chunk", chunk_size=48)
+    with pytest.raises(ERRORS, match=r"\bq\b"):
+        fn(q[0], k, v, *gates)
+    bad = [jnp.ones((B, T, H + 1)) for _ in gates]
+    with pytest.raises(ERRORS, match=extra[0]):
+        fn(q, k, v, *bad)
