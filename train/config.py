@@ -249,7 +249,7 @@ _LM_TINY = {
     # Byte-level LM on local text (by default this repository's docs); CPU-sized.
     "model": dict(mixer="falcon-1A.3", d_model=128, n_layers=2, n_heads=4, chunk_size=32,
                   dtype="float32", param_dtype="float32"),
-    "data": dict(kind="text", paths=["docs", "README.md", "/work/shared/SPEC.md"], seq_len=256,
+    "data": dict(kind="text", paths=["docs", "README.md"], seq_len=256,
                  tokenizer="byte", val_batches=4),
     "optim": dict(lr=2e-3, warmup_steps=50, weight_decay=0.1),
     "train": dict(steps=300, batch_size=16, log_every=25, eval_every=100, run_dir="runs/lm-tiny"),
