@@ -46,6 +46,13 @@ def _chunk_masks(g, rl, chunk):
     return jnp.exp(jnp.where(mask, g[:, None] - g[None, :], -jnp.inf))
 
 
+def _chunk_rows(g_ref, rl_ref, c, chunk):
+    """Rows of chunk ``c`` and its gates: (rows, g, rl, g at the last row, rl at the last row)."""
+    start = pl.multiple_of(c * chunk, chunk)
+    rows = pl.ds(start, chunk)
+    return rows, g_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], rl_ref[start + chunk - 1]
+
+
 def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_o,
                     write_h, precision):
     refs = list(out_refs)
@@ -54,14 +61,9 @@ def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk
     (s_end_ref,) = refs
 
     def body(c, S):
-        start = pl.multiple_of(c * chunk, chunk)
-        rows = pl.ds(start, chunk)
+        rows, g, rl, g_last, rl_last = _chunk_rows(g_ref, rl_ref, c, chunk)
         x = x_ref[rows, :]
         y = y_ref[rows, :]
-        g = g_ref[rows]
-        rl = rl_ref[rows]
-        g_last = g_ref[start + chunk - 1]
-        rl_last = rl_ref[start + chunk - 1]
         if write_h:
             h_ref[c, :, :] = S
         if write_o:
@@ -86,16 +88,11 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
 
     def body(i, dS):
         c = n_chunks - 1 - i
-        start = pl.multiple_of(c * chunk, chunk)
-        rows = pl.ds(start, chunk)
+        rows, g, rl, g_last, rl_last = _chunk_rows(g_ref, rl_ref, c, chunk)
         if write_dh:
             dh_ref[c, :, :] = dS
         q = q_ref[rows, :]
         do = do_ref[rows, :]
-        g = g_ref[rows]
-        rl = rl_ref[rows]
-        g_last = g_ref[start + chunk - 1]
-        rl_last = rl_ref[start + chunk - 1]
         qw = (q * jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None]).astype(do.dtype)
         return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * dS + _dot(qw.T, do, precision)
 
