@@ -18,7 +18,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.common import compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch, write_json
 from falcon_jax import falcon

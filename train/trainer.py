@@ -12,11 +12,9 @@ Params are stored in ``param_dtype`` (fp32 master copy); the model computes in `
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import sys
 import time
 
 import jax

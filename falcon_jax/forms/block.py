@@ -32,7 +32,6 @@ pair of steps in different segments (``run``).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -53,7 +53,7 @@ class KernelConfig:
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
 
 
-def _pieces(bh: int, nv: int, n_chunks: int, target_programs: int = 264) -> int:
+def _pieces(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
     """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
     P = 1
     while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
@@ -114,14 +114,12 @@ def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, back
 
 
 def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
-    out, (q, x, y, g, rl, starts) = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret,
-                                             backend)
-    return out, (q, x, y, g, rl, starts, run)
+    return _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend)
 
 
 def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
     kernels = _BACKENDS[backend]
-    q, x, y, g, rl, starts, run = res
+    q, x, y, g, rl, starts = res
     do, ds_final = cts
     BH, L, dk = q.shape
     dv = y.shape[-1]
