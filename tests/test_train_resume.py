@@ -68,6 +68,10 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path):
     for s in range(1, steps + 1):  # bit-for-bit: same programs, same data, restored fp32 state
         assert got[s]["loss"] == ref_losses[s]["loss"], (s, got[s]["loss"], ref_losses[s]["loss"])
     assert evals and evals[-1]["step"] == steps
+    # the data came through Grain, whose iterator state is in every checkpoint
+    with open(run_dir / "checkpoints" / str(steps) / "meta" / "metadata") as f:
+        meta = json.load(f)
+    assert meta["data"] == {"step": steps, "loader": "grain", "state": {"next_index": steps}}
 
 
 def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_path):
@@ -95,3 +99,9 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_
     assert steps_now == [3, 6, 9]  # 6 re-made from the resumed run
     got, _ = read_metrics(run_dir)
     assert sorted(got) == list(range(1, 10))
+
+    # resuming with the other loader would silently change the data: refused, with the fix
+    other = _run(_cmd(run_dir, 12, "checkpoint.keep=3", "data.loader=builtin") + ["--resume"])
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "data.loader='grain'" in other.stderr and "--set data.loader=grain" in other.stderr
+    assert sorted(int(d) for d in os.listdir(ck) if d.isdigit()) == [3, 6, 9]  # nothing touched

@@ -26,10 +26,15 @@ from falcon_jax.nn import LMConfig
 class DataConfig:
     """``kind="addition"``: SPEC §6 (train widths uniform in [train_min_width, train_max_width],
     eval widths split into in-distribution and longer-than-trained by the training range).
-    ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens."""
+    ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens.
+    ``loader``: "grain" (Grain pipeline, per-host rows, iterator state in checkpoints) or
+    "builtin" (index-based; every host builds the global batch); see :mod:`train.loader`."""
 
     kind: str = "addition"
     seed: int = 0
+    loader: str = "grain"
+    grain_threads: int = 1  # Grain read-ahead threads (0 = read in the training thread)
+    grain_prefetch: int = 2  # host batches the read-ahead threads may buffer
     # addition
     train_min_width: int = 1
     train_max_width: int = 8

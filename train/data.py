@@ -1,10 +1,15 @@
-"""Data for the trainer: the addition task (SPEC §6), local text corpora, packing.
+"""Data for the trainer: the addition task (SPEC §6), local text corpora, packing, loaders.
 
-Every iterator here is a pure function of ``(seed, step)``: batch ``i`` is computed from the
-seed and ``i`` alone, so the whole iterator state is ``{"step": i}`` (a JSON dict saved in
-every checkpoint) and a resumed run sees exactly the batches the uninterrupted one would have.
-Each host builds the same global batch and places only its addressable shards
-(:func:`train.mesh.put_batch`), so nothing has to be coordinated between hosts.
+Two loaders feed the training loop (``data.loader``, see :mod:`train.loader`):
+
+* ``"grain"`` (default): a Grain ``MapDataset`` over a *row stream* -- row ``g`` of the training
+  stream is a pure function of ``(seed, g)`` (:meth:`AdditionData.rows`; for text, Grain's lazy
+  per-epoch shuffle of window starts, then :meth:`TextData.windows`).  Global batch ``i`` is
+  the rows ``[i*B, (i+1)*B)``; each host reads only its share of them.  The iterator's state
+  (Grain's ``get_state()``, a small JSON dict) is saved in every checkpoint.
+* ``"builtin"``: the index-based iterator of the first version: batch ``i`` is computed from
+  the seed and ``i`` alone (:meth:`AdditionData.batch`, :meth:`TextData.batch`), state
+  ``{"step": i}``; every host builds the whole global batch.
 
 Batches are dicts of numpy arrays, all ``[B, T]``:
 
@@ -83,6 +88,30 @@ def problem_hash(a: np.ndarray, b: np.ndarray, split_seed: int) -> np.ndarray:
 def is_heldout(a: np.ndarray, b: np.ndarray, split_seed: int, heldout_frac: float) -> np.ndarray:
     """``[N]`` bool: whether problem {a, b} belongs to the held-out bucket (never trained on)."""
     u = (problem_hash(a, b, split_seed) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return u < heldout_frac
+
+
+def _is_heldout_ragged(a: np.ndarray, b: np.ndarray, n: np.ndarray, split_seed: int,
+                       heldout_frac: float) -> np.ndarray:
+    """:func:`is_heldout` for rows of mixed widths in one pass: ``a, b [N, W]`` digits, row r
+    of width ``n[r] <= W`` in its first ``n[r]`` columns and zero after.  Equal to
+    ``is_heldout(a[r:r+1, :n[r]], b[r:r+1, :n[r]], ...)`` row by row (tested)."""
+    a = np.asarray(a, np.int64)
+    b = np.asarray(b, np.int64)
+    n = np.asarray(n, np.int64)
+    N, W = a.shape
+    diff = a != b  # padding is equal in a and b, so the order is decided inside the width
+    first = np.argmax(diff, axis=1)
+    rows = np.arange(N)
+    a_less = np.where(diff.any(axis=1), a[rows, first] < b[rows, first], True)
+    lo = np.where(a_less[:, None], a, b)
+    hi = np.where(a_less[:, None], b, a)
+    with np.errstate(over="ignore"):
+        h = _mix64(np.uint64(split_seed) * np.uint64(0x9E3779B97F4A7C15) + n.astype(np.uint64))
+        for j in range(2 * W):  # row r hashes lo[:n] then hi[:n]: 2n columns
+            col = np.where(j < n, lo[:, min(j, W - 1)], hi[rows, np.clip(j - n, 0, W - 1)])
+            h = np.where(j < 2 * n, _mix64(h ^ (col.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019))), h)
+    u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
     return u < heldout_frac
 
 
@@ -201,6 +230,50 @@ class AdditionData:
             enc = encode_addition(a, b, self.seq_len)
             for k in out:
                 out[k][rows] = enc[k]
+        return out
+
+    def rows(self, idx) -> dict[str, np.ndarray]:
+        """Rows ``idx`` ``[N]`` (int) of the training row stream (the Grain loader's records):
+        ``[N, seq_len]``.
+
+        Row ``g`` depends on ``(seed, g)`` only -- not on the batch size, the host count or the
+        rows it is computed with -- through counter-based hashing (splitmix64): its width, then
+        candidate operands per attempt, the first candidate outside the held-out bucket kept.
+        Vectorised over the rows, so one call per batch is cheap."""
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        N, wmax = len(idx), self.train_max_width
+        with np.errstate(over="ignore"):
+            key = _mix64(_mix64(np.full(N, np.uint64(self.seed) ^ np.uint64(0x5EEDADD0)))
+                         + idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+            span = np.uint64(wmax - self.train_min_width + 1)
+            widths = self.train_min_width + (_mix64(key ^ np.uint64(0xA11CE)) % span).astype(np.int64)
+            a = np.zeros((N, wmax), np.int64)
+            b = np.zeros((N, wmax), np.int64)
+            pending = np.arange(N)
+            cols = np.arange(2 * wmax, dtype=np.uint64)
+            pos = np.arange(wmax)[None, :]
+            for attempt in range(10_000):
+                if not len(pending):
+                    break
+                salt = np.uint64(attempt + 1) << np.uint64(32)
+                h = _mix64(_mix64(key[pending, None] ^ (salt | cols[None, :])))
+                digits = ((h >> np.uint64(11)) % np.uint64(10)).astype(np.int64)  # [P, 2*wmax]
+                n = widths[pending, None]
+                ca = np.where(pos < n, digits[:, :wmax], 0)  # zero beyond each row's width
+                cb = np.where(pos < n, digits[:, wmax:], 0)
+                ok = ~_is_heldout_ragged(ca, cb, widths[pending], self.split_seed, self.heldout_frac)
+                a[pending[ok]], b[pending[ok]] = ca[ok], cb[ok]
+                pending = pending[~ok]
+        if len(pending):
+            raise RuntimeError(f"AdditionData.rows: could not draw training problems "
+                               f"(heldout_frac={self.heldout_frac}).")
+        out = {k: np.empty((N, self.seq_len), dt) for k, dt in
+               (("tokens", np.int32), ("segment_ids", np.int32), ("loss_mask", bool))}
+        for n in np.unique(widths):
+            r = np.nonzero(widths == n)[0]
+            enc = encode_addition(a[r, :n], b[r, :n], self.seq_len)
+            for k in out:
+                out[k][r] = enc[k]
         return out
 
     def eval_set(self, width: int) -> dict[str, np.ndarray]:
@@ -348,9 +421,9 @@ class TextData:
     ``cache_dir`` (reused by later runs with the same files and tokenizer).
 
     Documents are split into train / validation by a hash of their index (``val_frac``).  A
-    training batch at ``step`` is ``B`` windows of ``seq_len`` tokens whose start offsets come
-    from a seeded permutation of all window starts (one permutation per epoch), so the stream
-    position is a function of ``step`` alone.
+    training batch is ``B`` windows of ``seq_len`` tokens whose start offsets come from a seeded
+    permutation of all window starts, a new one every epoch (:meth:`batch` for the builtin
+    loader; the Grain loader shuffles the starts itself and reads them with :meth:`windows`).
     """
 
     paths: tuple[str, ...]
@@ -409,6 +482,17 @@ class TextData:
                 cache.pop(min(cache))
             cache[epoch] = np.random.default_rng([self.seed, 0x7E77, epoch]).permutation(n)
         return cache[epoch]
+
+    @property
+    def num_train_starts(self) -> int:
+        """How many windows of ``seq_len`` the training stream has (the Grain loader shuffles
+        these start offsets, lazily and afresh every epoch)."""
+        return self._starts("train")
+
+    def windows(self, starts) -> dict[str, np.ndarray]:
+        """Training windows at the token offsets ``starts`` ``[N]``: ``[N, seq_len]``."""
+        stream, dids = self.splits["train"]
+        return pack_windows(stream, dids, np.asarray(starts, np.int64).reshape(-1), self.seq_len)
 
     def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
         """The training batch of ``step``: ``[B, seq_len]`` packed windows."""

@@ -101,17 +101,55 @@ def batch_sharding(mesh: Mesh, accum: bool) -> NamedSharding:
     return NamedSharding(mesh, P(None, BATCH_AXES) if accum else P(BATCH_AXES))
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, grad_accum: int) -> dict[str, jax.Array]:
-    """Host numpy ``[B, T]`` -> global arrays ``[A, B/A, T]`` sharded over the batch axes.
+def host_shard(mesh: Mesh, batch_size: int, grad_accum: int) -> tuple[int, int]:
+    """``(index, count)``: which of ``count`` equal, contiguous slices of every micro-batch's
+    rows this process's devices hold (the share of the batch this host has to load).
 
-    Every host holds the same global batch (the iterators are deterministic), and
-    ``make_array_from_callback`` copies only the shards this host's devices own."""
+    One process: ``(0, 1)``.  On several hosts this is like Grain's ``ShardByJaxProcess`` but
+    read off the mesh, so hosts that hold the same rows (a batch replicated over a ``tensor``
+    axis that spans hosts) load the same slice.  A layout that is not one contiguous equal
+    slice per host gives ``(0, 1)``: the host then loads the whole batch."""
+    m = batch_size // grad_accum
+    sh = batch_sharding(mesh, accum=True)
+    spans = {idx[1].indices(m)[:2] for idx in sh.addressable_devices_indices_map((grad_accum, m)).values()}
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    covered = np.zeros(m, bool)
+    for a, b in spans:
+        covered[a:b] = True
+    size = hi - lo
+    if not covered[lo:hi].all() or m % size or lo % size:
+        return 0, 1
+    return lo // size, m // size
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, grad_accum: int,
+              shard: tuple[int, int] = (0, 1)) -> dict[str, jax.Array]:
+    """Host numpy ``[B_host, T]`` -> global arrays ``[A, B/A, T]`` sharded over the batch axes.
+
+    ``shard = (s, k)`` (from :func:`host_shard`): the host's rows are slice s of k of every
+    micro-batch, i.e. row ``a * B_host/A + r`` of the host batch is row ``s * B_host/A + r`` of
+    micro-batch a (``B = k * B_host``).  With ``(0, 1)`` the host holds the whole global batch
+    (the builtin loader).  ``make_array_from_callback`` copies only the shards this host's
+    devices own."""
+    s, k = shard
+    sh = batch_sharding(mesh, accum=True)
     out = {}
-    for k, v in batch.items():
+    for name, v in batch.items():
         v = np.asarray(v)
-        v = v.reshape((grad_accum, v.shape[0] // grad_accum) + v.shape[1:])
-        sh = batch_sharding(mesh, accum=True)
-        out[k] = jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
+        if v.shape[0] % grad_accum:
+            raise MeshError(f"put_batch: {name!r} has {v.shape[0]} rows, not divisible by grad_accum={grad_accum}.")
+        m_loc = v.shape[0] // grad_accum
+        v = v.reshape((grad_accum, m_loc) + v.shape[1:])
+        off = s * m_loc
+
+        def local(idx, v=v, off=off, m_loc=m_loc):
+            lo, hi, _ = idx[1].indices(k * m_loc)
+            if lo < off or hi > off + m_loc:
+                raise MeshError(f"put_batch: this host holds rows [{off}, {off + m_loc}) of each micro-batch "
+                                f"but a local device needs [{lo}, {hi}); the batch shard does not match the mesh.")
+            return v[(idx[0], slice(lo - off, hi - off)) + tuple(idx[2:])]
+
+        out[name] = jax.make_array_from_callback((grad_accum, k * m_loc) + v.shape[2:], sh, local)
     return out
 
 

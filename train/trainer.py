@@ -7,7 +7,8 @@ One optimizer step (``train_step``, jit-compiled, params and optimizer state don
     params, opt_state <- AdamW(clip(grads))
 
 Params are stored in ``param_dtype`` (fp32 master copy); the model computes in ``dtype``
-(bf16 on GPU presets), so the casts happen inside the layers.
+(bf16 on GPU presets), so the casts happen inside the layers.  Batches come from
+:mod:`train.loader` (Grain by default), whose state is saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from train import evaluate as ev
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
-from train.mesh import check_batch, make_mesh, maybe_initialize_distributed, put_batch, replicate
+from train.loader import make_loader
+from train.mesh import check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch, replicate
 from train.optim import make_optimizer
 
 
@@ -152,6 +154,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     mesh = make_mesh(cfg.mesh)
     micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
     data = build_data(cfg)
+    shard = host_shard(mesh, cfg.train.batch_size, cfg.train.grad_accum) if cfg.data.loader == "grain" else (0, 1)
+    loader = make_loader(cfg.data.loader, data, cfg.train.batch_size, shard=shard,
+                         threads=cfg.data.grain_threads, prefetch=cfg.data.grain_prefetch)
     vocab = ADDITION_VOCAB_SIZE if cfg.data.kind == "addition" else data.vocab_size
     if cfg.data.kind == "text" and "vocab_size" not in cfg.model:
         vocab = 64 * math.ceil(vocab / 64)  # a multiple of 64 keeps the unembedding matmul aligned
@@ -185,6 +190,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         existing = ckpt.steps()
         if existing and not resume:
             ckpt.close()
+            loader.close()
             raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
                               f"continue that run, or choose another train.run_dir.")
         if resume:
@@ -197,6 +203,14 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
                 start = int(meta["data"]["step"])
                 if start != step0:
                     raise RuntimeError(f"checkpoint {step0}: data-iterator step {start} does not match.")
+                saved = meta["data"].get("loader", "builtin")  # checkpoints before Grain: builtin
+                if saved != loader.kind:
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"checkpoint {step0} in {ckpt.dir} was written with data.loader={saved!r} "
+                                      f"but this run uses data.loader={loader.kind!r} (the two draw different "
+                                      f"batches); resume with --set data.loader={saved}.")
+                loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
     if is_main:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -206,7 +220,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
         f"compute {lm_cfg.dtype}, params {lm_cfg.param_dtype}) | mesh {dict(mesh.shape)} on "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s) | batch {cfg.train.batch_size} "
-        f"(micro {micro} x {cfg.train.grad_accum}) | steps {cfg.train.steps}")
+        f"(micro {micro} x {cfg.train.grad_accum}) | loader {loader.kind}"
+        + (f" (this host: rows slice {shard[0] + 1} of {shard[1]})" if shard[1] > 1 else "")
+        + f" | steps {cfg.train.steps}")
 
     params, opt_state = state["params"], state["opt_state"]
     step_fn = make_train_step(graphdef, tx, (jax.tree.map(lambda x: x.sharding, params),
@@ -224,7 +240,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         pending.clear()
 
     def meta(step):
-        return {"data": {"step": step}, "config": cfg.to_dict()}
+        # the loader has handed out exactly `step` batches: its state is the one to resume from
+        return {"data": {"step": step, "loader": loader.kind, "state": loader.get_state()}, "config": cfg.to_dict()}
 
     def do_eval(step, final=False):
         model_state = nnx.merge(graphdef, params, rest)
@@ -257,7 +274,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     step = start
     try:
         for step in range(start + 1, cfg.train.steps + 1):
-            batch = put_batch(data.batch(step - 1, cfg.train.batch_size), mesh, cfg.train.grad_accum)
+            batch = put_batch(next(loader), mesh, cfg.train.grad_accum, shard=loader.shard)
             params, opt_state, metrics = step_fn(params, rest, opt_state, batch)
             pending.append((step, metrics))
             steps_since += 1
@@ -287,6 +304,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             flush(0, 0, 0)
         last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
     finally:
+        loader.close()
         if ckpt is not None:
             ckpt.close()
 
