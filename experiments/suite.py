@@ -2,6 +2,7 @@
 
     python experiments/suite.py addition --lanes 6 --deadline-min 8 --pack $OUT/addition.tar.gz
     python experiments/suite.py lm --lanes 1 --deadline-min 8 --pack $OUT/lm.tar.gz
+    python experiments/suite.py addition-sweep --lanes 6 --deadline-min 8 --pack $OUT/sweep.tar.gz
     python experiments/suite.py addition --list          # the runs and their flags
 
 Every run is ``python -m train`` in ``runs/exp/<suite>/<name>`` with the suite's settings (below).
@@ -67,7 +68,20 @@ LM_RUNS = {
     "transformer": ["--model", "transformer"],
 }
 
-SUITES = {"addition": (ADDITION_COMMON, ADDITION_RUNS), "lm": (LM_COMMON, LM_RUNS)}
+# ---------------------------------------------------------------- model-size sweep for the addition task
+# Run 1 (4 layers, d_model 256) learned nothing beyond width 2 in 2,000 steps (docs/results.md);
+# this finds the smallest size that learns widths 1-32: 1,000 steps, Transformer and Falcon-1A.3.
+SIZES = {
+    "s": ["--set", "model.n_layers=4", "--set", "model.d_model=256", "--set", "model.n_heads=8"],
+    "m": ["--set", "model.n_layers=8", "--set", "model.d_model=512", "--set", "model.n_heads=8"],
+    "l": ["--set", "model.n_layers=12", "--set", "model.d_model=768", "--set", "model.n_heads=12"],
+}
+SWEEP_COMMON = ADDITION_COMMON + ["--set", "train.steps=1000", "--set", "optim.warmup_steps=100"]
+SWEEP_RUNS = {f"{m}-{size}": ["--model", m, *flags] for size, flags in SIZES.items()
+              for m in ("transformer", "falcon-1A.3")}
+
+SUITES = {"addition": (ADDITION_COMMON, ADDITION_RUNS), "lm": (LM_COMMON, LM_RUNS),
+          "addition-sweep": (SWEEP_COMMON, SWEEP_RUNS)}
 
 
 def run_dir(suite: str, name: str) -> str:
