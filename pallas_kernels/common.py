@@ -4,7 +4,9 @@ poisoned-outputs testing aid, shape checks and the sequence split into pieces.""
 from __future__ import annotations
 
 import contextlib
+import types
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -105,6 +107,27 @@ def reverse_chunk_cumsum(dg, chunk):
     return jnp.flip(jnp.cumsum(jnp.flip(dg, -1), -1), -1).reshape(BH, L)
 
 
+def walk_layout(q, y, chunk, pieces, block_v):
+    """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
+    walking the ``n`` chunks of one piece for ``block_v`` value columns."""
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    Lp = L // pieces
+    n = Lp // chunk
+    specs = types.SimpleNamespace(
+        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+    )
+    shapes = types.SimpleNamespace(
+        piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
+    )
+    return (BH, pieces, dv // block_v), n, specs, shapes
+
+
 def interpret_tpu(interpret: bool):
     from jax.experimental.pallas import tpu as pltpu
 
@@ -112,4 +135,4 @@ def interpret_tpu(interpret: bool):
 
 
 __all__ = ["call", "chunk_local", "dot", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
-           "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason"]
+           "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -20,7 +20,6 @@ for dq, dx, dy and the gradient of the log-decay cumsum.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from pallas_kernels.common import dot as _dot
 from pallas_kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
 from pallas_kernels.common import precision_for as _precision
 from pallas_kernels.common import triton_params as _params
+from pallas_kernels.common import walk_layout as _walk_layout
 
 
 def _chunk_masks(g, rl, chunk):
@@ -138,26 +138,6 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
     dg_ref[...] = jnp.sum(qf * dq, axis=1) - jnp.sum(xf * dx, axis=1) + jnp.where(last, end_term, 0.0)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dx_ref[...] = dx.astype(dx_ref.dtype)
-
-
-def _walk_layout(q, y, chunk, pieces, block_v):
-    """Grid and block specs shared by the chunk walks: grid (batch·head, piece, value block)."""
-    BH, L, dk = q.shape
-    dv = y.shape[-1]
-    Lp = L // pieces
-    n = Lp // chunk
-    specs = types.SimpleNamespace(
-        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
-        gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-    )
-    shapes = types.SimpleNamespace(
-        piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
-        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
-    )
-    return (BH, pieces, dv // block_v), n, specs, shapes
 
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=4,
