@@ -80,6 +80,7 @@ def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
     y_aug = jnp.concatenate([jnp.zeros((BH, L, dk), y.dtype), y], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
     s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
+    kw = dict(kw, block_v=min(kw["block_v"], dk))  # divides dk + dv (both powers of two)
     (ends,) = kernels.forward_pass(q, x, y_aug, eta, g, gp, rl, tinv, s_aug, write_o=False, write_h=False, **kw)
     return ends[..., :dk], ends[..., dk:]
 
