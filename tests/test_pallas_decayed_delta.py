@@ -61,10 +61,11 @@ def reference(q, x, y, eta, log_gamma, run, s0):
 
 @pytest.mark.parametrize("T,chunk,pieces,segments,implementation", [
     (1, 16, 1, False, "pallas_gpu"), (50, 16, 1, True, "pallas_gpu"), (50, 32, 1, True, "pallas_gpu"),
-    (100, 16, 4, True, "pallas_gpu"),
+    (100, 16, 4, True, "pallas_gpu"), (40, 16, 1, True, "pallas_tpu"),
 ])
 def test_forward_matches_reference(T, chunk, pieces, segments, implementation, rng):
-    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, segments=segments)
+    H = 1 if implementation == "pallas_tpu" else 2  # TPU interpret mode is slow
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, segments=segments)
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
                       implementation=implementation)
     o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
@@ -75,6 +76,7 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, r
 
 @pytest.mark.parametrize("chunk,pieces,block_v,implementation", [
     (32, 1, 16, "pallas_gpu"), (16, 2, 32, "pallas_gpu"),
+    pytest.param(16, 1, 32, "pallas_tpu", marks=pytest.mark.slow),
 ])
 def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
     """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks."""
