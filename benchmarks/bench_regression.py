@@ -16,6 +16,7 @@ interpret mode (any machine; a crash test of the script).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from benchmarks.common import compiled_memory, print_table, time_jax, time_torch, write_json
 from falcon_jax import falcon
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+from pallas_kernels.decayed_delta_rule.api import KernelConfig
 
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
 MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]
@@ -64,13 +66,22 @@ def ours_xla(q, k, v, beta, lam):
     return falcon(q, k, v, beta, lam, variant="1", impl="xla")
 
 
-def kernel_only(q, k, v, beta, log_decay):
+def kernel_only(q, k, v, beta, log_decay, chunk_size=64, config=None):
     """The op on the same stream as the peers (x = k, η = β, a = log γ), [B, H, T, D] layout."""
     B, T, H, _ = q.shape
     tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
     run = jnp.zeros((B, H, T), jnp.int32)
     s0 = jnp.zeros((B, H, q.shape[-1], v.shape[-1]), jnp.float32)
-    return decayed_delta_rule(tr(q), tr(k), tr(v), tr(beta), tr(log_decay), run, s0, implementation="pallas_gpu")[0]
+    return decayed_delta_rule(tr(q), tr(k), tr(v), tr(beta), tr(log_decay), run, s0, implementation="pallas_gpu",
+                              chunk_size=chunk_size, config=config)[0]
+
+
+# launch variants timed alongside the default (untuned: the chunk-gradient program's [C, C] and [C, d] fp32
+# tiles may favour a smaller chunk or more warps)
+VARIANTS = {
+    "kernel only C=32": dict(chunk_size=32),
+    "kernel only C=64, 8 warps": dict(config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8, grad_warps=8)),
+}
 
 
 def jla_op(kind):
@@ -140,6 +151,8 @@ def main() -> int:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
         measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
+        for label, kw in VARIANTS.items():
+            measure(label, shape, functools.partial(kernel_only, **kw), 5, (q, k, v, beta, log_decay))
         measure("falcon-1 xla chunk (ours)", shape, ours_xla, 5, (q, k, v, beta, lam), slow=True)
         if args.smoke:
             continue
