@@ -79,7 +79,7 @@ def _unit_lower_inverse(a, precision):
         new = jnp.sum(a_r[:, None] * t, axis=0)  # a_r @ t: rows < r of t are final
         return jnp.where(rows == r, t - new[None, :], t)  # row r: e_r − a_r t
 
-    return lax.fori_loop(1, n, body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+    return lax.fori_loop(jnp.int32(1), jnp.int32(n), body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
 def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision):

@@ -90,7 +90,8 @@ def _tri_kernel(x_ref, *refs, chunk):
         new = jnp.sum(a_col * t, axis=0, keepdims=True)  # [1,C]: A[r, :] @ t (rows < r of t are final)
         return jnp.where(rows == r, t - new, t)
 
-    t_ref[...] = lax.fori_loop(1, chunk, body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+    t_ref[...] = lax.fori_loop(jnp.int32(1), jnp.int32(chunk), body,  # int32 index (also under x64)
+                               jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
 def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=None, num_stages=None):
