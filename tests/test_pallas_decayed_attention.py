@@ -181,9 +181,9 @@ def test_rules_without_kernel_raise_or_fall_back():
     rng = np.random.default_rng(2)
     q, k, v, beta, lam = falcon_inputs(rng, T=20)
     with pytest.raises(NotImplementedError, match="impl='pallas'"):
-        falcon(q, k, v, beta, lam, variant="1", impl="pallas")
+        falcon(q, k, v, beta, lam, variant="3", impl="pallas")
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon(q, k, v, beta, lam, variant="1A", impl="pallas", chunk_size=8)
     # on CPU "auto" is the XLA chunk form, exactly
-    np.testing.assert_array_equal(falcon(q, k, v, beta, lam, variant="1", impl="auto"),
-                                  falcon(q, k, v, beta, lam, variant="1", impl="xla"))
+    np.testing.assert_array_equal(falcon(q, k, v, beta, lam, variant="3", impl="auto"),
+                                  falcon(q, k, v, beta, lam, variant="3", impl="xla"))

@@ -1,6 +1,15 @@
 """Chunk form through the Pallas kernels (``impl="pallas"``).
 
-Serves the inner-product rules with scalar gates — Falcon-1A, Falcon-3A (and
+Falcon-1 (and Falcon-2 with one gain per head, and DeltaNet) goes through the
+regression op ``pallas_kernels.decayed_delta_rule``::
+
+    p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+with the write stream's ``x_t``, ``y_t = v_t``, ``η_t`` and ``a_t = log γ_t``
+(segment resets inside the op).  Read-before-write reads step t−1's state with
+query q_t (the op is called with the queries shifted one step left).
+
+The inner-product rules with scalar gates — Falcon-1A, Falcon-3A (and
 2A with one gain per head) and decayed linear attention — through one kernel
 op, ``pallas_kernels.decayed_attention``::
 
@@ -38,17 +47,22 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
              interpret: bool = False, chunk_size: int = 64) -> str | None:
     """None if the kernels serve this call, else the reason."""
     if dk is not None and dtype is not None:
-        from pallas_kernels.decayed_attention.api import unsupported_reason
+        if rule.regression:
+            from pallas_kernels.decayed_delta_rule.api import unsupported_reason
+        else:
+            from pallas_kernels.decayed_attention.api import unsupported_reason
 
         probe = jnp.zeros((0, dk), dtype)
         reason = unsupported_reason(probe, jnp.zeros((0, dv), dtype), chunk_size, interpret)
         if reason is not None:
             return f"{rule.name}: {reason}"
-    if rule.regression:
-        return f"{rule.name}: no Pallas kernel for regression rules yet"
     beta = inputs.get("beta")
     if beta is not None and beta.ndim == 4:
         return f"{rule.name}: no Pallas kernel for per-column gains yet"
+    if rule.regression and rule.window > 1:
+        return f"{rule.name}: no Pallas kernel for windowed regression rules (Falcon-3) yet"
+    if rule.regression and rule.decay_before_residual:
+        return f"{rule.name}: no Pallas kernel for the residual on the decayed state (Gated DeltaNet) yet"
     return None
 
 
@@ -73,6 +87,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     reason = supports(rule, inputs, v.shape[-1])
     if reason is not None:
         raise NotImplementedError(reason)
+    if rule.regression:
+        return _regression(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=kernel_dtype)
     B, H, T, _ = q.shape
     W = rule.window
     kd = kernel_dtype or q.dtype
@@ -116,6 +132,31 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
         S = S + jnp.einsum("bhk,bh,bhd->bhkd", x_d[:, :, -1], last, y_d[:, :, -1])
     if rule.timing == "rbw":
         first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S)  # step 0 reads the initial state
+        o = jnp.concatenate([first[:, :, None], o[:, :, :-1]], axis=2)
+        o = jnp.where(resets[:, None, :, None], 0.0, o)  # a segment start reads the reset state
+    return o, final_state(stream, S.astype(state.S.dtype), k, rule)
+
+
+def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
+                kernel_dtype=None):
+    """Falcon-1 / DeltaNet (window 1, scalar gates, residual on the undecayed state) through the op."""
+    from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+
+    B, H, T, _ = q.shape
+    kd = kernel_dtype or q.dtype
+    stream = write_stream(rule, k, v, inputs, resets, state)
+    eta = stream.w[..., 0, 0]  # [B,H,T]
+    lg = stream.log_gamma[..., 0]
+    run = jnp.broadcast_to(stream.run[:, None], (B, H, T))
+    if rule.timing == "raw":
+        q_read = q
+    else:  # step t reads S_{t-1}: the op's position t-1 read with query q_t
+        q_read = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
+    o, S = decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run,
+                              state.S, chunk_size=chunk_size, implementation=_implementation())
+    o = o.astype(q.dtype)
+    if rule.timing == "rbw":
+        first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S.astype(q.dtype))  # step 0 reads the initial state
         o = jnp.concatenate([first[:, :, None], o[:, :, :-1]], axis=2)
         o = jnp.where(resets[:, None, :, None], 0.0, o)  # a segment start reads the reset state
     return o, final_state(stream, S.astype(state.S.dtype), k, rule)

@@ -17,6 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import chunk_local as _prepare
+from pallas_kernels.common import next_pow2 as _next_pow2
+from pallas_kernels.common import pieces_for as _pieces
+from pallas_kernels.common import reverse_chunk_cumsum, unsupported_dims_reason
 from pallas_kernels.decayed_attention import pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
@@ -24,20 +28,8 @@ IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | None:
-    dk, dv = q.shape[-1], y.shape[-1]
-    for name, d in (("dk", dk), ("dv", dv)):
-        if d < 16 or d & (d - 1):
-            return f"{name}={d}: the Triton kernel needs a power of two >= 16"
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        return f"chunk_size={chunk_size}: the Triton kernel needs a power of two >= 16"
-    if not interpret and q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        return f"dtype {q.dtype}: the Triton kernel takes bf16, fp16 or fp32"
-    return None
+    return unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype, interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,27 +45,10 @@ class KernelConfig:
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
 
 
-def _pieces(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
-    """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
-    P = 1
-    while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
-        P *= 2
-    return P
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
     out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend)
     return out
-
-
-def _prepare(log_decay, run, chunk):
-    """Chunk-local cumsum of the log decay and chunk-local run index, [BH, L]."""
-    BH, L = log_decay.shape
-    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk), axis=-1).reshape(BH, L)
-    r = run.reshape(BH, L // chunk, chunk)
-    before = jnp.concatenate([jnp.zeros((BH, 1), r.dtype), r[:, :-1, -1]], axis=1)
-    return g, (r - before[:, :, None]).reshape(BH, L)
 
 
 def _piece_decay(g, rl, chunk, pieces):
@@ -146,8 +121,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
                                                 interpret=interpret, num_warps=config.grad_warps,
                                                 num_stages=config.grad_stages)
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
-    dg = dg.reshape(BH, L // chunk, chunk)
-    dlog = jnp.flip(jnp.cumsum(jnp.flip(dg, -1), -1), -1).reshape(BH, L)
+    dlog = reverse_chunk_cumsum(dg, chunk)
     return dq, dx, dy, dlog, None, ds_start[:, 0]
 
 

@@ -19,23 +19,19 @@ for dq, dx, dy and the gradient of the log-decay cumsum.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # the Triton lowering is chosen by its compiler params (SPEC §8)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
-
-
-def _dot(a, b, precision):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+from pallas_kernels.common import call as _call
+from pallas_kernels.common import dot as _dot
+from pallas_kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
+from pallas_kernels.common import precision_for as _precision
+from pallas_kernels.common import triton_params as _params
+from pallas_kernels.common import walk_layout as _walk_layout
 
 
 def _chunk_masks(g, rl, chunk):
@@ -142,68 +138,6 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
     dg_ref[...] = jnp.sum(qf * dq, axis=1) - jnp.sum(xf * dx, axis=1) + jnp.where(last, end_term, 0.0)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dx_ref[...] = dx.astype(dx_ref.dtype)
-
-
-_POISON_OUTPUTS = [False]
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Testing aid: every kernel output starts as NaN (aliased input buffers), so an element
-    a kernel fails to write shows up as NaN instead of stale or zero memory."""
-    _POISON_OUTPUTS.append(True)
-    try:
-        yield
-    finally:
-        _POISON_OUTPUTS.pop()
-
-
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
-    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs."""
-    if not _POISON_OUTPUTS[-1]:
-        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                              compiler_params=compiler_params, interpret=interpret, name=name)(*args)
-    n_in, n_out = len(args), len(out_shape)
-    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-
-    def kernel_skipping_poison(*refs):
-        kernel(*refs[:n_in], *refs[n_in + n_out:])
-
-    return pl.pallas_call(kernel_skipping_poison, grid=grid, in_specs=list(in_specs) + list(out_specs),
-                          out_specs=out_specs, out_shape=out_shape,
-                          input_output_aliases={n_in + i: i for i in range(n_out)},
-                          compiler_params=compiler_params, interpret=interpret, name=name)(*args, *poison)
-
-
-def _params(num_warps, num_stages):
-    if pltriton is None:
-        return None
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _precision(dtype):
-    # fp32 inputs: true fp32 dots (default fp32 dots run in TF32 on Hopper); bf16: native
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _walk_layout(q, y, chunk, pieces, block_v):
-    """Grid and block specs shared by the chunk walks: grid (batch·head, piece, value block)."""
-    BH, L, dk = q.shape
-    dv = y.shape[-1]
-    Lp = L // pieces
-    n = Lp // chunk
-    specs = types.SimpleNamespace(
-        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
-        gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
-        piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-    )
-    shapes = types.SimpleNamespace(
-        piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
-        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
-    )
-    return (BH, pieces, dv // block_v), n, specs, shapes
 
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=4,

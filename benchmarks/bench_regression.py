@@ -1,0 +1,218 @@
+"""Benchmark the regression rule (Falcon-1) on one GPU; prints a table and writes JSON.
+
+    python benchmarks/bench_regression.py [--out bench_regression.json] [--quick] [--smoke]
+
+Rows (bf16, H = 16, d = 128, median ms, fwd and fwd+bwd): ours — falcon(variant="1") through
+the Pallas kernel (gates and layout included), the kernel op alone (``decayed_delta_rule``),
+the XLA chunk form —; peers when importable — jax-linear-attention 0.1.0 ``gated_deltanet``
+and ``deltanet`` (impl="mosaic_gpu"), fla ``chunk_gated_delta_rule`` (forward only: its gated
+backward refuses Triton < 3.7.1 on Hopper) and ``chunk_delta_rule`` (fwd+bwd).  The
+``x ours`` columns are each row's time over falcon-1 Pallas's at the same shape (> 1: slower
+than ours).  Also the compiled peak memory of fwd+bwd at 1×32768 and 1×131072.  A failing
+row prints its error and the script goes on.  ``--smoke``: tiny shapes, our kernels in
+interpret mode (any machine; a crash test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import compiled_memory, print_table, time_jax, time_torch, write_json
+from falcon_jax import falcon
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+from pallas_kernels.decayed_delta_rule.api import KernelConfig
+
+SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
+MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]
+SMOKE_SHAPES = [(1, 64, 2, 16)]
+SMOKE_MEMORY_SHAPES = [(1, 128, 2, 16)]
+
+
+def make_inputs(B, T, H, D, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = (jax.random.normal(keys[0], (B, T, H, D)) / D**0.5).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, D))
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)  # unit keys (delta-rule peers)
+    v = jax.random.normal(keys[2], (B, T, H, D)).astype(jnp.bfloat16)
+    beta = jax.random.uniform(keys[3], (B, T, H), minval=0.1, maxval=1.9)
+    lam = jax.random.uniform(keys[4], (B, T, H), maxval=0.05)
+    log_decay = -jax.random.uniform(keys[5], (B, T, H), minval=0.001, maxval=0.1)
+    return q, k, v, beta, lam, log_decay
+
+
+def fwd_and_bwd(op, n_diff):
+    """(fwd, fwd+bwd) jitted callables for op(*args) -> array."""
+    fwd = jax.jit(op)
+
+    def both(*args):
+        out, vjp = jax.vjp(lambda *d: op(*d, *args[n_diff:]), *args[:n_diff])
+        return vjp(jnp.ones_like(out))
+
+    return fwd, jax.jit(both)
+
+
+def ours_falcon(q, k, v, beta, lam):
+    return falcon(q, k, v, beta, lam, variant="1", impl="pallas")
+
+
+def ours_xla(q, k, v, beta, lam):
+    return falcon(q, k, v, beta, lam, variant="1", impl="xla")
+
+
+def kernel_only(q, k, v, beta, log_decay, chunk_size=64, config=None):
+    """The op on the same stream as the peers (x = k, η = β, a = log γ), [B, H, T, D] layout."""
+    B, T, H, _ = q.shape
+    tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, q.shape[-1], v.shape[-1]), jnp.float32)
+    return decayed_delta_rule(tr(q), tr(k), tr(v), tr(beta), tr(log_decay), run, s0, implementation="pallas_gpu",
+                              chunk_size=chunk_size, config=config)[0]
+
+
+# launch variants timed alongside the default (untuned: the chunk-gradient program's [C, C] and [C, d] fp32
+# tiles may favour a smaller chunk or more warps)
+VARIANTS = {
+    "kernel only C=32": dict(chunk_size=32),
+    "kernel only C=64, 8 warps": dict(config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8, grad_warps=8)),
+}
+
+
+def jla_op(kind):
+    def op(q, k, v, beta, log_decay):
+        import jla.ops
+
+        gates = {"beta": beta.astype(q.dtype)}
+        if kind == "gated_deltanet":
+            gates["g"] = log_decay
+        return jla.ops.linear_attention(kind, q, k, v, impl="mosaic_gpu", **gates)[0]
+    return op
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench_regression.json")
+    parser.add_argument("--quick", action="store_true", help="first shape only, no memory rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
+    args = parser.parse_args()
+    t_start = time.time()
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    rows, errors, memory = [], {}, []
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES[:1] if args.quick else SHAPES
+    memory_shapes = SMOKE_MEMORY_SHAPES if args.smoke else [] if args.quick else MEMORY_SHAPES
+    timing = dict(calls=1, repeats=1) if args.smoke else {}
+    slow_timing = dict(calls=1, repeats=1) if args.smoke else dict(calls=3, repeats=3)
+
+    def record_error(key, e):
+        errors[key] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  error {key}: {errors[key]}", flush=True)
+        traceback.print_exc(limit=2)
+
+    def measure(name, shape, op, n_diff, op_args, fwd_only=False, slow=False):
+        row = {"impl": name, "shape": "x".join(map(str, shape))}
+        try:
+            f, b = fwd_and_bwd(op, n_diff)
+        except Exception as e:  # noqa: BLE001
+            record_error(f"{name} {row['shape']}", e)
+            return row
+        for key, fn in (("fwd_ms", f), ("fwd_bwd_ms", None if fwd_only else b)):
+            if fn is None:
+                continue
+            try:
+                row[key] = time_jax(fn, *op_args, **(slow_timing if slow else timing))
+            except Exception as e:  # noqa: BLE001 - record and continue
+                record_error(f"{name} {row['shape']} {key}", e)
+        rows.append(row)
+        print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
+        return row
+
+    for shape in memory_shapes:
+        q, k, v, beta, lam, log_decay = make_inputs(*shape)
+        entry = {"shape": "x".join(map(str, shape))}
+        for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
+                             ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
+                             ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
+            try:
+                _, b = fwd_and_bwd(op, len(a))
+                entry[f"{label} fwd+bwd bytes"] = compiled_memory(b, *a)
+            except Exception as e:  # noqa: BLE001
+                record_error(f"memory {label} {entry['shape']}", e)
+        memory.append(entry)
+        print(entry, f"[{time.time() - t_start:.0f} s]", flush=True)
+
+    for shape in shapes:
+        B, T, H, D = shape
+        q, k, v, beta, lam, log_decay = make_inputs(*shape)
+        measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
+        measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
+        for label, kw in VARIANTS.items():
+            measure(label, shape, functools.partial(kernel_only, **kw), 5, (q, k, v, beta, log_decay))
+        measure("falcon-1 xla chunk (ours)", shape, ours_xla, 5, (q, k, v, beta, lam), slow=True)
+        if args.smoke:
+            continue
+        for kind in ("gated_deltanet", "deltanet"):
+            measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
+        try:
+            import torch
+            from fla.ops.delta_rule import chunk_delta_rule
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
+            tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", dtype=torch.float32), dim=-1)
+            tk = tk.to(torch.bfloat16)
+            tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+            tg = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
+            tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+            row = {"impl": "fla 0.6.0 chunk_gated_delta_rule", "shape": "x".join(map(str, shape))}
+            try:
+                row["fwd_ms"] = time_torch(lambda: chunk_gated_delta_rule(tq, tk, tv, g=tg, beta=tb))
+            except Exception as e:  # noqa: BLE001
+                record_error(f"fla gated fwd {shape}", e)
+            rows.append(row)
+            print(row, flush=True)
+            row = {"impl": "fla 0.6.0 chunk_delta_rule", "shape": "x".join(map(str, shape))}
+            try:
+                row["fwd_ms"] = time_torch(lambda: chunk_delta_rule(tq, tk, tv, beta=tb))
+                leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
+
+                def fwd_bwd():
+                    o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
+                    o.sum().backward()
+
+                row["fwd_bwd_ms"] = time_torch(fwd_bwd)
+            except Exception as e:  # noqa: BLE001
+                record_error(f"fla delta fwd/bwd {shape}", e)
+            rows.append(row)
+            print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
+        except Exception as e:  # noqa: BLE001
+            record_error(f"fla {shape}", e)
+
+    ours = {r["shape"]: r for r in rows if r["impl"] == "falcon-1 pallas (ours)"}
+    for r in rows:
+        base = ours.get(r["shape"], {})
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if r.get(key) and base.get(key):
+                r[f"x ours {key[:-3]}"] = r[key] / base[key]
+    print()
+    print_table(rows, ["shape", "impl", "fwd_ms", "fwd_bwd_ms", "x ours fwd", "x ours fwd_bwd"])
+    if memory:
+        print()
+        for entry in memory:
+            print(entry)
+    write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": "bfloat16",
+                          "smoke": args.smoke, "rows": rows, "memory": memory, "errors": errors,
+                          "seconds": time.time() - t_start})
+    if errors:
+        print("errors:", errors)
+    print(f"done in {time.time() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

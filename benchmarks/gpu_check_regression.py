@@ -1,0 +1,175 @@
+"""Check the regression (Falcon-1) Pallas kernels on the real GPU lowering (run on the H200).
+
+    python benchmarks/gpu_check_regression.py [--out results.json] [--smoke]
+
+Checks (exit 1 if any fails):
+  * fp32: falcon(variant="1", impl="pallas") vs the float64 XLA chunk form at T = 8192
+    (B1 H4 d128: the sequence is cut into pieces), outputs, final state and gradients w.r.t.
+    q, k, v, β, λ and the initial state, rel. error <= 1e-4;
+  * the op alone (``decayed_delta_rule``) with β·‖x‖² near 2 and γ at its clamp, vs the same
+    float64 reference, rel. error <= 1e-4;
+  * bf16: the kernel's error vs the float64 reference within 2x the XLA chunk form's bf16 error;
+  * packed segments + continuation, read-after-write and read-before-write;
+  * T = 65536 bf16: forward and backward finite.
+Prints one PASS/FAIL line per check.  ``--smoke``: tiny shapes, the kernels in interpret mode
+(any machine; a crash test of the script, not a check of the GPU lowering).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import write_json  # noqa: E402
+from falcon_jax import falcon  # noqa: E402
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
+
+
+def inputs(rng, B, T, H, d, dtype):
+    q = rng.normal(size=(B, T, H, d)) / np.sqrt(d)
+    k = rng.normal(size=(B, T, H, d)) / np.sqrt(d)
+    v = rng.normal(size=(B, T, H, d))
+    beta = rng.uniform(0.1, 1.9, size=(B, T, H))
+    lam = rng.uniform(0.0, 0.05, size=(B, T, H))
+    return [jnp.asarray(a, dtype) for a in (q, k, v, beta, lam)]
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def to32(tree):
+    return jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.float64 else a, tree)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
+    if args.smoke:
+        B, T, H, d, Ts, Tlong, Hlong, dlong = 1, 200, 2, 16, 96, 300, 2, 16
+    else:
+        B, T, H, d, Ts, Tlong, Hlong, dlong = 1, 8192, 4, 128, 3000, 65536, 2, 128
+    t_start = time.time()
+
+    def check(name, value, bound):
+        nonlocal ok
+        passed = bool(np.isfinite(value) and value <= bound)
+        ok &= passed
+        results[name] = {"value": value, "bound": bound, "passed": passed}
+        print(f"{'PASS' if passed else 'FAIL'}  {name:<52} {value:10.3e}  (<= {bound:.1e})  "
+              f"[{time.time() - t_start:.0f} s]", flush=True)
+
+    def guarded(name, fn):
+        """Run one group of checks; an exception is a FAIL line, and the script goes on."""
+        nonlocal ok
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+
+    x64 = inputs(rng, B, T, H, d, jnp.float64)
+    x32 = [a.astype(jnp.float32) for a in x64]
+    kw = dict(variant="1", return_final_state=True)
+    # a non-trivial initial state (from a previous call), so the continuation path is in every check
+    _, s_init = jax.jit(lambda *a: falcon(*a, impl="xla", **kw))(*[a[:, :64] for a in x64])
+    ref = {}
+
+    def fp32_values():
+        ref_out, ref_state = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s_init, **kw))(*x64)
+        ref["out"] = ref_out
+        out32, state32 = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s_init), **kw))(*x32)
+        check(f"fp32 T={T} output rel err", rel(out32, ref_out), 1e-4)
+        check(f"fp32 T={T} final state rel err", rel(state32.S, ref_state.S), 1e-4)
+
+    def fp32_grads():
+        ct = jnp.asarray(rng.normal(size=(B, T, H, d)))
+
+        def grads(impl, xs, state):
+            def loss(*a):
+                out = falcon(*a[:5], impl=impl, initial_state=dataclasses.replace(state, S=a[5]), variant="1")
+                return jnp.sum(out * ct.astype(a[0].dtype))
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, state.S)
+
+        g_ref = grads("xla", x64, s_init)
+        g32 = grads("pallas", x32, to32(s_init))
+        for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
+            check(f"fp32 T={T} grad {name} rel err", rel(a, b), 1e-4)
+
+    def extreme_op():
+        """The op alone: β = η‖x‖² = 1.99, γ at the clamp on 10% of steps, against the fp64 XLA chunk form
+        of Falcon-1 with step="direct" (η given) on the same stream (same_step alignment: x = k)."""
+        q, k, v = (a.swapaxes(1, 2) for a in x64[:3])
+        eta = 1.99 / jnp.sum(k * k, axis=-1)
+        lg = jnp.where(jnp.asarray(rng.uniform(size=eta.shape) < 0.1), jnp.log1p(-(1 - 1e-6)), -0.01)
+        run = jnp.zeros(eta.shape, jnp.int32)
+        s0 = jnp.zeros((B, H, d, d))
+        o, s = jax.jit(lambda *a: decayed_delta_rule(*a, run, s0.astype(jnp.float32), implementation="pallas_gpu"))(
+            *[a.astype(jnp.float32) for a in (q, k, v, eta, lg)])
+        # the same recurrence through falcon's XLA chunk form: λ chosen so that γ = 1 − ηλ
+        lam = (1 - jnp.exp(lg)) / eta
+        want, want_s = jax.jit(lambda *a: falcon(*a, variant="1", step="direct", alignment="same_step", impl="xla",
+                                                 return_final_state=True, eps_gamma=1e-7))(
+            *x64[:3], eta.swapaxes(1, 2), lam.swapaxes(1, 2))
+        check(f"op, beta=1.99 + clamp, T={T} output rel err", rel(o.swapaxes(1, 2), want), 1e-4)
+        check(f"op, beta=1.99 + clamp, T={T} final state rel err", rel(s, want_s.S), 1e-4)
+
+    def bf16():
+        xbf = [a.astype(jnp.bfloat16) for a in x64[:3]] + x32[3:]
+        s32 = to32(s_init)
+        err_pal = rel(jax.jit(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32))(*xbf), ref["out"])
+        err_xla = rel(jax.jit(lambda *a: falcon(*a, impl="xla", variant="1", initial_state=s32))(*xbf), ref["out"])
+        results["bf16 errors"] = {"pallas": err_pal, "xla": err_xla}
+        print(f"      bf16 rel err: pallas {err_pal:.3e}, XLA chunk form {err_xla:.3e}", flush=True)
+        check("bf16 error / XLA-form bf16 error", err_pal / err_xla, 2.0)
+
+    def segments():
+        xs = inputs(rng, 2, Ts, H, 64 if not args.smoke else 16, jnp.float64)
+        seg = jnp.asarray(np.sort(rng.integers(0, 5, size=(2, Ts)), axis=1))
+        cut = Ts // 3
+        for timing in ("raw", "rbw"):
+            kws = dict(variant="1", timing=timing, return_final_state=True)
+            _, s1 = falcon(*[a[:, :cut] for a in xs], segment_ids=seg[:, :cut], impl="xla", **kws)
+            want, want_s = falcon(*[a[:, cut:] for a in xs], segment_ids=seg[:, cut:], initial_state=s1,
+                                  impl="xla", **kws)
+            got, got_s = falcon(*[a[:, cut:].astype(jnp.float32) for a in xs], segment_ids=seg[:, cut:],
+                                initial_state=to32(s1), impl="pallas", **kws)
+            check(f"segments+continuation ({timing}) rel err", max(rel(got, want), rel(got_s.S, want_s.S)), 1e-4)
+
+    def long_bf16():
+        xl = inputs(rng, 1, Tlong, Hlong, dlong, jnp.float32)
+        xl = [a.astype(jnp.bfloat16) for a in xl[:3]] + xl[3:]
+        fn = jax.jit(jax.value_and_grad(
+            lambda *a: jnp.sum(falcon(*a, variant="1", impl="pallas").astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)))
+        val, gl = fn(*xl)
+        finite = bool(jnp.isfinite(val)) and all(bool(jnp.all(jnp.isfinite(g))) for g in gl)
+        check(f"T={Tlong} bf16 fwd+bwd non-finite (0 = none)", 0.0 if finite else 1.0, 0.0)
+
+    for name, fn in [("fp32 values", fp32_values), ("fp32 grads", fp32_grads), ("extreme op", extreme_op),
+                     ("bf16", bf16), ("segments", segments), ("long bf16", long_bf16)]:
+        if name == "bf16" and "out" not in ref:
+            continue
+        guarded(name, fn)
+    results["seconds"] = time.time() - t_start
+    if args.out:
+        write_json(args.out, results)
+    print("ALL PASS" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

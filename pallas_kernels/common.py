@@ -1,0 +1,138 @@
+"""Helpers shared by the kernel ops: the Triton launch parameters, dot precision, the
+poisoned-outputs testing aid, shape checks and the sequence split into pieces."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton lowering is chosen by its compiler params (SPEC §8)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def dot(a, b, precision):
+    """``a @ b`` with fp32 accumulation."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def precision_for(dtype):
+    """fp32 inputs: true fp32 dots (default fp32 dots run in TF32 on Hopper); bf16/fp16: native."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def triton_params(num_warps, num_stages):
+    """Compiler params that select the Pallas Triton lowering (without them a GPU kernel goes to Mosaic GPU)."""
+    if pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def unsupported_dims_reason(dk: int, dv: int, chunk_size: int, dtype, interpret: bool) -> str | None:
+    """Shapes and dtypes the Triton kernels take: every ``tl.dot`` dimension must be a power of two
+    ≥ 16 (Triton's MMA tiles), so dk, dv and the chunk are."""
+    for name, d in (("dk", dk), ("dv", dv)):
+        if d < 16 or d & (d - 1):
+            return f"{name}={d}: the Triton kernel needs a power of two >= 16"
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        return f"chunk_size={chunk_size}: the Triton kernel needs a power of two >= 16"
+    if not interpret and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"dtype {dtype}: the Triton kernel takes bf16, fp16 or fp32"
+    return None
+
+
+def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
+    """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
+    P = 1
+    while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
+        P *= 2
+    return P
+
+
+_POISON_OUTPUTS = [False]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Testing aid: every kernel output starts as NaN (aliased input buffers), so an element
+    a kernel fails to write shows up as NaN instead of stale or zero memory."""
+    _POISON_OUTPUTS.append(True)
+    try:
+        yield
+    finally:
+        _POISON_OUTPUTS.pop()
+
+
+def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
+    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs."""
+    if not _POISON_OUTPUTS[-1]:
+        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              compiler_params=compiler_params, interpret=interpret, name=name)(*args)
+    n_in, n_out = len(args), len(out_shape)
+    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+
+    def kernel_skipping_poison(*refs):
+        kernel(*refs[:n_in], *refs[n_in + n_out:])
+
+    return pl.pallas_call(kernel_skipping_poison, grid=grid, in_specs=list(in_specs) + list(out_specs),
+                          out_specs=out_specs, out_shape=out_shape,
+                          input_output_aliases={n_in + i: i for i in range(n_out)},
+                          compiler_params=compiler_params, interpret=interpret, name=name)(*args, *poison)
+
+
+def chunk_local(log_decay, run, chunk):
+    """Chunk-local inclusive cumsum of the log decay and chunk-local run index (0 = same segment as the
+    chunk's initial state), both ``[BH, L]``."""
+    BH, L = log_decay.shape
+    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk), axis=-1).reshape(BH, L)
+    r = run.reshape(BH, L // chunk, chunk)
+    before = jnp.concatenate([jnp.zeros((BH, 1), r.dtype), r[:, :-1, -1]], axis=1)
+    return g, (r - before[:, :, None]).reshape(BH, L)
+
+
+def reverse_chunk_cumsum(dg, chunk):
+    """Gradient of a chunk-local inclusive cumsum: the reverse cumsum within each chunk."""
+    BH, L = dg.shape
+    dg = dg.reshape(BH, L // chunk, chunk)
+    return jnp.flip(jnp.cumsum(jnp.flip(dg, -1), -1), -1).reshape(BH, L)
+
+
+def walk_layout(q, y, chunk, pieces, block_v):
+    """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
+    walking the ``n`` chunks of one piece for ``block_v`` value columns."""
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    Lp = L // pieces
+    n = Lp // chunk
+    specs = types.SimpleNamespace(
+        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
+        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
+        piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+    )
+    shapes = types.SimpleNamespace(
+        piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
+    )
+    return (BH, pieces, dv // block_v), n, specs, shapes
+
+
+def interpret_tpu(interpret: bool):
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams() if interpret else False
+
+
+__all__ = ["call", "chunk_local", "dot", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
+           "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -1,0 +1,209 @@
+"""Public entry: ``decayed_delta_rule(..., implementation=...)`` with a hand-written backward.
+
+    p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = [same segment] · e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+(``reference.py``; the residual is measured on the *undecayed* previous state, as
+Falcon-1 does.)  Implementations: ``"pallas_gpu"`` (Triton lowering),
+``"pallas_tpu"`` (Mosaic TPU lowering) — on a machine without that accelerator
+each runs in its interpret mode —, ``"xla"`` (the plain-JAX reference, a scan)
+and ``"auto"`` (the kernel of the machine's accelerator, else the reference).  A
+request the kernels cannot serve raises ``NotImplementedError`` with the reason,
+so callers can fall back.
+
+Forward: per chunk ``T = (I + A)⁻¹`` (parallel over chunks), then a walk over
+chunks carrying the fp32 state and writing the outputs.  When batch·heads
+leave the GPU idle, the sequence is cut into pieces: each piece's walk is an
+affine map of its initial state, ``S_end = M S_start + E`` with a ``dk × dk``
+matrix M (not a scalar: the delta rule's state transition is
+``a·I − Xᵀ diag(w) T diag(η c_p) X`` per chunk); one walk over the augmented
+state ``[I | 0]`` with values ``[0 | Y]`` gives every piece's ``[M | E]`` at
+once, a short scan over pieces (XLA) their true initial states, then the
+output walk runs from those (exact).
+
+Backward (``jax.custom_vjp``, no differentiation through ``pallas_call``):
+``T`` and the chunk start states recomputed, a reverse walk for the state
+gradients (pieces likewise, with ``Mᵀ``), then one program per chunk for
+dq, dx, dy, dη and the log-decay gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import chunk_local, next_pow2, pieces_for, reverse_chunk_cumsum, unsupported_dims_reason
+from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_tpu
+from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+
+IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
+_BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
+
+
+def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | None:
+    """Every Triton dot dimension (dk, dv, the chunk, and the 16-row blocks of the triangular
+    inverse) must be a power of two ≥ 16."""
+    return unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype, interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the GPU kernels (not yet tuned on the H200)."""
+
+    block_v: int = 64  # value columns per program of the state walks and per step of the chunk gradients
+    tri_warps: int = 4
+    fwd_warps: int = 4
+    fwd_stages: int = 2
+    state_warps: int = 4
+    grad_warps: int = 4
+    grad_stages: int = 1
+    target_programs: int = 264  # cut the sequence into pieces until this many programs run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
+    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend)
+    return out
+
+
+def _gates(log_gamma, run, chunk):
+    g, rl = chunk_local(log_gamma, run, chunk)
+    return g, g - log_gamma, rl
+
+
+def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
+    """``[M | E]`` of every piece: one forward walk over the augmented state (zero outputs)."""
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    y_aug = jnp.concatenate([jnp.zeros((BH, L, dk), y.dtype), y], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
+    s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
+    kw = dict(kw, block_v=min(kw["block_v"], dk))  # divides dk + dv (both powers of two)
+    (ends,) = kernels.forward_pass(q, x, y_aug, eta, g, gp, rl, tinv, s_aug, write_o=False, write_h=False, **kw)
+    return ends[..., :dk], ends[..., dk:]
+
+
+def _piece_starts(M, E, s0):
+    """True initial state of each piece: S(p+1) = M_p S(p) + E_p, S(0) = s0. Returns ([BH,P,dk,dv], final)."""
+
+    def step(S, inp):
+        m, e = inp
+        return jnp.einsum("bij,bjd->bid", m, S, precision=jax.lax.Precision.HIGHEST) + e, S
+
+    final, starts = jax.lax.scan(step, s0, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(E, 1, 0)))
+    return jnp.moveaxis(starts, 0, 1), final
+
+
+def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
+    kernels = _BACKENDS[backend]
+    g, gp, rl = _gates(log_gamma, run, chunk)
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
+                                    num_warps=config.tri_warps)
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
+              num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    if pieces > 1:
+        M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
+        starts, _ = _piece_starts(M, E, s0)
+    else:
+        starts = s0[:, None]
+    o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False, **kw)
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts)
+
+
+def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
+    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend)
+
+
+def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
+    kernels = _BACKENDS[backend]
+    q, x, y, eta, g, gp, rl, starts = res
+    do, ds_final = cts
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret)
+    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
+    do = do.astype(y.dtype)
+    ds_final = ds_final.astype(jnp.float32)
+    # 1) T and the state at every chunk start, recomputed from each piece's true initial state
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
+                                    num_warps=config.tri_warps)
+    h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+    # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
+    #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
+    if pieces > 1:
+        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+        (local,) = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
+        M, _ = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, fwd_kw)
+        ends_rev, _ = _piece_starts(jnp.swapaxes(M, -1, -2)[:, ::-1], local[:, ::-1], ds_final)
+        ds_ends = ends_rev[:, ::-1]
+    else:
+        ds_ends = ds_final[:, None]
+    dh, ds_start = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
+    # 3) per-chunk gradients
+    dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
+        q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
+        num_warps=config.grad_warps, num_stages=config.grad_stages)
+    # g = chunk-local inclusive cumsum of log γ, gp = g − log γ
+    dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp
+    return dq, dx, dy, deta, dlog, None, ds_start[:, 0]
+
+
+_kernel_op.defvjp(_fwd_rule, _bwd_rule)
+
+
+def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
+                       implementation: str = "auto", config: KernelConfig | None = None,
+                       pieces: int | None = None, interpret: bool | None = None):
+    """Chunked decayed delta rule (residual on the undecayed state).
+
+    Args:
+      q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
+      eta: ``[B, H, T]`` write weight (cast to fp32).
+      log_gamma: ``[B, H, T]`` log decay ≤ 0 (cast to fp32).
+      run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
+        ``initial_state``); the state resets to zero before a step whose run index changes.
+      initial_state: ``[B, H, dk, dv]``.
+    Returns:
+      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    platform = jax.default_backend()
+    if implementation == "auto":
+        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    if implementation == "xla":
+        o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
+        return o.astype(y.dtype), final
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
+    interpret = (not native) if interpret is None else interpret
+    reason = unsupported_reason(q, y, chunk_size, interpret)
+    if reason is not None:
+        raise NotImplementedError(f"{implementation} decayed_delta_rule: {reason}")
+    B, H, T, dk = q.shape
+    dv = y.shape[-1]
+    dtype = q.dtype
+    chunk = chunk_size
+    n_chunks = next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
+    L = n_chunks * chunk
+    config = config or KernelConfig()
+    config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    if implementation == "pallas_tpu":
+        P = 1  # TPU: batch·heads across cores, chunks sequential on each
+    else:
+        P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.target_programs)
+
+    def flat(a, fill="zero"):
+        a = a.reshape(B * H, T, *a.shape[3:])
+        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
+        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
+
+    # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
+    f32 = jnp.float32
+    o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
+                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
+                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,
+                          bool(interpret), implementation)
+    return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

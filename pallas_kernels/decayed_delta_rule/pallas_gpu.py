@@ -1,0 +1,335 @@
+"""GPU kernels (Pallas, Triton lowering) for the decayed delta rule (Falcon-1's recurrence).
+
+Layout: batch·heads flattened, ``q, x [BH, L, dk]``, ``y [BH, L, dv]``,
+``eta [BH, L]`` (write weight), ``g [BH, L]`` the *chunk-local* inclusive cumsum
+of the log decay, ``gp = g − log γ`` (the same sum, exclusive), ``rl [BH, L]`` the
+chunk-local run index (0 = same segment as the chunk's initial state).
+``tinv [BH, L, C]``: row ``cC + s`` holds row ``s`` of chunk c's ``T = (I + A)⁻¹``.
+
+Per chunk (local index s, j; masks M⁻ strict lower, M⁺ lower incl., both cut
+between segments; ``c_p = [rl = 0] e^{gp}``, ``c = [rl = 0] e^{g}``,
+``w = [rl = rl_last] e^{g_last − g}``, ``a = [rl_last = 0] e^{g_last}``)::
+
+    A[s, j] = M⁻ · η_s (x_s·x_j) e^{gp_s − g_j}          strictly lower
+    P = (I + A)⁻¹ R,   R = η ⊙ (Y − c_p ⊙ X S_0)          (P = η ⊙ residuals)
+    o = c ⊙ Q S_0 + (Q Xᵀ ⊙ M⁺ e^{g_t − g_s}) P
+    S_C = a S_0 + Xᵀ (w ⊙ P)
+
+Only differences ``g_t − g_s`` with ``t ≥ s`` are exponentiated (masked entries
+become −inf before ``exp``), so nothing overflows at any decay.
+
+Kernels:
+  * ``tri_inverse_pass`` — one program per chunk: ``T = (I + A)⁻¹`` by blocked
+    forward substitution over 16-row blocks (a diagonal block row by row; the
+    blocks below it by matmuls).  No powers of A are formed, so β near 2 (A's
+    entries near 2, alternating-sign inverse) stays exact to fp32 rounding.
+  * ``forward_pass`` — one program per (batch·head, piece, value block) walks its
+    chunks with ``S_0`` in registers (fp32), writing o, optionally each chunk's
+    start state h, and the end state.
+  * ``state_grad_pass`` — the reverse walk: ``dP = (QXᵀ⊙D)ᵀ dO + w ⊙ X dS``,
+    ``dR = Tᵀ dP``, ``dS ← a dS + (c⊙Q)ᵀ dO − (η c_p ⊙ X)ᵀ dR``.
+  * ``chunk_grad_pass`` — one program per chunk: dq, dx, dy, dη and the gradients
+    w.r.t. g and gp from h, dh and T.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import call, dot, precision_for, triton_params, walk_layout
+
+BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
+F32 = jnp.float32
+
+
+def _masks(g_row, g_col, rl_row, rl_col, strict):
+    """``exp(g_row[t] − g_col[s])`` on ``s < t`` (strict=True) or ``s ≤ t`` (False) or every (t, s)
+    (None: a block of rows wholly after the columns' block), within one segment; else 0."""
+    n_r, n_c = g_row.shape[0], g_col.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 1)
+    mask = rl_row[:, None] == rl_col[None, :]
+    if strict is not None:
+        mask &= (rows > cols) if strict else (rows >= cols)
+    return jnp.exp(jnp.where(mask, g_row[:, None] - g_col[None, :], -jnp.inf))
+
+
+def _gates(eta, g, gp, rl, g_last, rl_last):
+    cont = jnp.where(rl == 0, jnp.exp(g), 0.0)  # decay of S_0 to row t (read)
+    cont_p = jnp.where(rl == 0, jnp.exp(gp), 0.0)  # decay of S_0 to row t's residual
+    w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)  # decay of row s's write to the chunk end
+    a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+    return cont, cont_p, w_last, a_last
+
+
+def _unit_lower_inverse(a, precision):
+    """``(I + a)⁻¹`` of a strictly lower ``[16, 16]`` block, by forward substitution row by row."""
+    del precision
+    n = a.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def body(r, t):
+        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # row r of a (zero from column r on)
+        new = jnp.sum(a_r[:, None] * t, axis=0)  # a_r @ t: rows < r of t are final
+        return jnp.where(rows == r, t - new[None, :], t)  # row r: e_r − a_r t
+
+    return lax.fori_loop(jnp.int32(1), jnp.int32(n), body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+
+
+def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision):
+    nb = chunk // BLOCK
+    blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
+    xs = [x_ref[b, :] for b in blk]
+    eta = [eta_ref[b] for b in blk]
+    g = [g_ref[b] for b in blk]
+    gp = [gp_ref[b] for b in blk]
+    rl = [rl_ref[b] for b in blk]
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    T = {}
+    for i in range(nb):
+        A = [eta[i][:, None] * dot(xs[i], xs[k].T, precision) * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None)
+             for k in range(i + 1)]
+        T[i, i] = _unit_lower_inverse(A[i], p32)
+        for k in range(i):  # block forward substitution: T_ik = −T_ii Σ_{k≤m<i} A_im T_mk
+            acc = dot(A[k], T[k, k], p32)
+            for m in range(k + 1, i):
+                acc += dot(A[m], T[m, k], p32)
+            T[i, k] = -dot(T[i, i], acc, p32)
+        for k in range(nb):
+            t_ref[blk[i], blk[k]] = T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)
+
+
+def _chunk_rows(refs, c, chunk):
+    """Rows of chunk ``c``: (rows slice, eta, g, gp, rl, g at the last row, rl at the last row)."""
+    eta_ref, g_ref, gp_ref, rl_ref = refs
+    start = pl.multiple_of(c * chunk, chunk)
+    rows = pl.ds(start, chunk)
+    return rows, eta_ref[rows], g_ref[rows], gp_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], \
+        rl_ref[start + chunk - 1]
+
+
+def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
+                    n_chunks, write_o, write_h, precision):
+    refs = list(out_refs)
+    o_ref = refs.pop(0) if write_o else None
+    h_ref = refs.pop(0) if write_h else None
+    (s_end_ref,) = refs
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+
+    def body(c, S):
+        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
+        cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+        x = x_ref[rows, :]
+        xf = x.astype(F32)
+        if write_h:
+            h_ref[c, :, :] = S
+        resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * dot(xf, S, p32))
+        P = dot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
+        if write_o:
+            q = q_ref[rows, :]
+            scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+            o = dot(scores, P, p32) + cont[:, None] * dot(q.astype(F32), S, p32)
+            o_ref[rows, :] = o.astype(o_ref.dtype)
+        return a_last * S + dot((xf * w_last[:, None]).T, P, p32)
+
+    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
+
+
+def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
+                       chunk, n_chunks, write_dh, precision):
+    refs = list(out_refs)
+    dh_ref = refs.pop(0) if write_dh else None
+    (ds_start_ref,) = refs
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+
+    def body(i, dS):
+        c = n_chunks - 1 - i
+        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
+        cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+        if write_dh:
+            dh_ref[c, :, :] = dS
+        q, x = q_ref[rows, :], x_ref[rows, :]
+        xf = x.astype(F32)
+        do = do_ref[rows, :].astype(F32)
+        scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+        dP = dot(scores.T, do, p32) + w_last[:, None] * dot(xf, dS, p32)
+        dR = dot(t_ref[rows, :].T, dP, p32)
+        return (a_last * dS + dot((q.astype(F32) * cont[:, None]).T, do, p32)
+                - dot((xf * (eta * cont_p)[:, None]).T, dR, p32))
+
+    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
+
+
+def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
+                       dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref, *, chunk, block_v, precision):
+    """Gradients inside one chunk from its start state ``h``, end-state gradient ``dh`` and ``T``.
+
+    Value columns are visited in blocks of ``block_v`` (only one block of
+    ``y, do, h, dh`` and the derived ``[C, block_v]`` tiles is live at a time).
+    """
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    q, x = q_ref[...], x_ref[...]
+    qf, xf = q.astype(F32), x.astype(F32)
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    g_last, rl_last = g_ref[chunk - 1], rl_ref[chunk - 1]
+    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+    tinv = t_ref[...]
+    dk = q.shape[-1]
+    dv = y_ref.shape[-1]
+    decay = _masks(g, g, rl, rl, strict=False)
+    qx = dot(q, x.T, precision)
+    scores = qx * decay
+    gram = dot(x, x.T, precision)
+    gamma = _masks(gp, g, rl, rl, strict=True)
+    d_a = jnp.zeros((chunk, chunk), F32)  # −dR Pᵀ
+    d_op = jnp.zeros((chunk, chunk), F32)  # dO Pᵀ
+    do_h = jnp.zeros((chunk, dk), F32)
+    dr_h = jnp.zeros((chunk, dk), F32)
+    p_dh = jnp.zeros((chunk, dk), F32)
+    d_eta = jnp.zeros((chunk,), F32)
+    d_cp = jnp.zeros((chunk,), F32)
+    d_wl = jnp.zeros((chunk,), F32)
+    h_dh = jnp.zeros((), F32)
+    for j in range(dv // block_v):  # static: a few blocks
+        cols = pl.ds(j * block_v, block_v)
+        y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
+        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        xh = dot(xf, h, p32)
+        target = y - cont_p[:, None] * xh
+        P = dot(tinv, eta[:, None] * target, p32)
+        xdh = dot(xf, dh, p32)
+        dP = dot(scores.T, do, p32) + w_last[:, None] * xdh
+        dR = dot(tinv.T, dP, p32)
+        d_a -= dot(dR, P.T, p32)
+        d_op += dot(do, P.T, p32)
+        do_h += dot(do, h.T, p32)
+        dr_h += dot(dR, h.T, p32)
+        p_dh += dot(P, dh.T, p32)
+        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
+        d_eta += jnp.sum(dR * target, axis=1)
+        d_cp -= jnp.sum(dR * xh, axis=1)
+        d_wl += jnp.sum(xdh * P, axis=1)
+        h_dh += jnp.sum(h * dh)
+    d_scores = d_op * decay
+    d_k = d_a * eta[:, None] * gamma  # gradient w.r.t. the Gram (zero off A's support)
+    a_grad = d_k * gram  # dA ⊙ A
+    dq = cont[:, None] * do_h + dot(d_scores, xf, p32)
+    dx = (dot(d_scores.T, qf, p32) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
+          + dot(d_k + d_k.T, xf, p32))
+    d_decay = d_op * scores
+    wl_term = w_last * d_wl
+    end = jnp.sum(wl_term) + a_last * h_dh
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) + cont * jnp.sum(do_h * qf, axis=1)
+          - jnp.sum(a_grad, axis=0) - wl_term + jnp.where(last, end, 0.0))
+    deta_ref[...] = d_eta + jnp.sum(d_a * gram * gamma, axis=1)
+    dgp_ref[...] = eta * cont_p * d_cp + jnp.sum(a_grad, axis=1)
+    dg_ref[...] = dg
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _params(interpret, num_warps, num_stages):
+    return None if interpret else triton_params(num_warps, num_stages)
+
+
+def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1):
+    """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` fp32 (row cC+s = row s of chunk c's T)."""
+    BH, L, dk = x.shape
+    n = L // chunk
+    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype))
+    (tinv,) = call(kernel, grid=(BH, n), in_specs=[row_k, row, row, row, row], out_specs=[t_spec],
+                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), F32)], args=(x, eta, g, gp, rl),
+                   compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                   name="falcon_delta_tri_inverse")
+    return tinv
+
+
+def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
+                 num_warps=4, num_stages=2):
+    """Chunk walk for every (batch·head, piece, value block).
+
+    s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o [BH, L, dv] if write_o,
+    h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
+    """
+    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v)
+    Lp = n * chunk
+    t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
+    in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
+                specs.piece_state]
+    out_shape, out_specs = [], []
+    if write_o:
+        out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+        out_specs.append(specs.rows_v)
+    if write_h:
+        out_shape.append(shapes.chunk_states)
+        out_specs.append(specs.chunk_states)
+    out_shape.append(shapes.piece_states)
+    out_specs.append(specs.piece_state)
+    kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
+                               precision=precision_for(q.dtype))
+    return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
+                interpret=interpret, name="falcon_delta_fwd")
+
+
+def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
+                    num_warps=4, num_stages=2):
+    """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
+
+    Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
+    ds_start [BH, P, dk, dv]).
+    """
+    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v)
+    Lp = n * chunk
+    t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
+    in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
+                specs.piece_state]
+    out_shape, out_specs = [], []
+    if write_dh:
+        out_shape.append(shapes.chunk_states)
+        out_specs.append(specs.chunk_states)
+    out_shape.append(shapes.piece_states)
+    out_specs.append(specs.piece_state)
+    kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
+                               precision=precision_for(q.dtype))
+    return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
+                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                name="falcon_delta_dstate")
+
+
+def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
+                    num_stages=1):
+    """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv].
+
+    Returns dq, dx [BH, L, dk], dy [BH, L, dv], and fp32 [BH, L]: deta, dg (w.r.t. the chunk-local
+    inclusive cumsum g) and dgp (w.r.t. the exclusive one).
+    """
+    BH, L, dk = q.shape
+    dv = y.shape[-1]
+    n = L // chunk
+    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
+    row_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
+    return call(kernel, grid=(BH, n),
+                in_specs=[row_k, row_k, row_v, row, row, row, row, t_spec, row_v, state, state],
+                out_specs=[row_k, row_k, row_v, row, row, row],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dk), q.dtype), jax.ShapeDtypeStruct((BH, L, dk), x.dtype),
+                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype), vec, vec, vec],
+                args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh),
+                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                name="falcon_delta_chunk_grads")

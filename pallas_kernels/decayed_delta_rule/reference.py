@@ -1,0 +1,41 @@
+"""The op's definition in plain JAX (a ``lax.scan`` over tokens); the kernels must equal it.
+
+Per (batch, head), with write weight ``η_t``, log decay ``a_t = log γ_t`` and run
+index ``r_t`` (number of segment starts up to t; the state resets where it changes)::
+
+    S'_{t-1} = [r_t = r_{t-1}] · S_{t-1}          (S_{-1} = S0, r_{-1} = 0)
+    p_t = η_t (y_t − S'_{t-1}ᵀ x_t)               residual on the undecayed state
+    S_t = e^{a_t} S'_{t-1} + x_t p_tᵀ
+    o_t = S_tᵀ q_t
+
+Falcon-1 is this op with ``x_t = k_{t-1}`` (0 at the sentinel), ``y_t = v_t``,
+``η_t`` its step size and ``a_t = log γ_t``.  Gated DeltaNet differs: it
+measures the residual on the *decayed* state ``e^{a_t} S_{t-1}``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
+    """q, x [B,H,T,dk]; y [B,H,T,dv]; eta, log_gamma [B,H,T]; run [B,H,T] int; initial_state [B,H,dk,dv].
+
+    Returns (o [B,H,T,dv], final_state [B,H,dk,dv]) in fp32 (fp64 for fp64 inputs).
+    """
+    f32 = jnp.promote_types(jnp.float32, q.dtype)
+    q, x, y, eta, log_gamma = (a.astype(f32) for a in (q, x, y, eta, log_gamma))
+    prev_run = jnp.concatenate([jnp.zeros_like(run[..., :1]), run[..., :-1]], axis=-1)
+    keep = (run == prev_run).astype(f32)
+
+    def step(S, inp):
+        q_t, x_t, y_t, eta_t, a_t, keep_t = inp
+        S = keep_t[..., None, None] * S
+        p = eta_t[..., None] * (y_t - jnp.einsum("...k,...kd->...d", x_t, S))
+        S = jnp.exp(a_t)[..., None, None] * S + x_t[..., :, None] * p[..., None, :]
+        return S, jnp.einsum("...k,...kd->...d", q_t, S)
+
+    seq = [jnp.moveaxis(a, 2, 0) for a in (q, x, y, eta, log_gamma, keep)]
+    final, o = jax.lax.scan(step, initial_state.astype(f32), seq)
+    return jnp.moveaxis(o, 0, 2), final

@@ -1,0 +1,233 @@
+"""The decayed-delta-rule Pallas kernels (Falcon-1's recurrence) in interpret mode on CPU.
+
+Ground truth: the op's definition (``reference.py``, a token scan) in float64;
+the kernels accumulate in fp32, so bounds are fp32-sized.  Every kernel call
+here runs with poisoned (NaN) outputs, so an element a kernel does not write
+fails the comparison.  Shapes are small (dk = 16, dv ≤ 32, chunk 16/32) because
+interpret mode is slow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from falcon_jax import deltanet, falcon
+from pallas_kernels.common import poisoned_outputs
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+
+FP32_TOL = 1e-5
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def op_inputs(rng, B=1, H=2, T=50, dk=16, dv=16, segments=False, eta_range=(0.1, 1.9), decay_range=(0.0, 0.3)):
+    """Keys of norm about 1, so ``η ∈ (0, 2)`` is the delta rule's stable range (β = η‖x‖²)."""
+    q = rng.normal(size=(B, H, T, dk))
+    x = rng.normal(size=(B, H, T, dk)) / np.sqrt(dk)
+    y = rng.normal(size=(B, H, T, dv))
+    eta = rng.uniform(*eta_range, size=(B, H, T)) / np.sum(x * x, axis=-1)
+    log_gamma = -rng.uniform(*decay_range, size=(B, H, T))
+    if segments:
+        starts = rng.uniform(size=(B, 1, T)) < 0.08
+        starts[..., 0] = False
+        starts[..., T // 2] = True  # at least one segment start inside a chunk
+        run = np.broadcast_to(np.cumsum(starts, axis=-1), (B, H, T))
+    else:
+        run = np.zeros((B, H, T), np.int64)
+    s0 = rng.normal(size=(B, H, dk, dv)) / 4
+    return q, x, y, eta, log_gamma, jnp.asarray(run, jnp.int32), s0
+
+
+def kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", chunk_size=16, **kw):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    if implementation == "pallas_tpu":
+        kw.pop("pieces", None)
+    with poisoned_outputs():
+        return decayed_delta_rule(f32(q), f32(x), f32(y), f32(eta), f32(log_gamma), run, f32(s0),
+                                  chunk_size=chunk_size, implementation=implementation, **kw)
+
+
+def reference(q, x, y, eta, log_gamma, run, s0):
+    return decayed_delta_rule_reference(*(jnp.asarray(a) for a in (q, x, y, eta, log_gamma)), run, jnp.asarray(s0))
+
+
+@pytest.mark.parametrize("T,chunk,pieces,segments,implementation", [
+    (1, 16, 1, False, "pallas_gpu"), (50, 16, 1, True, "pallas_gpu"), (50, 32, 1, True, "pallas_gpu"),
+    (100, 16, 4, True, "pallas_gpu"), (40, 16, 1, True, "pallas_tpu"),
+])
+def test_forward_matches_reference(T, chunk, pieces, segments, implementation, rng):
+    H = 1 if implementation == "pallas_tpu" else 2  # TPU interpret mode is slow
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, segments=segments)
+    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
+                      implementation=implementation)
+    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert rel_err(o, o_ref) < FP32_TOL
+    assert rel_err(final, final_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("chunk,pieces,block_v,implementation", [
+    (32, 1, 16, "pallas_gpu"), (16, 2, 32, "pallas_gpu"),
+    pytest.param(16, 1, 32, "pallas_tpu", marks=pytest.mark.slow),
+])
+def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
+    """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks."""
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+
+    def loss(fn):
+        def f(*a):
+            o, s = fn(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return f
+
+    argnums = tuple(range(6))
+    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=KernelConfig(block_v=block_v),
+                                          implementation=implementation)), argnums=argnums)(
+        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+    want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
+        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < 5e-5, name
+
+
+def test_extreme_gates_stay_finite_and_exact(rng):
+    """β = η‖x‖² = 1.999 (the write's eigenvalue along x is −0.999) with nearly parallel keys (the
+    triangular inverse alternates in sign with entries near 2: no power series would survive);
+    γ at the clamp (log γ = log 1e-6) on a third of the steps and γ = 1 elsewhere."""
+    q, x, y, _, _, run, s0 = op_inputs(rng, T=64, dv=16)
+    x = x[..., :1, :] + 0.05 * x  # nearly parallel keys
+    eta = 1.999 / np.sum(x * x, axis=-1)
+    log_gamma = np.where(rng.uniform(size=eta.shape) < 0.33, np.log1p(-(1 - 1e-6)), 0.0)
+    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=32)
+    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(final)))
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
+
+
+def test_tiny_decay_every_step(rng):
+    """γ = 1e-6 on every step: chunk-local cumulative log decays reach −440 inside one chunk of 32; only
+    differences g_t − g_s with t ≥ s are exponentiated, so nothing overflows."""
+    q, x, y, eta, _, run, s0 = op_inputs(rng, T=40)
+    log_gamma = np.full(eta.shape, np.log(1e-6))
+    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=32)
+    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(final, final_ref) < FP32_TOL
+
+
+def falcon_inputs(rng, B=2, T=45, H=2, dk=16, dv=16):
+    q = rng.normal(size=(B, T, H, dk))
+    k = rng.normal(size=(B, T, H, dk)) / 4
+    v = rng.normal(size=(B, T, H, dv))
+    beta = rng.uniform(0.05, 1.95, size=(B, T, H))
+    lam = rng.uniform(0, 1, size=(B, T, H))
+    return [jnp.asarray(a, jnp.float32) for a in (q, k, v, beta, lam)]
+
+
+@pytest.mark.parametrize("options,check_grads", [
+    ({}, False), ({"timing": "rbw", "segments": True}, True),
+    pytest.param({}, True, marks=pytest.mark.slow),
+    pytest.param({"timing": "rbw", "alignment": "same_step", "clamp": True}, True, marks=pytest.mark.slow),
+    pytest.param({"alignment": "same_step", "scale_coupled": True, "segments": True}, True,
+                 marks=pytest.mark.slow),
+])
+def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng):
+    """Falcon-1 against the XLA chunk form, continuing from a non-trivial state (outputs, state and,
+    with ``check_grads``, gradients); ``clamp`` puts λ = 1e6 on a third of the steps so γ sits at
+    its clamp."""
+    q, k, v, beta, lam = falcon_inputs(rng, B=1)  # interpret mode costs per grid step: keep batch·heads small
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 45)), axis=1))
+    if options.pop("clamp", False):
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    kw = dict(variant="1", chunk_size=16, return_final_state=True, **options)
+    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
+    with poisoned_outputs():
+        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
+    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
+    assert rel_err(got, want) < FP32_TOL
+    assert rel_err(got_state.S, want_state.S) < FP32_TOL
+    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
+    if not check_grads:
+        return
+    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(*a):
+            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
+
+    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
+        assert rel_err(g, w) < 1e-4, name
+
+
+def test_deltanet_baseline_through_kernel(rng):
+    q, k, v, beta, _ = falcon_inputs(rng, T=40)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    with poisoned_outputs():
+        got = deltanet(q, k, v, beta, impl="pallas", chunk_size=16)
+    want = deltanet(q, k, v, beta, impl="xla", chunk_size=16)
+    assert rel_err(got, want) < FP32_TOL
+
+
+def test_bf16_error_within_twice_the_xla_forms(rng):
+    """bf16 inputs: the kernel (bf16 input matmuls; fp32 states, solves and accumulation) against the
+    fp64 recurrence, bounded by twice the error of the XLA chunk form (fp32 compute on the same bf16
+    inputs)."""
+    q, k, v, beta, lam = falcon_inputs(rng, T=64)
+    exact = falcon(*(a.astype(jnp.float64) for a in (q, k, v, beta, lam)), variant="1", form="recurrent")
+    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)] + [beta, lam]
+    err_kernel = rel_err(falcon(*bf, variant="1", impl="pallas", chunk_size=16), exact)
+    err_xla = rel_err(falcon(*bf, variant="1", impl="xla", chunk_size=16), exact)
+    assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
+
+
+def test_rules_without_kernel_raise_or_fall_back(rng):
+    q, k, v, beta, lam = falcon_inputs(rng, T=20)
+    beta_col = jnp.broadcast_to(beta[..., None], (*beta.shape, v.shape[-1]))
+    with pytest.raises(NotImplementedError, match="per-column"):
+        falcon(q, k, v, beta_col, lam, variant="2", impl="pallas")
+    with pytest.raises(NotImplementedError, match="Falcon-3"):
+        falcon(q, k, v, beta, lam, variant="3", impl="pallas")
+    with pytest.raises(NotImplementedError, match="chunk_size"):
+        falcon(q, k, v, beta, lam, variant="1", impl="pallas", chunk_size=8)
+    # on CPU "auto" is the XLA chunk form, exactly
+    np.testing.assert_array_equal(falcon(q, k, v, beta, lam, variant="3", impl="auto"),
+                                  falcon(q, k, v, beta, lam, variant="3", impl="xla"))
+
+
+@pytest.mark.parametrize("implementation,platform,dtype,pieces", [
+    ("pallas_gpu", "cuda", jnp.bfloat16, 2), ("pallas_gpu", "cuda", jnp.float32, 1),
+    ("pallas_tpu", "tpu", jnp.bfloat16, 1),
+])
+def test_kernels_lower_for_the_accelerator(implementation, platform, dtype, pieces):
+    """Cross-lower forward + backward for the real accelerator on CPU (no device needed): every
+    ``pallas_call`` goes through the Triton (or Mosaic TPU) lowering rules, d = 128, chunk 64.
+    Catches unsupported ops in the kernels; compiling the lowered kernels needs the device."""
+    B, H, T, D = 1, 2, 512, 128
+    q = jnp.zeros((B, H, T, D), dtype)
+    gate = jnp.zeros((B, H, T), jnp.float32)
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation=implementation, interpret=False,
+                                  pieces=pieces)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    lowered = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
+        lowering_platforms=(platform,))
+    text = lowered.as_text()
+    for name in ("tri_inverse", "fwd", "dstate", "chunk_grads"):
+        assert f"falcon_delta_{name}" in text, name
