@@ -109,6 +109,12 @@ def main() -> int:
     timing = dict(calls=1, repeats=1) if args.smoke else {}
     slow_timing = dict(calls=1, repeats=1) if args.smoke else dict(calls=3, repeats=3)
 
+    def save():
+        """Write what is measured so far (a run cut off by its time limit keeps it)."""
+        write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": "bfloat16",
+                              "smoke": args.smoke, "rows": rows, "memory": memory, "errors": errors,
+                              "seconds": time.time() - t_start})
+
     def record_error(key, e):
         errors[key] = f"{type(e).__name__}: {str(e)[:300]}"
         print(f"  error {key}: {errors[key]}", flush=True)
@@ -130,21 +136,8 @@ def main() -> int:
                 record_error(f"{name} {row['shape']} {key}", e)
         rows.append(row)
         print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
+        save()
         return row
-
-    for shape in memory_shapes:
-        q, k, v, beta, lam, log_decay = make_inputs(*shape)
-        entry = {"shape": "x".join(map(str, shape))}
-        for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
-                             ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
-                             ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
-            try:
-                _, b = fwd_and_bwd(op, len(a))
-                entry[f"{label} fwd+bwd bytes"] = compiled_memory(b, *a)
-            except Exception as e:  # noqa: BLE001
-                record_error(f"memory {label} {entry['shape']}", e)
-        memory.append(entry)
-        print(entry, f"[{time.time() - t_start:.0f} s]", flush=True)
 
     for shape in shapes:
         B, T, H, D = shape
@@ -193,6 +186,21 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             record_error(f"fla {shape}", e)
 
+    for shape in memory_shapes:
+        q, k, v, beta, lam, log_decay = make_inputs(*shape)
+        entry = {"shape": "x".join(map(str, shape))}
+        for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
+                             ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
+                             ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
+            try:
+                _, b = fwd_and_bwd(op, len(a))
+                entry[f"{label} fwd+bwd bytes"] = compiled_memory(b, *a)
+            except Exception as e:  # noqa: BLE001
+                record_error(f"memory {label} {entry['shape']}", e)
+        memory.append(entry)
+        print(entry, f"[{time.time() - t_start:.0f} s]", flush=True)
+        save()
+
     ours = {r["shape"]: r for r in rows if r["impl"] == "falcon-1 pallas (ours)"}
     for r in rows:
         base = ours.get(r["shape"], {})
@@ -205,9 +213,7 @@ def main() -> int:
         print()
         for entry in memory:
             print(entry)
-    write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": "bfloat16",
-                          "smoke": args.smoke, "rows": rows, "memory": memory, "errors": errors,
-                          "seconds": time.time() - t_start})
+    save()
     if errors:
         print("errors:", errors)
     print(f"done in {time.time() - t_start:.0f} s")

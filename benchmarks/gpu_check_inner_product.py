@@ -51,6 +51,8 @@ def main() -> int:
         passed = bool(np.isfinite(value) and value <= bound)
         ok &= passed
         results[name] = {"value": value, "bound": bound, "passed": passed}
+        if args.out:  # after every check: a run cut off by its time limit keeps what it measured
+            write_json(args.out, results)
         print(f"{name:<48} {value:10.3e}  (<= {bound:.1e})  {'ok' if passed else 'FAIL'}", flush=True)
 
     B, T, H, d = 1, 8192, 4, 128

@@ -69,6 +69,8 @@ def main() -> int:
         passed = bool(np.isfinite(value) and value <= bound)
         ok &= passed
         results[name] = {"value": value, "bound": bound, "passed": passed}
+        if args.out:  # after every check: a run cut off by its time limit keeps what it measured
+            write_json(args.out, results)
         print(f"{'PASS' if passed else 'FAIL'}  {name:<52} {value:10.3e}  (<= {bound:.1e})  "
               f"[{time.time() - t_start:.0f} s]", flush=True)
 

@@ -26,8 +26,8 @@ Every factor is a decay ≤ 1: nothing is divided by a small γ.  A read at step
 t that comes before a pair's last writer misses that pair's earlier writes; a
 banded correction (at most W−1 pairs per step, plain XLA) adds them, and the
 same correction adds the last W−1 pairs' partial writes to the final state.
-Read-before-write reads the position before with query q_t; a virtual first
-position holds the initial state's read.
+Read-before-write reads step t−1's state with query q_t (the kernel is called
+with the queries shifted one step left; step 0 reads the initial state in XLA).
 
 Everything else raises ``NotImplementedError`` with the reason;
 ``impl="auto"`` then falls back to the XLA chunk form.
@@ -112,17 +112,16 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
 
     x_pair = stream.x_ext[:, :, :T]  # the pair whose last writer is step s
     y_pair = writes_before(0)[..., None] * stream.y_ext[:, :, :T]
-    pad1 = lambda a, axis=2: jnp.pad(a, [(0, 0)] * axis + [(1, 0)] + [(0, 0)] * (a.ndim - axis - 1))  # noqa: E731
-    # position 0 is virtual (no pair, no decay); position 1+s is step s
+    # kernel position t is step t; read-before-write reads step t's state with the query of step t+1
+    # (step t+1's read of S_t), and step 0's read of the initial state is added below
     if rule.timing == "raw":
-        q_read, q_step = pad1(q), q  # step t reads at its own position
+        q_step = q
     else:
-        q_read = jnp.pad(q, ((0, 0), (0, 0), (0, 1), (0, 0)))  # step t reads position t (= step t-1)
-        q_step = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)  # query read at step t
-    o, S = decayed_attention(q_read.astype(kd), pad1(x_pair).astype(kd), pad1(y_pair).astype(kd), pad1(lg),
-                             jnp.broadcast_to(pad1(run, 1)[:, None], (B, H, T + 1)), state.S,
+        q_step = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
+    o, S = decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
+                             jnp.broadcast_to(run[:, None], (B, H, T)), state.S,
                              chunk_size=chunk_size, implementation=_implementation())
-    o = o.astype(q.dtype)[:, :, 1:]  # reads at steps 0..T-1 (rbw: query of step t+1)
+    o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
         coef = writes_before(d)

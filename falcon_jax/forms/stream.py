@@ -57,7 +57,9 @@ def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState) -> 
         x = k
         valid = jnp.ones((B, T), bool)
     x = jnp.where(valid[:, None, :, None], x, 0.0)
-    run = jnp.cumsum(resets.astype(jnp.int32), axis=1)
+    # The barrier keeps XLA from constant-folding this cumsum when there are no segment ids (all-false
+    # resets): folding a reduce-window over T = 131072 took seconds of compile time on the H200.
+    run = jnp.cumsum(jax.lax.optimization_barrier(resets).astype(jnp.int32), axis=1)
 
     x_ext = jnp.concatenate([state.tail_x, x], axis=2)
     y_ext = jnp.concatenate([state.tail_y, v], axis=2)
