@@ -10,7 +10,9 @@ Checks (exit 1 if any fails):
     float64 reference, rel. error <= 1e-4;
   * bf16: the kernel's error vs the float64 reference within 2x the XLA chunk form's bf16 error;
   * packed segments + continuation, read-after-write and read-before-write;
-  * T = 65536 bf16: forward and backward finite.
+  * T = 65536 bf16: forward and backward finite;
+  * Falcon-2 (per-column gains, the per-column kernel): fp32 outputs and final state at T = 8192 vs
+    the float64 XLA chunk form, rel. error <= 1e-4.
 Prints one PASS/FAIL line per check.  ``--smoke``: tiny shapes, the kernels in interpret mode
 (any machine; a crash test of the script, not a check of the GPU lowering).
 """
@@ -161,8 +163,19 @@ def main() -> int:
         finite = bool(jnp.isfinite(val)) and all(bool(jnp.all(jnp.isfinite(g))) for g in gl)
         check(f"T={Tlong} bf16 fwd+bwd non-finite (0 = none)", 0.0 if finite else 1.0, 0.0)
 
-    for name, fn in [("fp32 values", fp32_values), ("fp32 grads", fp32_grads), ("extreme op", extreme_op),
-                     ("bf16", bf16), ("segments", segments), ("long bf16", long_bf16)]:
+    def falcon2_values():
+        beta_col = jnp.asarray(rng.uniform(0.1, 1.9, size=(B, T, H, d)))  # [B, T, H, dv]: per-column gains
+        x2 = list(x64[:3]) + [beta_col, x64[4]]
+        kw2 = dict(variant="2", return_final_state=True)
+        _, s2 = jax.jit(lambda *a: falcon(*a, impl="xla", **kw2))(*[a[:, :64] for a in x2])
+        want, want_s = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s2, **kw2))(*x2)
+        got, got_s = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s2), **kw2))(
+            *[a.astype(jnp.float32) for a in x2])
+        check(f"falcon-2 per-column fp32 T={T} output rel err", rel(got, want), 1e-4)
+        check(f"falcon-2 per-column fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
+
+    for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values), ("fp32 grads", fp32_grads),
+                     ("extreme op", extreme_op), ("bf16", bf16), ("segments", segments), ("long bf16", long_bf16)]:
         if name == "bf16" and "out" not in ref:
             continue
         guarded(name, fn)

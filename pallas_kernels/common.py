@@ -91,20 +91,22 @@ def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params,
 
 
 def chunk_local(log_decay, run, chunk):
-    """Chunk-local inclusive cumsum of the log decay and chunk-local run index (0 = same segment as the
-    chunk's initial state), both ``[BH, L]``."""
-    BH, L = log_decay.shape
-    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk), axis=-1).reshape(BH, L)
+    """Chunk-local inclusive cumsum of the log decay (``[BH, L]`` or per column ``[BH, L, dv]``) and the
+    chunk-local run index ``[BH, L]`` (0 = same segment as the chunk's initial state)."""
+    BH, L = log_decay.shape[:2]
+    rest = log_decay.shape[2:]
+    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk, *rest), axis=2).reshape(log_decay.shape)
     r = run.reshape(BH, L // chunk, chunk)
     before = jnp.concatenate([jnp.zeros((BH, 1), r.dtype), r[:, :-1, -1]], axis=1)
     return g, (r - before[:, :, None]).reshape(BH, L)
 
 
 def reverse_chunk_cumsum(dg, chunk):
-    """Gradient of a chunk-local inclusive cumsum: the reverse cumsum within each chunk."""
-    BH, L = dg.shape
-    dg = dg.reshape(BH, L // chunk, chunk)
-    return jnp.flip(jnp.cumsum(jnp.flip(dg, -1), -1), -1).reshape(BH, L)
+    """Gradient of a chunk-local inclusive cumsum: the reverse cumsum within each chunk (axis 1 of
+    ``[BH, L]`` or ``[BH, L, dv]``)."""
+    BH, L = dg.shape[:2]
+    dg = dg.reshape(BH, L // chunk, chunk, *dg.shape[2:])
+    return jnp.flip(jnp.cumsum(jnp.flip(dg, 2), 2), 2).reshape(BH, L, *dg.shape[3:])
 
 
 def walk_layout(q, y, chunk, pieces, block_v):

@@ -1,9 +1,12 @@
 """Chunk form through the Pallas kernels (``impl="pallas"``).
 
-Falcon-1 (and Falcon-2 with one gain per head, and DeltaNet) goes through the
-regression op ``pallas_kernels.decayed_delta_rule``::
+Falcon-1, Falcon-2 and DeltaNet go through the regression op
+``pallas_kernels.decayed_delta_rule``::
 
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+(Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in
+place of the scalar products; the op's per-column GPU kernel.)
 
 with the write stream's ``x_t``, ``y_t = v_t``, ``η_t`` and ``a_t = log γ_t``
 (segment resets inside the op).  Read-before-write reads step t−1's state with
@@ -56,9 +59,11 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
         reason = unsupported_reason(probe, jnp.zeros((0, dv), dtype), chunk_size, interpret)
         if reason is not None:
             return f"{rule.name}: {reason}"
-    beta = inputs.get("beta")
-    if beta is not None and beta.ndim == 4:
-        return f"{rule.name}: no Pallas kernel for per-column gains yet"
+    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
+    if per_column and not rule.regression:
+        return f"{rule.name}: no Pallas kernel for per-column gains of the inner-product rules (2A) yet"
+    if per_column and jax.default_backend() == "tpu":
+        return f"{rule.name}: no TPU Pallas kernel for per-column gains yet"
     if rule.regression and rule.window > 1:
         return f"{rule.name}: no Pallas kernel for windowed regression rules (Falcon-3) yet"
     if rule.regression and rule.decay_before_residual:
@@ -138,14 +143,16 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
 
 def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
                 kernel_dtype=None):
-    """Falcon-1 / DeltaNet (window 1, scalar gates, residual on the undecayed state) through the op."""
+    """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
+    gates (``G = dv``) go to its per-column kernel."""
     from pallas_kernels.decayed_delta_rule import decayed_delta_rule
 
     B, H, T, _ = q.shape
     kd = kernel_dtype or q.dtype
     stream = write_stream(rule, k, v, inputs, resets, state)
-    eta = stream.w[..., 0, 0]  # [B,H,T]
-    lg = stream.log_gamma[..., 0]
+    eta = stream.w[..., 0, :]  # [B,H,T,G], G = 1 or dv
+    lg = stream.log_gamma
+    eta, lg = (a[..., 0] if a.shape[-1] == 1 else a for a in (eta, lg))  # [B,H,T] or [B,H,T,dv]
     run = jnp.broadcast_to(stream.run[:, None], (B, H, T))
     if rule.timing == "raw":
         q_read = q

@@ -24,6 +24,13 @@ Backward (``jax.custom_vjp``, no differentiation through ``pallas_call``):
 ``T`` and the chunk start states recomputed, a reverse walk for the state
 gradients (pieces likewise, with ``Mᵀ``), then one program per chunk for
 dq, dx, dy, dη and the log-decay gradients.
+
+Per-column gates (Falcon-2: ``η``, ``log γ`` of shape ``[B, H, T, dv]``) go through
+``pallas_gpu_columns.py``: one program per (batch·head, value block) walks the chunks
+and solves each column's own unit-lower-triangular system (they share the Gram X Xᵀ)
+by column-batched forward substitution inside the walk; the backward is one reverse
+walk per (batch·head, value block) after a forward walk that stores the chunk start
+states.  No pieces (a piece map would be a ``dk × dk`` matrix per column).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import chunk_local, next_pow2, pieces_for, reverse_chunk_cumsum, unsupported_dims_reason
-from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_tpu
+from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
@@ -60,6 +67,8 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
+    column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
+    column_warps: int = 4
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
@@ -154,6 +163,38 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend):
+    out, _ = _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend)
+    return out
+
+
+def _column_kw(chunk, config, interpret):
+    return dict(chunk=chunk, block_v=config.column_block_v, interpret=interpret, num_warps=config.column_warps)
+
+
+def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend):
+    del backend  # GPU only (checked by the caller)
+    g, gp, rl = _gates(log_gamma, run, chunk)
+    o, s_end = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True, write_h=False,
+                                               **_column_kw(chunk, config, interpret))
+    return (o, s_end), (q, x, y, eta, g, gp, rl, s0)
+
+
+def _column_bwd(chunk, config, interpret, backend, res, cts):
+    q, x, y, eta, g, gp, rl, s0 = res
+    do, ds_final = cts
+    kw = _column_kw(chunk, config, interpret)
+    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
+    dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
+        q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
+    dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp
+    return (jnp.sum(dq, axis=1).astype(q.dtype), jnp.sum(dx, axis=1).astype(x.dtype), dy, deta, dlog, None, ds0)
+
+
+_column_op.defvjp(lambda *a: _column_forward(*a), _column_bwd)
+
+
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation: str = "auto", config: KernelConfig | None = None,
                        pieces: int | None = None, interpret: bool | None = None):
@@ -161,8 +202,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
 
     Args:
       q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
-      eta: ``[B, H, T]`` write weight (cast to fp32).
-      log_gamma: ``[B, H, T]`` log decay ≤ 0 (cast to fp32).
+      eta: ``[B, H, T]`` write weight, or ``[B, H, T, dv]`` one per value column (cast to fp32).
+      log_gamma: ``[B, H, T]`` log decay ≤ 0, or ``[B, H, T, dv]`` per value column (cast to fp32).
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``); the state resets to zero before a step whose run index changes.
       initial_state: ``[B, H, dk, dv]``.
@@ -177,6 +218,9 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
+    per_column = eta.ndim == 4 or log_gamma.ndim == 4
+    if per_column and implementation == "pallas_tpu":
+        raise NotImplementedError("pallas_tpu decayed_delta_rule: no TPU kernel for per-column gates yet")
     native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
     interpret = (not native) if interpret is None else interpret
     reason = unsupported_reason(q, y, chunk_size, interpret)
@@ -190,6 +234,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     L = n_chunks * chunk
     config = config or KernelConfig()
     config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    if per_column:
+        eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv))
+                          for a in (eta, log_gamma))
+        config = dataclasses.replace(config, column_block_v=min(config.column_block_v, dv))
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
@@ -202,6 +250,12 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
 
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
     f32 = jnp.float32
+    if per_column:
+        o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
+                              flat(eta.astype(f32)), flat(log_gamma.astype(f32)),
+                              flat(run.astype(jnp.int32), "edge"), initial_state.astype(f32).reshape(B * H, dk, dv),
+                              chunk, config, bool(interpret), implementation)
+        return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,

@@ -11,6 +11,10 @@ index ``r_t`` (number of segment starts up to t; the state resets where it chang
 Falcon-1 is this op with ``x_t = k_{t-1}`` (0 at the sentinel), ``y_t = v_t``,
 ``η_t`` its step size and ``a_t = log γ_t``.  Gated DeltaNet differs: it
 measures the residual on the *decayed* state ``e^{a_t} S_{t-1}``.
+
+Per-column gates (Falcon-2): ``η`` and ``a`` may be ``[B, H, T, dv]``, one value per
+value column c: ``p_{t,c} = η_{t,c} (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)``,
+``s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + x_t p_{t,c}`` (column c of S).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import jax.numpy as jnp
 
 
 def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
-    """q, x [B,H,T,dk]; y [B,H,T,dv]; eta, log_gamma [B,H,T]; run [B,H,T] int; initial_state [B,H,dk,dv].
+    """q, x [B,H,T,dk]; y [B,H,T,dv]; eta, log_gamma [B,H,T] or [B,H,T,dv] (per column); run [B,H,T] int;
+    initial_state [B,H,dk,dv].
 
     Returns (o [B,H,T,dv], final_state [B,H,dk,dv]) in fp32 (fp64 for fp64 inputs).
     """
@@ -28,12 +33,16 @@ def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
     q, x, y, eta, log_gamma = (a.astype(f32) for a in (q, x, y, eta, log_gamma))
     prev_run = jnp.concatenate([jnp.zeros_like(run[..., :1]), run[..., :-1]], axis=-1)
     keep = (run == prev_run).astype(f32)
+    dv = y.shape[-1]
+    # gates as [B,H,T,dv]: a scalar gate is the same in every column
+    eta, log_gamma = (a if a.ndim == y.ndim else jnp.broadcast_to(a[..., None], (*a.shape, dv))
+                      for a in (eta, log_gamma))
 
     def step(S, inp):
         q_t, x_t, y_t, eta_t, a_t, keep_t = inp
         S = keep_t[..., None, None] * S
-        p = eta_t[..., None] * (y_t - jnp.einsum("...k,...kd->...d", x_t, S))
-        S = jnp.exp(a_t)[..., None, None] * S + x_t[..., :, None] * p[..., None, :]
+        p = eta_t * (y_t - jnp.einsum("...k,...kd->...d", x_t, S))
+        S = jnp.exp(a_t)[..., None, :] * S + x_t[..., :, None] * p[..., None, :]
         return S, jnp.einsum("...k,...kd->...d", q_t, S)
 
     seq = [jnp.moveaxis(a, 2, 0) for a in (q, x, y, eta, log_gamma, keep)]
