@@ -13,6 +13,7 @@ bandwidth) and the compiled peak memory of fwd+bwd at long T.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import traceback
 
@@ -58,13 +59,16 @@ def ours_xla(q, k, v, beta, lam):
     return falcon(q, k, v, beta, lam, variant="1A", impl="xla")
 
 
-def kernel_only(q, k, v, log_decay, config=None, chunk_size=64):
+def kernel_only(q, k, v, log_decay, config=None, chunk_size=64, implementation="pallas_gpu"):
     B, T, H, _ = q.shape
     tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (the kernel's [B, H, T, D] layout)
     run = jnp.zeros((B, H, T), jnp.int32)
     s0 = jnp.zeros((B, H, q.shape[-1], v.shape[-1]), jnp.float32)
-    return decayed_attention(tr(q), tr(k), tr(v), tr(log_decay), run, s0, implementation="pallas_gpu",
+    return decayed_attention(tr(q), tr(k), tr(v), tr(log_decay), run, s0, implementation=implementation,
                              config=config, chunk_size=chunk_size)[0]
+
+
+kernel_only_mosaic = functools.partial(kernel_only, implementation="mosaic_gpu")
 
 
 TUNE_CONFIGS = [
@@ -169,6 +173,11 @@ def main() -> int:
             measure(f"falcon-{variant} pallas", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
         f, b = fwd_and_bwd(kernel_only, 4)
         measure("kernel only (decayed_attention)", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
+        try:  # Mosaic GPU forward (wgmma + TMA), Triton backward; not yet the default
+            f, b = fwd_and_bwd(kernel_only_mosaic, 4)
+            measure("kernel only mosaic_gpu fwd", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
+        except Exception as e:  # noqa: BLE001
+            errors[f"mosaic_gpu {shape}"] = repr(e)[:300]
         f, b = fwd_and_bwd(ours_xla, 5)
         measure("falcon-1A xla chunk", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
         f, b = fwd_and_bwd(cudnn_attention, 3)

@@ -2,7 +2,8 @@
 
     S_t = [same segment] · e^{a_t} S_{t-1} + x_t y_tᵀ,   o_t = S_tᵀ q_t       (reference.py)
 
-Implementations: ``"pallas_gpu"`` (Triton lowering), ``"pallas_tpu"``
+Implementations: ``"pallas_gpu"`` (Triton lowering), ``"mosaic_gpu"`` (Hopper forward with
+wgmma + TMA, backward = the Triton one; bf16/fp16 only), ``"pallas_tpu"``
 (Mosaic TPU lowering) — on a machine without that accelerator each runs in
 its interpret mode —, ``"xla"`` (the plain-JAX reference, O(T²)) and
 ``"auto"`` (the kernel of the machine's accelerator, else the reference).  A request the GPU kernel cannot
@@ -21,11 +22,11 @@ from pallas_kernels.common import chunk_local as _prepare
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pieces_for as _pieces
 from pallas_kernels.common import reverse_chunk_cumsum, unsupported_dims_reason
-from pallas_kernels.decayed_attention import pallas_gpu, pallas_tpu
+from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
-IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
-_BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
+IMPLEMENTATIONS = ("auto", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "xla")
+_BACKENDS = {"pallas_gpu": pallas_gpu, "mosaic_gpu": mosaic_gpu, "pallas_tpu": pallas_tpu}
 
 
 def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | None:
@@ -43,6 +44,7 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
+    mosaic_target_ctas: int = 132  # mosaic_gpu: one CTA per SM (≈210 KiB of SMEM each), one wave
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
@@ -150,9 +152,11 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     if implementation == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
-    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
+    native = {"pallas_gpu": "gpu", "mosaic_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
     interpret = (not native) if interpret is None else interpret
     reason = unsupported_reason(q, y, chunk_size, interpret)
+    if reason is None and implementation == "mosaic_gpu":
+        reason = mosaic_gpu.unsupported_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_attention: {reason}")
     B, H, T, dk = q.shape
@@ -165,6 +169,8 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     config = dataclasses.replace(config, block_v=min(config.block_v, dv))
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
+    elif implementation == "mosaic_gpu":  # the backward (Triton) runs with the same pieces
+        P = pieces or _pieces(B * H, mosaic_gpu.ctas_per_head_piece(dv), n_chunks, config.mosaic_target_ctas)
     else:
         P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
