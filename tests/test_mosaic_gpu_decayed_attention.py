@@ -94,12 +94,12 @@ def test_unsupported_inputs_raise():
     assert mosaic_gpu.unsupported_reason(128, 128, 64, jnp.bfloat16) is None
 
 
-@pytest.mark.slow
-@pytest.mark.skip(reason="hangs in jax 0.10.2's Mosaic GPU interpreter (blocked, no CPU use; cause not isolated)")
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="runs the kernel on a Hopper GPU; jax 0.10.2's CPU interpreter of Mosaic GPU "
+                           "kernels hangs on it (cause not isolated), so CPU only cross-lowers it (above)")
 @pytest.mark.parametrize("T,dv,pieces,segments", [(150, 128, 1, True), (200, 64, 2, False)])
-def test_interpreted_kernel_matches_reference(T, dv, pieces, segments):
-    """jax's Mosaic GPU interpreter (barriers, TMA, wgmma simulated per thread; minutes on CPU)."""
-    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+def test_kernel_matches_reference_on_gpu(T, dv, pieces, segments):
+    """The real lowering against the float64 reference (bf16 tiles: 2e-2)."""
     rng = np.random.default_rng(T + dv)
     dk = 64
     q = rng.normal(size=(1, 1, T, dk)) / np.sqrt(dk)
@@ -115,7 +115,7 @@ def test_interpreted_kernel_matches_reference(T, dv, pieces, segments):
     s0 = rng.normal(size=(1, 1, dk, dv)) * 0.3
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, x, y)]
     o, final = decayed_attention(*bf, jnp.asarray(log_decay, jnp.float32), jnp.asarray(run, jnp.int32),
-                                 jnp.asarray(s0, jnp.float32), implementation="mosaic_gpu", interpret=True,
+                                 jnp.asarray(s0, jnp.float32), implementation="mosaic_gpu", interpret=False,
                                  pieces=pieces)
     ref = decayed_attention_reference(*(jnp.asarray(a, jnp.float64) for a in bf), jnp.asarray(log_decay),
                                       jnp.asarray(run), jnp.asarray(s0))
