@@ -5,7 +5,7 @@
 Rows (bf16, H = 16, d = 128, median ms, fwd and fwd+bwd): ours — falcon(variant="1") through
 the Pallas kernel (gates and layout included), the kernel op alone (``decayed_delta_rule``),
 the XLA chunk form, and at the first shape falcon(variant="2") with per-column gains (the
-per-column kernel) —; peers when importable — jax-linear-attention 0.1.0 ``gated_deltanet``
+per-column kernel) and falcon(variant="3", window=4) (the windowed kernel) —; peers when importable — jax-linear-attention 0.1.0 ``gated_deltanet``
 and ``deltanet`` (impl="mosaic_gpu"), fla ``chunk_gated_delta_rule`` (forward only: its gated
 backward refuses Triton < 3.7.1 on Hopper) and ``chunk_delta_rule`` (fwd+bwd).  The
 ``x ours`` columns are each row's time over falcon-1 Pallas's at the same shape (> 1: slower
@@ -66,6 +66,11 @@ def ours_falcon(q, k, v, beta, lam):
 def ours_falcon2(q, k, v, beta, lam):
     """Falcon-2 with per-column gains (β [B, T, H, D]: the per-column kernel)."""
     return falcon(q, k, v, beta, lam, variant="2", impl="pallas")
+
+
+def ours_falcon3(q, k, v, beta, lam):
+    """Falcon-3, window 4 (the windowed kernel: 4 virtual writes per step, 16 steps per 64-row chunk)."""
+    return falcon(q, k, v, beta, lam, variant="3", window=4, impl="pallas")
 
 
 def ours_xla(q, k, v, beta, lam):
@@ -156,6 +161,7 @@ def main() -> int:
         if shape == shapes[0]:  # Falcon-2 (per-column gains): first shape only
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
+            measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
         if args.smoke:
             continue
         for kind in ("gated_deltanet", "deltanet"):

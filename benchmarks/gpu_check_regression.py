@@ -12,7 +12,9 @@ Checks (exit 1 if any fails):
   * packed segments + continuation, read-after-write and read-before-write;
   * T = 65536 bf16: forward and backward finite;
   * Falcon-2 (per-column gains, the per-column kernel): fp32 outputs and final state at T = 8192 vs
-    the float64 XLA chunk form, rel. error <= 1e-4.
+    the float64 XLA chunk form, rel. error <= 1e-4;
+  * Falcon-3 (window 4, the windowed kernel), continuing from a state with a window tail: fp32 outputs
+    and final state at T = 8192 vs the float64 XLA chunk form, rel. error <= 1e-4.
 Prints one PASS/FAIL line per check.  ``--smoke``: tiny shapes, the kernels in interpret mode
 (any machine; a crash test of the script, not a check of the GPU lowering).
 """
@@ -174,7 +176,16 @@ def main() -> int:
         check(f"falcon-2 per-column fp32 T={T} output rel err", rel(got, want), 1e-4)
         check(f"falcon-2 per-column fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
 
-    for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values), ("fp32 grads", fp32_grads),
+    def falcon3_values():
+        kw3 = dict(variant="3", window=4, return_final_state=True)
+        _, s3 = jax.jit(lambda *a: falcon(*a, impl="xla", **kw3))(*[a[:, :67] for a in x64])  # tail: 3 pairs
+        want, want_s = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s3, **kw3))(*x64)
+        got, got_s = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s3), **kw3))(*x32)
+        check(f"falcon-3 W=4 fp32 T={T} output rel err", rel(got, want), 1e-4)
+        check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
+
+    for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values),
+                     ("falcon-3 values", falcon3_values), ("fp32 grads", fp32_grads),
                      ("extreme op", extreme_op), ("bf16", bf16), ("segments", segments), ("long bf16", long_bf16)]:
         if name == "bf16" and "out" not in ref:
             continue

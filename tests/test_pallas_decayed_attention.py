@@ -181,7 +181,7 @@ def test_rules_without_kernel_raise_or_fall_back():
     rng = np.random.default_rng(2)
     q, k, v, beta, lam = falcon_inputs(rng, T=20)
     with pytest.raises(NotImplementedError, match="impl='pallas'"):
-        falcon(q, k, v, beta, lam, variant="3", impl="pallas")
+        falcon(q, k, v, beta, lam, variant="3", window=32, impl="pallas")  # > 16 virtual writes per step
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon(q, k, v, beta, lam, variant="1A", impl="pallas", chunk_size=8)
     # on CPU "auto" is the XLA chunk form, exactly

@@ -16,9 +16,9 @@ import pytest
 
 from falcon_jax import deltanet, falcon
 from pallas_kernels.common import poisoned_outputs
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule, windowed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
-from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference, windowed_delta_rule_reference
 
 FP32_TOL = 1e-5
 
@@ -198,8 +198,8 @@ def test_rules_without_kernel_raise_or_fall_back(rng):
     beta_col = jnp.broadcast_to(beta[..., None], (*beta.shape, v.shape[-1]))
     with pytest.raises(NotImplementedError, match="per-column"):
         falcon(q, k, v, beta_col, lam, variant="2A", impl="pallas")
-    with pytest.raises(NotImplementedError, match="Falcon-3"):
-        falcon(q, k, v, beta, lam, variant="3", impl="pallas")
+    with pytest.raises(NotImplementedError, match="window=32"):
+        falcon(q, k, v, beta, lam, variant="3", window=32, impl="pallas")
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon(q, k, v, beta, lam, variant="1", impl="pallas", chunk_size=8)
     # on CPU "auto" is the XLA chunk form, exactly
@@ -364,4 +364,178 @@ def test_per_column_kernel_lowers_for_triton(dtype):
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
         lowering_platforms=("cuda",)).as_text()
     for name in ("col_fwd", "col_bwd"):
+        assert f"falcon_delta_{name}" in text, name
+
+
+# ---- windowed form (Falcon-3) ------------------------------------------------------------------------
+
+
+def window_inputs(rng, W, T=37, H=1, dk=16, dv=16, segments=True, beta_range=(0.1, 1.9)):
+    """Window pairs x, y ``[B, H, T+W-1, d]`` (the W−1 older pairs in front), weights ``w [B, H, T, W]`` with
+    ``λmax(Σ_i w_{t,i} x_{t+i} x_{t+i}ᵀ) = β_t`` (the rank-W write's top eigenvalue, stable for β < 2)."""
+    q, _, _, _, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, dk=dk, dv=dv, segments=segments)
+    x = rng.normal(size=(1, H, T + W - 1, dk)) / np.sqrt(dk)
+    y = rng.normal(size=(1, H, T + W - 1, dv))
+    x_win = np.stack([x[:, :, i:i + T] for i in range(W)], axis=3)
+    lam_max = np.linalg.eigvalsh(np.einsum("bhtik,bhtjk->bhtij", x_win, x_win))[..., -1]  # = λmax(XᵀX)
+    beta = rng.uniform(*beta_range, size=(1, H, T))
+    w = np.broadcast_to((beta / lam_max)[..., None], (1, H, T, W)).copy()
+    w *= rng.uniform(0.5, 1.0, size=w.shape)  # unequal slot weights (still stable)
+    return q, x, y, w, log_gamma, run, s0
+
+
+def window_kernel(q, x, y, w, log_gamma, run, s0, implementation="pallas_gpu", chunk_size=16, **kw):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    with poisoned_outputs():
+        return windowed_delta_rule(f32(q), f32(x), f32(y), f32(w), f32(log_gamma), run, f32(s0),
+                                   chunk_size=chunk_size, implementation=implementation, **kw)
+
+
+def window_reference(q, x, y, w, log_gamma, run, s0):
+    return windowed_delta_rule_reference(*(jnp.asarray(a) for a in (q, x, y, w, log_gamma)), run, jnp.asarray(s0))
+
+
+@pytest.mark.parametrize("W,T,chunk,pieces,implementation", [
+    (2, 37, 16, 1, "pallas_gpu"), (3, 29, 16, 1, "pallas_gpu"), (4, 45, 32, 2, "pallas_gpu"),
+    (4, 1, 16, 1, "pallas_gpu"), (4, 21, 16, 1, "pallas_tpu"),
+])
+def test_windowed_forward_matches_reference(W, T, chunk, pieces, implementation, rng):
+    """Odd T, segment starts inside chunks, non-zero initial state; W = 3 pads each step to 4 rows."""
+    args = window_inputs(rng, W, T=T)
+    kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
+    o, final = window_kernel(*args, chunk_size=chunk, implementation=implementation, **kw)
+    o_ref, final_ref = window_reference(*args)
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert rel_err(o, o_ref) < FP32_TOL
+    assert rel_err(final, final_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("W,pieces,implementation", [
+    (2, 1, "pallas_gpu"), (4, 2, "pallas_gpu"),
+    pytest.param(3, 1, "pallas_gpu", marks=pytest.mark.slow), pytest.param(4, 1, "pallas_tpu", marks=pytest.mark.slow),
+])
+def test_windowed_gradients_match_reference(W, pieces, implementation, rng):
+    """Gradients w.r.t. q, the window pairs x and y (each pair recurs in W steps' rows), the per-slot weights,
+    log γ and S0; segments inside chunks; dv = 32 in two value blocks."""
+    q, x, y, w, log_gamma, run, s0 = window_inputs(rng, W, T=29, dv=32)
+    ct_o = jnp.asarray(rng.normal(size=(*q.shape[:3], 32)))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+
+    def loss(fn):
+        def f(*a):
+            o, s = fn(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return f
+
+    kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
+    argnums = tuple(range(6))
+    got = jax.grad(loss(lambda *a: window_kernel(*a, config=KernelConfig(block_v=16), implementation=implementation,
+                                                 **kw)), argnums=argnums)(
+        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, w, log_gamma, s0)))
+    want = jax.grad(loss(windowed_delta_rule_reference), argnums=argnums)(
+        *(jnp.asarray(a) for a in (q, x, y, w, log_gamma, s0)))
+    for name, g, ww in zip(["q", "x", "y", "w", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, ww) < 5e-5, name
+
+
+def test_windowed_extreme_gates(rng):
+    """The rank-W write's top eigenvalue β = 1.999 with nearly parallel keys (the transition's eigenvalue
+    along them ≈ −0.999, the triangular inverse alternates in sign), γ at the clamp (1e-6) on a third of
+    the steps and γ = 1 elsewhere."""
+    W, T = 4, 40
+    q, x, y, _, _, run, s0 = window_inputs(rng, W, T=T, segments=False)
+    x = x[..., :1, :] + 0.05 * x
+    x_win = np.stack([x[:, :, i:i + T] for i in range(W)], axis=3)
+    lam_max = np.linalg.eigvalsh(np.einsum("bhtik,bhtjk->bhtij", x_win, x_win))[..., -1]
+    w = np.broadcast_to((1.999 / lam_max)[..., None], (*lam_max.shape, W))
+    log_gamma = np.where(rng.uniform(size=lam_max.shape) < 0.33, np.log1p(-(1 - 1e-6)), 0.0)
+    o, final = window_kernel(q, x, y, w, log_gamma, run, s0, chunk_size=32)
+    o_ref, final_ref = window_reference(q, x, y, w, log_gamma, run, s0)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(final)))
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
+
+
+def test_windowed_single_live_slot_equals_delta_rule(rng):
+    """W = 2 with slot 0's weights zero: every step writes only its current pair, i.e. Falcon-1's op (the
+    2-row step groups, their group-strict system and the per-step gates, against the plain kernel)."""
+    q, x, y, w, log_gamma, run, s0 = window_inputs(rng, 2, T=37)
+    w[..., 0] = 0.0
+    got = window_kernel(q, x, y, w, log_gamma, run, s0)
+    want = kernel(q, x[:, :, 1:], y[:, :, 1:], w[..., 1], log_gamma, run, s0)
+    assert rel_err(got[0], want[0]) < FP32_TOL and rel_err(got[1], want[1]) < FP32_TOL
+
+
+@pytest.mark.parametrize("window,options,check_grads", [
+    (2, {}, False),
+    (4, {"timing": "rbw", "segments": True}, True),
+    (4, {"alignment": "same_step", "extreme": True}, False),
+    pytest.param(2, {"timing": "rbw", "alignment": "same_step", "extreme": True, "segments": True}, True,
+                 marks=pytest.mark.slow),
+    pytest.param(3, {"scale_coupled": True, "segments": True}, True, marks=pytest.mark.slow),
+])
+def test_falcon3_pallas_equals_xla_chunk_form(window, options, check_grads, rng):
+    """Falcon-3 against the XLA chunk form, continuing from a state saved 9 steps in (its window tail feeds the
+    first W−1 windows), odd T; ``extreme``: β = 1.99 and λ = 1e6 on a third of the steps (γ at its clamp)."""
+    q, k, v, beta, lam = falcon_inputs(rng, B=1, H=1, T=33)
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 33)), axis=1))
+    if options.pop("extreme", False):
+        beta = jnp.full_like(beta, 1.99)
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    kw = dict(variant="3", window=window, chunk_size=16, return_final_state=True, **options)
+    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
+    with poisoned_outputs():
+        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
+    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
+    assert rel_err(got, want) < FP32_TOL
+    assert rel_err(got_state.S, want_state.S) < FP32_TOL
+    for name in ("tail_x", "tail_y", "tail_valid", "last_key"):
+        np.testing.assert_array_equal(getattr(got_state, name), getattr(want_state, name))
+    if not check_grads:
+        return
+    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(*a):
+            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
+
+    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
+        assert rel_err(g, w) < 1e-4, name
+
+
+def test_falcon3_window1_equals_falcon1(rng):
+    """Falcon-3 with a window of one pair is Falcon-1 (λmax of one pair = ‖x‖²)."""
+    q, k, v, beta, lam = falcon_inputs(rng, B=1, H=1, T=40)
+    with poisoned_outputs():
+        got = falcon(q, k, v, beta, lam, variant="3", window=1, impl="pallas", chunk_size=16)
+        want = falcon(q, k, v, beta, lam, variant="1", impl="pallas", chunk_size=16)
+    assert rel_err(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("implementation,platform,dtype,pieces", [
+    ("pallas_gpu", "cuda", jnp.bfloat16, 2), ("pallas_gpu", "cuda", jnp.float32, 1),
+    ("pallas_tpu", "tpu", jnp.bfloat16, 1),
+])
+def test_windowed_kernel_lowers_for_the_accelerator(implementation, platform, dtype, pieces):
+    """Cross-lower the windowed forward + backward (W = 4, d = 128, chunk 64 rows = 16 steps) on CPU."""
+    B, H, T, D, W = 1, 2, 256, 128, 4
+    q = jnp.zeros((B, H, T, D), dtype)
+    xy = jnp.zeros((B, H, T + W - 1, D), dtype)
+    w = jnp.zeros((B, H, T, W), jnp.float32)
+    gate = jnp.zeros((B, H, T), jnp.float32)
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def loss(q, x, y, w, log_gamma, s0):
+        kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
+        o, s = windowed_delta_rule(q, x, y, w, log_gamma, run, s0, implementation=implementation, interpret=False,
+                                   **kw)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, xy, xy, w, gate, s0).lower(
+        lowering_platforms=(platform,)).as_text()
+    for name in ("tri_inverse", "fwd", "dstate", "chunk_grads"):
         assert f"falcon_delta_{name}" in text, name

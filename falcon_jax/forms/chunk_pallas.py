@@ -8,6 +8,15 @@ Falcon-1, Falcon-2 and DeltaNet go through the regression op
 (Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in
 place of the scalar products; the op's per-column GPU kernel.)
 
+Falcon-3 (window W > 1) goes through the op's windowed form
+``pallas_kernels.decayed_delta_rule.windowed_delta_rule``::
+
+    S_t = e^{a_t} S_{t-1} + Σ_{i<W} w_{t,i} x_{t,i} (y_{t,i} − S_{t-1}ᵀ x_{t,i})ᵀ
+
+with the write stream's window pairs (``x_ext``/``y_ext`` including the state's
+tail) and per-slot weights ``w_{t,i}`` (λmax gates computed in XLA).  Its
+``chunk_size`` counts kernel rows: ``chunk_size / next_pow2(W)`` steps per chunk.
+
 with the write stream's ``x_t``, ``y_t = v_t``, ``η_t`` and ``a_t = log γ_t``
 (segment resets inside the op).  Read-before-write reads step t−1's state with
 query q_t (the op is called with the queries shifted one step left).
@@ -65,7 +74,15 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
     if per_column and jax.default_backend() == "tpu":
         return f"{rule.name}: no TPU Pallas kernel for per-column gains yet"
     if rule.regression and rule.window > 1:
-        return f"{rule.name}: no Pallas kernel for windowed regression rules (Falcon-3) yet"
+        if per_column:
+            return f"{rule.name}: no Pallas kernel for per-column gains of windowed regression rules yet"
+        from pallas_kernels.decayed_delta_rule.api import windowed_unsupported_reason
+
+        probe = jnp.zeros((0, dk or 16), dtype or jnp.float32)
+        reason = windowed_unsupported_reason(rule.window, probe, jnp.zeros((0, dv), probe.dtype), chunk_size,
+                                             interpret)
+        if reason is not None:
+            return f"{rule.name}: {reason}"
     if rule.regression and rule.decay_before_residual:
         return f"{rule.name}: no Pallas kernel for the residual on the decayed state (Gated DeltaNet) yet"
     return None
@@ -89,7 +106,7 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     """
     from pallas_kernels.decayed_attention import decayed_attention
 
-    reason = supports(rule, inputs, v.shape[-1])
+    reason = supports(rule, inputs, v.shape[-1], chunk_size=chunk_size)
     if reason is not None:
         raise NotImplementedError(reason)
     if rule.regression:
@@ -144,8 +161,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
 def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
                 kernel_dtype=None):
     """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
-    gates (``G = dv``) go to its per-column kernel."""
-    from pallas_kernels.decayed_delta_rule import decayed_delta_rule
+    gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form."""
+    from pallas_kernels.decayed_delta_rule import decayed_delta_rule, windowed_delta_rule
 
     B, H, T, _ = q.shape
     kd = kernel_dtype or q.dtype
@@ -158,8 +175,13 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
         q_read = q
     else:  # step t reads S_{t-1}: the op's position t-1 read with query q_t
         q_read = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
-    o, S = decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run,
-                              state.S, chunk_size=chunk_size, implementation=_implementation())
+    if rule.window > 1:  # w [B,H,T,W,1]: step t writes ext pairs t..t+W-1 (its window, oldest first)
+        o, S = windowed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
+                                   stream.w[..., 0], lg, run, state.S, chunk_size=chunk_size,
+                                   implementation=_implementation())
+    else:
+        o, S = decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run,
+                                  state.S, chunk_size=chunk_size, implementation=_implementation())
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S.astype(q.dtype))  # step 0 reads the initial state

@@ -71,15 +71,30 @@ class KernelConfig:
     column_warps: int = 4
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
-    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
+    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group)
     return out
 
 
-def _gates(log_gamma, run, chunk):
-    g, rl = chunk_local(log_gamma, run, chunk)
-    return g, g - log_gamma, rl
+def _gates(log_gamma, run, chunk, group=1):
+    """Per-row chunk-local g, gp = g − log γ and run index.  ``group > 1``: ``log_gamma`` and ``run`` are per
+    *step* ``[BH, L / group]`` and every step has ``group`` rows (its virtual writes), which all share the step's
+    g (write decay) and gp (residual decay)."""
+    if group == 1:
+        g, rl = chunk_local(log_gamma, run, chunk)
+        return g, g - log_gamma, rl
+    g, rl = chunk_local(log_gamma, run, chunk // group)
+    rows = functools.partial(jnp.repeat, repeats=group, axis=1)
+    return rows(g), rows(g - log_gamma), rows(rl)
+
+
+def _log_gamma_grad(dg, dgp, chunk, group):
+    """Gradient w.r.t. log γ from those w.r.t. the rows' g and gp (g = chunk-local inclusive cumsum, gp = g − log γ)."""
+    if group > 1:
+        BH, L = dg.shape
+        dg, dgp = (a.reshape(BH, L // group, group).sum(-1) for a in (dg, dgp))
+    return reverse_chunk_cumsum(dg + dgp, chunk // group) - dgp
 
 
 def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
@@ -105,11 +120,11 @@ def _piece_starts(M, E, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
+def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
     kernels = _BACKENDS[backend]
-    g, gp, rl = _gates(log_gamma, run, chunk)
+    g, gp, rl = _gates(log_gamma, run, chunk, group)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps)
+                                    num_warps=config.tri_warps, group=group)
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               num_warps=config.fwd_warps, num_stages=config.fwd_stages)
     if pieces > 1:
@@ -121,11 +136,11 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts)
 
 
-def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend):
-    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend)
+def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
+    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group)
 
 
-def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
+def _bwd_rule(chunk, config, pieces, interpret, backend, group, res, cts):
     kernels = _BACKENDS[backend]
     q, x, y, eta, g, gp, rl, starts = res
     do, ds_final = cts
@@ -138,7 +153,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
     ds_final = ds_final.astype(jnp.float32)
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps)
+                                    num_warps=config.tri_warps, group=group)
     h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
@@ -154,10 +169,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
     # 3) per-chunk gradients
     dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
         q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
-        num_warps=config.grad_warps, num_stages=config.grad_stages)
-    # g = chunk-local inclusive cumsum of log γ, gp = g − log γ
-    dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp
-    return dq, dx, dy, deta, dlog, None, ds_start[:, 0]
+        num_warps=config.grad_warps, num_stages=config.grad_stages, group=group)
+    return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
@@ -259,5 +272,91 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,
-                          bool(interpret), implementation)
+                          bool(interpret), implementation, 1)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+
+
+def windowed_unsupported_reason(window: int, q, y, chunk_size: int, interpret: bool = False) -> str | None:
+    """The windowed op runs ``next_pow2(window)`` virtual writes per step inside 16-row blocks."""
+    slots = next_pow2(window)
+    if slots > 16:
+        return (f"window={window}: the kernel puts next_pow2(window) = {slots} virtual writes per step into its "
+                "16-row blocks (at most 16)")
+    reason = unsupported_reason(q, y, chunk_size, interpret)
+    if reason is None and chunk_size < slots:
+        reason = f"chunk_size={chunk_size} is below next_pow2(window) = {slots} rows (one step)"
+    return reason
+
+
+def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size: int = 64,
+                        implementation: str = "auto", config: KernelConfig | None = None,
+                        pieces: int | None = None, interpret: bool | None = None):
+    """Windowed decayed delta rule (Falcon-3): every step writes its window's ``W`` pairs, all residuals on the
+    same (undecayed) previous state — ``reference.windowed_delta_rule_reference``.
+
+    Step t's update ``S_t = (e^{a_t} I − Σ_i w_{t,i} x_{t+i} x_{t+i}ᵀ) S_{t-1} + Σ_i w_{t,i} x_{t+i} y_{t+i}ᵀ``
+    is a rank-W delta transition.  The kernels run it as the Falcon-1 chunk form over *virtual writes*:
+    step t becomes ``Wp = next_pow2(W)`` rows ``(t, i)`` with pair ``(x_{t+i}, y_{t+i})`` and weight
+    ``w_{t,i}`` (rows ``i ≥ W`` zero), all sharing step t's write decay ``g_t`` and residual decay
+    ``g_{t-1}``; the triangular system couples a row only to rows of *earlier steps* (``group = Wp``), so
+    the rows of one step see the same state.  A window's pairs recur in W steps' rows (the C+W−1 overlap,
+    materialised).  ``chunk_size`` counts rows: ``chunk_size / Wp`` steps per chunk.
+
+    Args:
+      q: ``[B, H, T, dk]``; x: ``[B, H, T+W-1, dk]``, y: ``[B, H, T+W-1, dv]`` (window entry i of step t is
+        index t+i: the W−1 older pairs in front); w: ``[B, H, T, W]`` write weights; log_gamma, run:
+        ``[B, H, T]`` (as :func:`decayed_delta_rule`); initial_state ``[B, H, dk, dv]``.
+    Returns:
+      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+    """
+    from pallas_kernels.decayed_delta_rule.reference import windowed_delta_rule_reference
+
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    platform = jax.default_backend()
+    if implementation == "auto":
+        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    if implementation == "xla":
+        o, final = windowed_delta_rule_reference(q, x, y, w, log_gamma, run, initial_state)
+        return o.astype(y.dtype), final
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
+    interpret = (not native) if interpret is None else interpret
+    B, H, T, dk = q.shape
+    W = w.shape[-1]
+    dv = y.shape[-1]
+    reason = windowed_unsupported_reason(W, q, y, chunk_size, interpret)
+    if reason is not None:
+        raise NotImplementedError(f"{implementation} windowed_delta_rule: {reason}")
+    Wp = next_pow2(W)
+    steps = chunk_size // Wp  # steps per chunk
+    n_chunks = next_pow2(-(-T // steps))
+    Ls = n_chunks * steps  # padded steps
+    dtype = q.dtype
+    config = config or KernelConfig()
+    config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    if implementation == "pallas_tpu":
+        P = 1
+    else:
+        P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.target_programs)
+    f32 = jnp.float32
+
+    def pad(a, n, mode="constant"):  # [B,H,len,...] -> [BH, n, ...]
+        a = a.reshape(B * H, *a.shape[2:])
+        return jnp.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2), mode=mode)
+
+    # padding: zero pairs, weights and log decays (identity steps), run continued
+    x_e, y_e = pad(x.astype(dtype), Ls + W - 1), pad(y.astype(dtype), Ls + W - 1)
+
+    def virtual(a):  # [BH, Ls+W-1, d] -> [BH, Ls*Wp, d]: row (t, i) = pair t+i, rows i ≥ W zero
+        slots = [a[:, i:i + Ls] for i in range(W)] + [jnp.zeros_like(a[:, :Ls])] * (Wp - W)
+        return jnp.stack(slots, axis=2).reshape(B * H, Ls * Wp, a.shape[-1])
+
+    q_p = pad(q.astype(dtype), Ls)  # each step reads at its last row (after all its writes)
+    q_v = jnp.concatenate([jnp.zeros((B * H, Ls, Wp - 1, dk), dtype), q_p[:, :, None]], axis=2)
+    w_v = jnp.pad(pad(w.astype(f32), Ls), [(0, 0), (0, 0), (0, Wp - W)]).reshape(B * H, Ls * Wp)
+    o, final = _kernel_op(q_v.reshape(B * H, Ls * Wp, dk), virtual(x_e), virtual(y_e), w_v,
+                          pad(log_gamma.astype(f32), Ls), pad(run.astype(jnp.int32), Ls, "edge"),
+                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, P,
+                          bool(interpret), implementation, Wp)
+    o = o.reshape(B * H, Ls, Wp, dv)[:, :T, Wp - 1]
+    return o.reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

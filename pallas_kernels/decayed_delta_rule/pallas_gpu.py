@@ -47,14 +47,20 @@ BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's small
 F32 = jnp.float32
 
 
-def _masks(g_row, g_col, rl_row, rl_col, strict):
+def _masks(g_row, g_col, rl_row, rl_col, strict, group=1):
     """``exp(g_row[t] − g_col[s])`` on ``s < t`` (strict=True) or ``s ≤ t`` (False) or every (t, s)
-    (None: a block of rows wholly after the columns' block), within one segment; else 0."""
+    (None: a block of rows wholly after the columns' block), within one segment; else 0.
+
+    ``group`` (a power of two ≤ 16): rows come in groups of ``group`` (the virtual writes of one step of a
+    windowed rule); strict=True then means *an earlier group* (``s // group < t // group``)."""
     n_r, n_c = g_row.shape[0], g_col.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 1)
     mask = rl_row[:, None] == rl_col[None, :]
-    if strict is not None:
+    if strict and group > 1:
+        shift = jnp.int32(group.bit_length() - 1)
+        mask &= lax.shift_right_logical(rows, shift) > lax.shift_right_logical(cols, shift)
+    elif strict is not None:
         mask &= (rows > cols) if strict else (rows >= cols)
     return jnp.exp(jnp.where(mask, g_row[:, None] - g_col[None, :], -jnp.inf))
 
@@ -82,7 +88,7 @@ def _unit_lower_inverse(a, precision):
     return lax.fori_loop(jnp.int32(1), jnp.int32(n), body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
-def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision):
+def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
     nb = chunk // BLOCK
     blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
     xs = [x_ref[b, :] for b in blk]
@@ -93,7 +99,8 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
     p32 = lax.Precision.HIGHEST if precision is not None else None
     T = {}
     for i in range(nb):
-        A = [eta[i][:, None] * dot(xs[i], xs[k].T, precision) * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None)
+        A = [eta[i][:, None] * dot(xs[i], xs[k].T, precision) * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None,
+                                                                       group=group)
              for k in range(i + 1)]
         T[i, i] = _unit_lower_inverse(A[i], p32)
         for k in range(i):  # block forward substitution: T_ik = −T_ii Σ_{k≤m<i} A_im T_mk
@@ -167,7 +174,7 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
-                       dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref, *, chunk, block_v, precision):
+                       dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref, *, chunk, block_v, precision, group):
     """Gradients inside one chunk from its start state ``h``, end-state gradient ``dh`` and ``T``.
 
     Value columns are visited in blocks of ``block_v`` (only one block of
@@ -186,7 +193,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     qx = dot(q, x.T, precision)
     scores = qx * decay
     gram = dot(x, x.T, precision)
-    gamma = _masks(gp, g, rl, rl, strict=True)
+    gamma = _masks(gp, g, rl, rl, strict=True, group=group)
     d_a = jnp.zeros((chunk, chunk), F32)  # −dR Pᵀ
     d_op = jnp.zeros((chunk, chunk), F32)  # dO Pᵀ
     do_h = jnp.zeros((chunk, dk), F32)
@@ -239,14 +246,16 @@ def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
-def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1):
-    """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` fp32 (row cC+s = row s of chunk c's T)."""
+def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1):
+    """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` fp32 (row cC+s = row s of chunk c's T).
+
+    ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes)."""
     BH, L, dk = x.shape
     n = L // chunk
     row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
     t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
-    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype))
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
     (tinv,) = call(kernel, grid=(BH, n), in_specs=[row_k, row, row, row, row], out_specs=[t_spec],
                    out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), F32)], args=(x, eta, g, gp, rl),
                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
@@ -309,7 +318,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 
 def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
-                    num_stages=1):
+                    num_stages=1, group=1):
     """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv].
 
     Returns dq, dx [BH, L, dk], dy [BH, L, dv], and fp32 [BH, L]: deta, dg (w.r.t. the chunk-local
@@ -324,7 +333,8 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
     t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
     state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
     vec = jax.ShapeDtypeStruct((BH, L), F32)
-    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
+    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype),
+                               group=group)
     return call(kernel, grid=(BH, n),
                 in_specs=[row_k, row_k, row_v, row, row, row, row, t_spec, row_v, state, state],
                 out_specs=[row_k, row_k, row_v, row, row, row],

@@ -55,10 +55,19 @@ def _gate_specs(chunk, index):
     return [col, row] * 4
 
 
+def _earlier(rows, cols, group):
+    """``cols`` in an earlier group than ``rows`` (groups of ``group`` rows, a power of two: the virtual writes
+    of one step of a windowed rule); ``cols < rows`` for group 1."""
+    if group == 1:
+        return rows > cols
+    shift = jnp.int32(group.bit_length() - 1)
+    return lax.shift_right_logical(rows, shift) > lax.shift_right_logical(cols, shift)
+
+
 class _Gates:
     """Gates of one chunk from its 8 refs (column and row of eta, g, gp, rl)."""
 
-    def __init__(self, refs, chunk):
+    def __init__(self, refs, chunk, group=1):
         ec, er, gc, gr, pc, pr, rc, rr = (r[...] for r in refs)
         self.eta_c, self.eta_r, self.g_c, self.g_r, self.gp_c, self.gp_r = ec, er, gc, gr, pc, pr
         self.rl_c, self.rl_r = rc, rr
@@ -68,20 +77,21 @@ class _Gates:
         same = rc == rr
         self.rows, self.cols, self.same = rows, cols, same
         self.decay = jnp.exp(jnp.where((rows >= cols) & same, gc - gr, -jnp.inf))  # e^{g_t − g_s}, s ≤ t
-        self.gamma = jnp.exp(jnp.where((rows > cols) & same, pc - gr, -jnp.inf))  # e^{gp_s − g_j}, j < s
+        self.earlier = _earlier(rows, cols, group)  # j in an earlier group than s (group 1: j < s)
+        self.gamma = jnp.exp(jnp.where(self.earlier & same, pc - gr, -jnp.inf))  # e^{gp_s − g_j}
         self.cont = jnp.where(rc == 0, jnp.exp(gc), 0.0)
         self.cont_p = jnp.where(rc == 0, jnp.exp(pc), 0.0)
         self.w_last = jnp.where(rc == rl_last, jnp.exp(g_last - gc), 0.0)
         self.a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)  # [1,1]
 
 
-def _tri_kernel(x_ref, *refs, chunk):
+def _tri_kernel(x_ref, *refs, chunk, group):
     *gate_refs, t_ref = refs
-    gt = _Gates(gate_refs, chunk)
+    gt = _Gates(gate_refs, chunk, group)
     x = x_ref[...]
     gram = _mm(x, x, NT)
     # Aᵀ[m, s] = A[s, m] = η_s (x_s·x_m) e^{gp_s − g_m} (m < s): the Gram is symmetric, the rest by masks
-    gamma_t = jnp.exp(jnp.where((gt.cols > gt.rows) & gt.same, gt.gp_r - gt.g_c, -jnp.inf))
+    gamma_t = jnp.exp(jnp.where(_earlier(gt.cols, gt.rows, group) & gt.same, gt.gp_r - gt.g_c, -jnp.inf))
     a_t = gt.eta_r * gram * gamma_t
     rows, cols = gt.rows, gt.cols
 
@@ -94,14 +104,14 @@ def _tri_kernel(x_ref, *refs, chunk):
                                jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
-def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=None, num_stages=None):
+def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=None, num_stages=None, group=1):
     """See :func:`pallas_gpu.tri_inverse_pass`."""
     del num_warps, num_stages
     BH, L, dk = x.shape
     n = L // chunk
     at = lambda b, c: (b, c, 0)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_tri_kernel, chunk=chunk), grid=(BH, n),
+        functools.partial(_tri_kernel, chunk=chunk, group=group), grid=(BH, n),
         in_specs=[pl.BlockSpec((None, chunk, dk), at), *_gate_specs(chunk, lambda b, c: (b, c, 0, 0))],
         out_specs=pl.BlockSpec((None, chunk, chunk), at),
         out_shape=jax.ShapeDtypeStruct((BH, L, chunk), F32),
@@ -232,11 +242,11 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     )(q, x, *_layout(eta, g, gp, rl, chunk), tinv, do, ds_end)
 
 
-def _chunk_grad_kernel(q_ref, x_ref, y_ref, *refs, chunk):
+def _chunk_grad_kernel(q_ref, x_ref, y_ref, *refs, chunk, group):
     """See :func:`pallas_gpu._chunk_grad_kernel`; the per-position gradients are ``[C, 1]`` columns."""
     gate_refs = refs[:8]
     t_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref = refs[8:]
-    gt = _Gates(gate_refs, chunk)
+    gt = _Gates(gate_refs, chunk, group)
     q, x = q_ref[...], x_ref[...]
     qf, xf = q.astype(F32), x.astype(F32)
     y, do = y_ref[...].astype(F32), do_ref[...].astype(F32)
@@ -281,7 +291,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, *refs, chunk):
 
 
 def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=None,
-                    num_stages=None):
+                    num_stages=None, group=1):
     """See :func:`pallas_gpu.chunk_grad_pass`."""
     del block_v, num_warps, num_stages
     BH, L, dk = q.shape
@@ -293,7 +303,7 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
     col = pl.BlockSpec((None, None, chunk, 1), lambda b, c: (b, c, 0, 0))
     vec = jax.ShapeDtypeStruct((BH, n, chunk, 1), F32)
     dq, dx, dy, deta, dg, dgp = pl.pallas_call(
-        functools.partial(_chunk_grad_kernel, chunk=chunk), grid=(BH, n),
+        functools.partial(_chunk_grad_kernel, chunk=chunk, group=group), grid=(BH, n),
         in_specs=[row_k, row_k, row_v, *_gate_specs(chunk, lambda b, c: (b, c, 0, 0)),
                   pl.BlockSpec((None, chunk, chunk), at), row_v, state, state],
         out_specs=[row_k, row_k, row_v, col, col, col],
