@@ -31,6 +31,10 @@ and solves each column's own unit-lower-triangular system (they share the Gram X
 by column-batched forward substitution inside the walk; the backward is one reverse
 walk per (batch·head, value block) after a forward walk that stores the chunk start
 states.  No pieces (a piece map would be a ``dk × dk`` matrix per column).
+
+``decayed_attention_per_column`` (Falcon-2A) is the inner-product rule with the same
+per-column gates, ``S_t = e^{a_t} ⊙ S_{t-1} + x_t (η_t ⊙ y_t)ᵀ``: the per-column kernel
+with ``residual=False`` (no system to solve, ``P = η ⊙ Y``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import chunk_local, next_pow2, pieces_for, reverse_chunk_cumsum, unsupported_dims_reason
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
-from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
+                                                         decayed_delta_rule_reference)
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
@@ -177,31 +182,32 @@ _kernel_op.defvjp(_fwd_rule, _bwd_rule)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend):
-    out, _ = _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend)
+def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
+    out, _ = _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual)
     return out
 
 
-def _column_kw(chunk, config, interpret):
-    return dict(chunk=chunk, block_v=config.column_block_v, interpret=interpret, num_warps=config.column_warps)
+def _column_kw(chunk, config, interpret, residual):
+    return dict(chunk=chunk, block_v=config.column_block_v, interpret=interpret, num_warps=config.column_warps,
+                residual=residual)
 
 
-def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, backend):
-    del backend  # GPU only (checked by the caller)
+def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
     g, gp, rl = _gates(log_gamma, run, chunk)
     o, s_end = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True, write_h=False,
-                                               **_column_kw(chunk, config, interpret))
+                                               **_column_kw(chunk, config, interpret, residual))
     return (o, s_end), (q, x, y, eta, g, gp, rl, s0)
 
 
-def _column_bwd(chunk, config, interpret, backend, res, cts):
+def _column_bwd(chunk, config, interpret, residual, res, cts):
     q, x, y, eta, g, gp, rl, s0 = res
     do, ds_final = cts
-    kw = _column_kw(chunk, config, interpret)
+    kw = _column_kw(chunk, config, interpret, residual)
     h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
     dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
         q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
-    dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp
+    # g = chunk-local inclusive cumsum, gp = g − log γ (unused without the residual)
+    dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp if residual else reverse_chunk_cumsum(dg, chunk)
     return (jnp.sum(dq, axis=1).astype(q.dtype), jnp.sum(dx, axis=1).astype(x.dtype), dy, deta, dlog, None, ds0)
 
 
@@ -232,10 +238,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
     per_column = eta.ndim == 4 or log_gamma.ndim == 4
-    if per_column and implementation == "pallas_tpu":
-        raise NotImplementedError("pallas_tpu decayed_delta_rule: no TPU kernel for per-column gates yet")
-    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
-    interpret = (not native) if interpret is None else interpret
+    if per_column:
+        return _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config,
+                           interpret, residual=True)
+    interpret = _interpret(implementation, interpret)
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_delta_rule: {reason}")
@@ -247,10 +253,6 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     L = n_chunks * chunk
     config = config or KernelConfig()
     config = dataclasses.replace(config, block_v=min(config.block_v, dv))
-    if per_column:
-        eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv))
-                          for a in (eta, log_gamma))
-        config = dataclasses.replace(config, column_block_v=min(config.column_block_v, dv))
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
@@ -263,17 +265,74 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
 
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
     f32 = jnp.float32
-    if per_column:
-        o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                              flat(eta.astype(f32)), flat(log_gamma.astype(f32)),
-                              flat(run.astype(jnp.int32), "edge"), initial_state.astype(f32).reshape(B * H, dk, dv),
-                              chunk, config, bool(interpret), implementation)
-        return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,
                           bool(interpret), implementation, 1)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+
+
+def _interpret(implementation, interpret):
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == jax.default_backend()
+    return (not native) if interpret is None else interpret
+
+
+def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config, interpret,
+                residual):
+    """The per-column GPU kernel (``residual``: decayed delta rule, Falcon-2; else the inner-product rule,
+    Falcon-2A).  Gates ``[B, H, T]`` are broadcast over the value columns."""
+    name = "decayed_delta_rule" if residual else "decayed_attention_per_column"
+    if implementation == "pallas_tpu":
+        raise NotImplementedError(f"pallas_tpu {name}: no TPU kernel for per-column gates yet")
+    interpret = _interpret(implementation, interpret)
+    reason = unsupported_reason(q, y, chunk_size, interpret)
+    if reason is not None:
+        raise NotImplementedError(f"{implementation} {name}: {reason}")
+    B, H, T, dk = q.shape
+    dv = y.shape[-1]
+    dtype, f32 = q.dtype, jnp.float32
+    L = next_pow2(-(-T // chunk_size)) * chunk_size
+    config = config or KernelConfig()
+    config = dataclasses.replace(config, column_block_v=min(config.column_block_v, dv))
+    eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
+
+    def flat(a, fill="zero"):  # padding: zero pairs, write weight and log decay (identity steps), run continued
+        a = a.reshape(B * H, T, *a.shape[3:])
+        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
+        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
+
+    o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
+                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
+                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, bool(interpret),
+                          residual)
+    return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+
+
+def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
+                                 implementation: str = "auto", config: KernelConfig | None = None,
+                                 interpret: bool | None = None):
+    """Decayed linear attention with per-column gates (Falcon-2A's recurrence), value column c::
+
+        s'_{t-1,c} = [r_t = r_{t-1}] · s_{t-1,c}
+        s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t,      o_t = S_tᵀ q_t
+
+    (``reference.decayed_attention_per_column_reference``).  The per-column kernel of
+    :func:`decayed_delta_rule` without the residual (``P = η ⊙ Y``, no triangular system), with the
+    backward of that kernel minus its solve terms.  GPU only (``"pallas_gpu"``, interpret mode
+    elsewhere) or ``"xla"``; ``"pallas_tpu"`` raises ``NotImplementedError``.
+
+    Args: as :func:`decayed_delta_rule` (eta, log_gamma ``[B, H, T, dv]`` or ``[B, H, T]``).
+    Returns: ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    if implementation == "auto":
+        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+    if implementation == "xla":
+        o, final = decayed_attention_per_column_reference(q, x, y, eta, log_gamma, run, initial_state)
+        return o.astype(y.dtype), final
+    return _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config, interpret,
+                       residual=False)
 
 
 def windowed_unsupported_reason(window: int, q, y, chunk_size: int, interpret: bool = False) -> str | None:
@@ -319,8 +378,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     if implementation == "xla":
         o, final = windowed_delta_rule_reference(q, x, y, w, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
-    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
-    interpret = (not native) if interpret is None else interpret
+    interpret = _interpret(implementation, interpret)
     B, H, T, dk = q.shape
     W = w.shape[-1]
     dv = y.shape[-1]

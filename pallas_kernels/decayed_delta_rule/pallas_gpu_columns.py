@@ -12,6 +12,11 @@ both cut between segments)::
     o[t, c] = c_{t,c} (Q S_0)[t, c] + Σ_{s≤t} M⁺ (q_t·x_s) e^{g_{t,c} − g_{s,c}} P[s, c]
     S_C[:, c] = a_c S_0[:, c] + Xᵀ (w_c ⊙ P[:, c])
 
+``residual=False`` (a static flag of both kernels) is the inner-product rule with the
+same per-column gates (Falcon-2A): no residual, ``A_c ≡ 0`` and no ``S_0`` term,
+so ``P = η ⊙ Y`` — no substitution, only the per-column decayed read and state
+update; its backward is the one below without the solve terms.
+
 A per-column ``(I + A_c)⁻¹`` would be a ``[C, C]`` matrix per column; instead the
 solve is a *column-batched forward substitution*: rows ``s = 0..C−1`` in turn, each
 row of ``P [C, block_v]`` from the rows before it,
@@ -107,27 +112,31 @@ def _load_chunk(refs, c, chunk):
 
 def _solve_forward(gram, R, eta, g, gp, rl, qx=None):
     """Column-batched forward substitution ``(I + A_c) P[:, c] = R[:, c]``; with ``qx`` also the intra-chunk
-    read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final)."""
+    read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final).  ``gram=None``:
+    no system (``A_c ≡ 0``, ``P = R``), only the read."""
     C = R.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (C,), 0)
+    if gram is None and qx is None:
+        return R, None
 
     def body(s, carry):
         P, O = carry
-        g_s, gp_s, eta_s, rl_s = _row(g, s), _row(gp, s), _row(eta, s), _at(rl, s)
+        g_s, rl_s = _row(g, s), _at(rl, s)
         same = rl == rl_s
-        coef = _row(gram, s)[:, None] * _decay((idx < s) & same, gp_s, g)
-        P = _set_row(P, s, _row(R, s) - eta_s * jnp.sum(coef * P, axis=0))
+        if gram is not None:
+            coef = _row(gram, s)[:, None] * _decay((idx < s) & same, _row(gp, s), g)
+            P = _set_row(P, s, _row(R, s) - _row(eta, s) * jnp.sum(coef * P, axis=0))
         if qx is not None:
             read = _row(qx, s)[:, None] * _decay((idx <= s) & same, g_s, g)
             O = _set_row(O, s, jnp.sum(read * P, axis=0))
         return P, O
 
     zeros = jnp.zeros(R.shape, F32)
-    return lax.fori_loop(0, C, body, (zeros, zeros))
+    return lax.fori_loop(0, C, body, (zeros if gram is not None else R, zeros))
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks,
-                    write_o, write_h, precision):
+                    write_o, write_h, precision, residual=True):
     refs = list(out_refs)
     o_ref = refs.pop(0) if write_o else None
     h_ref = refs.pop(0) if write_h else None
@@ -141,8 +150,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
         xf = x.astype(F32)
         if write_h:
             h_ref[c, :, :] = S
-        gram = dot(x, x.T, precision)
-        R = eta * (y_ref[rows, :].astype(F32) - cont_p * dot(xf, S, p32))
+        if residual:
+            gram = dot(x, x.T, precision)
+            R = eta * (y_ref[rows, :].astype(F32) - cont_p * dot(xf, S, p32))
+        else:  # inner-product rule: P = η ⊙ Y
+            gram, R = None, eta * y_ref[rows, :].astype(F32)
         if write_o:
             q = q_ref[rows, :]
             P, o = _solve_forward(gram, R, eta, g, gp, rl, qx=dot(q, x.T, precision))
@@ -155,8 +167,8 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
 
 
 def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
-                     dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref, ds_start_ref, *, chunk, n_chunks,
-                     precision):
+                     dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision, residual=True):
+    dgp_ref, ds_start_ref = refs if residual else (None, *refs)  # no residual: gp unused, no dgp
     p32 = lax.Precision.HIGHEST if precision is not None else None
     C = chunk
     idx = lax.broadcasted_iota(jnp.int32, (C,), 0)
@@ -170,10 +182,13 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
         qf, xf = q.astype(F32), x.astype(F32)
         y, do = y_ref[rows, :].astype(F32), do_ref[rows, :].astype(F32)
         h = h_ref[c, :, :]
-        gram = dot(x, x.T, precision)
+        gram = dot(x, x.T, precision) if residual else None
         qx = dot(q, x.T, precision)
-        xh = dot(xf, h, p32)
-        target = y - cont_p * xh
+        if residual:
+            xh = dot(xf, h, p32)
+            target = y - cont_p * xh
+        else:
+            target = y
         P, _ = _solve_forward(gram, eta * target, eta, g, gp, rl)
         xds = dot(xf, dS, p32)
 
@@ -190,7 +205,7 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
             coef = eta * _col(gram, s)[:, None] * _decay_from((idx > s) & same, gp, _row(g, s))
             return _set_row(dR, s, _row(dP, s) - jnp.sum(coef * dR, axis=0))
 
-        dR = lax.fori_loop(0, C, solve_back, jnp.zeros(do.shape, F32))
+        dR = lax.fori_loop(0, C, solve_back, jnp.zeros(do.shape, F32)) if residual else dP
 
         def cross(r, carry):  # row r of the read (t = r) and of A (s = r): gradients that mix rows
             d_qx, d_gram, dg, dgp, deta = carry
@@ -201,6 +216,8 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
             d_qx = _set_row(d_qx, r, jnp.sum(f, axis=1))
             e = _row(qx, r)[:, None] * f
             dg = _set_row(dg, r, _row(dg, r) + jnp.sum(e, axis=0)) - e
+            if not residual:
+                return d_qx, d_gram, dg, dgp, deta
             # A_c[r, j] = η_r (x_r·x_j) e^{gp_r − g_j}, dA_c[r, j] = −dR[r] P[j]
             gp_p = _decay((idx < r) & same, gp_r, g) * P  # [C(j), bv]
             dr_r = _row(dR, r)
@@ -215,19 +232,23 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
         zc = jnp.zeros((C, C), F32)
         zv = jnp.zeros(do.shape, F32)
         d_qx, d_gram, dg, dgp, deta = lax.fori_loop(0, C, cross, (zc, zc, zv, zv, zv))
-        edr = eta * cont_p * dR
         cdo = cont * do
         wp = w_last * P
+        dx = dot(d_qx.T, qf, p32) + dot(wp, dS.T, p32)
+        ds = a_last[None, :] * dS + dot(qf.T, cdo, p32)
+        if residual:
+            edr = eta * cont_p * dR
+            dx = dx - dot(edr, h.T, p32) + dot(d_gram + d_gram.T, xf, p32)
+            dgp_ref[rows, :] = dgp - edr * xh
+            ds = ds - dot(xf.T, edr, p32)
         dq_ref[rows, :] = (dot(cdo, h.T, p32) + dot(d_qx, xf, p32)).astype(dq_ref.dtype)
-        dx_ref[rows, :] = (dot(d_qx.T, qf, p32) + dot(wp, dS.T, p32) - dot(edr, h.T, p32)
-                           + dot(d_gram + d_gram.T, xf, p32)).astype(dx_ref.dtype)
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         dy_ref[rows, :] = (eta * dR).astype(dy_ref.dtype)
         deta_ref[rows, :] = deta + dR * target
-        dgp_ref[rows, :] = dgp - edr * xh
         wl_term = wp * xds
         end = jnp.sum(wl_term, axis=0) + a_last * jnp.sum(h * dS, axis=0)
         dg_ref[rows, :] = dg + cdo * dot(qf, h, p32) - wl_term + jnp.where(last, end[None, :], 0.0)
-        return a_last[None, :] * dS + dot(qf.T, cdo, p32) - dot(xf.T, edr, p32)
+        return ds
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
@@ -247,8 +268,9 @@ def _specs(q, y, block_v):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=4,
-                 num_stages=2):
-    """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].
+                 num_stages=2, residual=True):
+    """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].  ``residual=False``: the inner-product
+    rule (``P = η ⊙ Y``; ``gp`` unused).
 
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv]).
     """
@@ -266,20 +288,20 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
     out_shape.append(jax.ShapeDtypeStruct((BH, dk, dv), F32))
     out_specs.append(state)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype))
+                               precision=precision_for(q.dtype), residual=residual)
     return call(kernel, grid=grid, in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, state],
                 out_specs=out_specs, out_shape=out_shape, args=(q, x, y, eta, g, gp, rl, s0),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                name="falcon_delta_col_fwd")
+                name="falcon_delta_col_fwd" if residual else "falcon_attn_col_fwd")
 
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=4,
-                  num_stages=1):
+                  num_stages=1, residual=True):
     """Reverse walk with every gradient. h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
     Returns dq, dx [BH, nv, L, dk] fp32 (one share per value block: sum over axis 1), dy [BH, L, dv],
-    fp32 [BH, L, dv]: deta, dg (w.r.t. the chunk-local inclusive cumsum g), dgp (the exclusive one),
-    and ds_start [BH, dk, dv].
+    fp32 [BH, L, dv]: deta, dg (w.r.t. the chunk-local inclusive cumsum g), dgp (the exclusive one; None
+    with ``residual=False``, where gp is unused), and ds_start [BH, dk, dv].
     """
     BH, L, dk = q.shape
     dv = y.shape[-1]
@@ -289,13 +311,16 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
     share = pl.BlockSpec((None, None, L, dk), lambda b, v: (b, v, 0, 0))
     h_spec = pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v))
     vec = jax.ShapeDtypeStruct((BH, L, dv), F32)
-    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n, precision=precision_for(q.dtype))
-    return call(kernel, grid=grid,
+    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n, precision=precision_for(q.dtype),
+                               residual=residual)
+    n_vec = 3 if residual else 2  # deta, dg (, dgp)
+    outs = call(kernel, grid=grid,
                 in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, rows_v, h_spec, state],
-                out_specs=[share, share, rows_v, rows_v, rows_v, rows_v, state],
+                out_specs=[share, share, rows_v] + [rows_v] * n_vec + [state],
                 out_shape=[jax.ShapeDtypeStruct((BH, nv, L, dk), F32), jax.ShapeDtypeStruct((BH, nv, L, dk), F32),
-                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype), vec, vec, vec,
-                           jax.ShapeDtypeStruct((BH, dk, dv), F32)],
+                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype)] + [vec] * n_vec
+                + [jax.ShapeDtypeStruct((BH, dk, dv), F32)],
                 args=(q, x, y, eta, g, gp, rl, do, h, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                name="falcon_delta_col_bwd")
+                name="falcon_delta_col_bwd" if residual else "falcon_attn_col_bwd")
+    return tuple(outs) if residual else (*outs[:5], None, outs[5])

@@ -50,6 +50,27 @@ def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
     return jnp.moveaxis(o, 0, 2), final
 
 
+def decayed_attention_per_column_reference(q, x, y, eta, log_gamma, run, initial_state):
+    """The inner-product rule with per-column gates (Falcon-2A): as :func:`decayed_delta_rule_reference`
+    without the residual, ``s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t``, ``o_t = S_tᵀ q_t``."""
+    f32 = jnp.promote_types(jnp.float32, q.dtype)
+    q, x, y, eta, log_gamma = (a.astype(f32) for a in (q, x, y, eta, log_gamma))
+    prev_run = jnp.concatenate([jnp.zeros_like(run[..., :1]), run[..., :-1]], axis=-1)
+    keep = (run == prev_run).astype(f32)
+    dv = y.shape[-1]
+    eta, log_gamma = (a if a.ndim == y.ndim else jnp.broadcast_to(a[..., None], (*a.shape, dv))
+                      for a in (eta, log_gamma))
+
+    def step(S, inp):
+        q_t, x_t, y_t, eta_t, a_t, keep_t = inp
+        S = jnp.exp(a_t)[..., None, :] * (keep_t[..., None, None] * S) + x_t[..., :, None] * (eta_t * y_t)[..., None, :]
+        return S, jnp.einsum("...k,...kd->...d", q_t, S)
+
+    seq = [jnp.moveaxis(a, 2, 0) for a in (q, x, y, eta, log_gamma, keep)]
+    final, o = jax.lax.scan(step, initial_state.astype(f32), seq)
+    return jnp.moveaxis(o, 0, 2), final
+
+
 def windowed_delta_rule_reference(q, x, y, w, log_gamma, run, initial_state):
     """Windowed (Falcon-3) form: every step writes the ``W`` pairs of its window, all residuals measured on the
     same previous state::
