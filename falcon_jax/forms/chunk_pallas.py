@@ -41,6 +41,11 @@ same correction adds the last W−1 pairs' partial writes to the final state.
 Read-before-write reads step t−1's state with query q_t (the kernel is called
 with the queries shifted one step left; step 0 reads the initial state in XLA).
 
+Falcon-2A with per-column gains goes through the per-column kernel without the
+residual, ``pallas_kernels.decayed_delta_rule.decayed_attention_per_column``
+(``s_{t,c} = e^{a_{t,c}} s_{t-1,c} + η_{t,c} y_{t,c} x_t``), mapped exactly like
+Falcon-2 (the same write stream, query shift and step-0 read).  GPU only.
+
 Everything else raises ``NotImplementedError`` with the reason;
 ``impl="auto"`` then falls back to the XLA chunk form.
 """
@@ -69,13 +74,11 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
         if reason is not None:
             return f"{rule.name}: {reason}"
     per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
-    if per_column and not rule.regression:
-        return f"{rule.name}: no Pallas kernel for per-column gains of the inner-product rules (2A) yet"
+    if per_column and rule.window > 1:
+        return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
     if per_column and jax.default_backend() == "tpu":
         return f"{rule.name}: no TPU Pallas kernel for per-column gains yet"
     if rule.regression and rule.window > 1:
-        if per_column:
-            return f"{rule.name}: no Pallas kernel for per-column gains of windowed regression rules yet"
         from pallas_kernels.decayed_delta_rule.api import windowed_unsupported_reason
 
         probe = jnp.zeros((0, dk or 16), dtype or jnp.float32)
@@ -109,7 +112,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     reason = supports(rule, inputs, v.shape[-1], chunk_size=chunk_size)
     if reason is not None:
         raise NotImplementedError(reason)
-    if rule.regression:
+    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
+    if rule.regression or per_column:
         return _regression(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=kernel_dtype)
     B, H, T, _ = q.shape
     W = rule.window
@@ -161,8 +165,9 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
 def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
                 kernel_dtype=None):
     """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
-    gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form."""
-    from pallas_kernels.decayed_delta_rule import decayed_delta_rule, windowed_delta_rule
+    gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form.  Falcon-2A
+    (per-column, no residual) through the same mapping to the per-column kernel without the residual."""
+    from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 
     B, H, T, _ = q.shape
     kd = kernel_dtype or q.dtype
@@ -180,8 +185,9 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
                                    stream.w[..., 0], lg, run, state.S, chunk_size=chunk_size,
                                    implementation=_implementation())
     else:
-        o, S = decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run,
-                                  state.S, chunk_size=chunk_size, implementation=_implementation())
+        op = decayed_delta_rule if rule.regression else decayed_attention_per_column
+        o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S,
+                  chunk_size=chunk_size, implementation=_implementation())
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S.astype(q.dtype))  # step 0 reads the initial state
