@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from falcon_jax import deltanet, falcon
+from falcon_jax import deltanet, falcon, gated_deltanet
 from pallas_kernels.common import poisoned_outputs
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule, windowed_delta_rule
+from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
-from pallas_kernels.decayed_delta_rule.reference import decayed_delta_rule_reference, windowed_delta_rule_reference
+from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
+                                                         decayed_delta_rule_reference, windowed_delta_rule_reference)
 
 FP32_TOL = 1e-5
 
@@ -195,9 +196,8 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
 
 def test_rules_without_kernel_raise_or_fall_back(rng):
     q, k, v, beta, lam = falcon_inputs(rng, T=20)
-    beta_col = jnp.broadcast_to(beta[..., None], (*beta.shape, v.shape[-1]))
-    with pytest.raises(NotImplementedError, match="per-column"):
-        falcon(q, k, v, beta_col, lam, variant="2A", impl="pallas")
+    with pytest.raises(NotImplementedError, match="Gated DeltaNet"):
+        gated_deltanet(q, k, v, beta, -lam, impl="pallas")
     with pytest.raises(NotImplementedError, match="window=32"):
         falcon(q, k, v, beta, lam, variant="3", window=32, impl="pallas")
     with pytest.raises(NotImplementedError, match="chunk_size"):
@@ -365,6 +365,152 @@ def test_per_column_kernel_lowers_for_triton(dtype):
         lowering_platforms=("cuda",)).as_text()
     for name in ("col_fwd", "col_bwd"):
         assert f"falcon_delta_{name}" in text, name
+
+
+# ---- per-column gates without the residual (Falcon-2A) -----------------------------------------------
+
+
+def attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=16, **kw):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    with poisoned_outputs():
+        return decayed_attention_per_column(f32(q), f32(x), f32(y), f32(eta), f32(log_gamma), run, f32(s0),
+                                            chunk_size=chunk_size, implementation="pallas_gpu", **kw)
+
+
+def attn_column_reference(q, x, y, eta, log_gamma, run, s0):
+    return decayed_attention_per_column_reference(*(jnp.asarray(a) for a in (q, x, y, eta, log_gamma)), run,
+                                                  jnp.asarray(s0))
+
+
+def test_attention_per_column_forward_matches_reference(rng):
+    """Odd T over three chunks, a segment start inside a chunk, non-zero initial state, dv = 32 in two value
+    blocks, per-column η and log γ that differ per column."""
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
+    o, final = attn_column_kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(column_block_v=16))
+    o_ref, final_ref = attn_column_reference(q, x, y, eta, log_gamma, run, s0)
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(final, final_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("chunk,block_v", [(16, 16), pytest.param(32, 32, marks=pytest.mark.slow)])
+def test_attention_per_column_gradients_match_reference(chunk, block_v, rng):
+    """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan."""
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+
+    def loss(fn):
+        def f(*a):
+            o, s = fn(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return f
+
+    argnums = tuple(range(6))
+    got = jax.grad(loss(lambda *a: attn_column_kernel(*a, chunk_size=chunk,
+                                                      config=KernelConfig(column_block_v=block_v))),
+                   argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+    want = jax.grad(loss(decayed_attention_per_column_reference), argnums=argnums)(
+        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < 5e-5, name
+
+
+def test_attention_per_column_extreme_gates(rng):
+    """Per column: γ at the clamp (1e-6) on an independent third of the steps and γ = 1 elsewhere; γ = 1e-6 on
+    every step in a quarter of the columns (cumulative log decay −440 inside a chunk of 32): only
+    differences g_a − g_b with a ≥ b are exponentiated.  Values and gradients."""
+    q, x, y, eta, _, run, s0 = column_inputs(rng, T=40, dv=16, segments=False)
+    log_gamma = np.where(rng.uniform(size=y.shape) < 0.33, np.log1p(-(1 - 1e-6)), 0.0)
+    log_gamma[..., :4] = np.log(1e-6)
+    o, final = attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=32)
+    o_ref, final_ref = attn_column_reference(q, x, y, eta, log_gamma, run, s0)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(final, final_ref) < FP32_TOL
+    ct = jnp.asarray(rng.normal(size=y.shape))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(q, x, *a, run, s0)[0] * ct.astype(jnp.float32))
+
+    got = jax.grad(loss(lambda *a: attn_column_kernel(*a, chunk_size=32)), argnums=(0, 1, 2))(
+        *(jnp.asarray(a, jnp.float32) for a in (y, eta, log_gamma)))
+    want = jax.grad(loss(attn_column_reference), argnums=(0, 1, 2))(*(jnp.asarray(a) for a in (y, eta, log_gamma)))
+    for name, g, w in zip(["y", "eta", "log_gamma"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < 5e-5, name
+
+
+def test_attention_per_column_tpu_raises(rng):
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=16, dv=16, segments=False)
+    with pytest.raises(NotImplementedError, match="no TPU kernel for per-column"):
+        decayed_attention_per_column(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma)), run,
+                                     jnp.asarray(s0, jnp.float32), chunk_size=16, implementation="pallas_tpu")
+
+
+@pytest.mark.parametrize("options,check_grads", [
+    ({"segments": True}, True),
+    ({"timing": "rbw", "alignment": "same_step", "clamp": True}, False),
+    pytest.param({"timing": "rbw", "segments": True}, True, marks=pytest.mark.slow),
+    pytest.param({"alignment": "same_step", "clamp": True}, True, marks=pytest.mark.slow),
+])
+def test_falcon2a_pallas_equals_xla_chunk_form(options, check_grads, rng):
+    """Falcon-2A with per-column gains against the XLA chunk form, continuing from a non-trivial state."""
+    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
+    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)  # [B, T, H, dv]
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
+    if options.pop("clamp", False):
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    kw = dict(variant="2A", chunk_size=16, return_final_state=True, **options)
+    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
+    with poisoned_outputs():
+        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
+    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
+    assert rel_err(got, want) < FP32_TOL
+    assert rel_err(got_state.S, want_state.S) < FP32_TOL
+    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
+    if not check_grads:
+        return
+    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(*a):
+            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
+
+    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
+        assert rel_err(g, w) < 1e-4, name
+
+
+def test_falcon2a_tied_gains_equal_falcon1a(rng):
+    """Per-column gains that are all equal (the per-column kernel) give Falcon-1A (the decayed-attention
+    kernel)."""
+    q, k, v, beta, lam = falcon_inputs(rng, B=1, H=1, T=40)
+    beta_col = jnp.broadcast_to(beta[..., None], v.shape)
+    with poisoned_outputs():
+        got = falcon(q, k, v, beta_col, lam, variant="2A", impl="pallas", chunk_size=16)
+        want = falcon(q, k, v, beta, lam, variant="1A", impl="pallas", chunk_size=16)
+    assert rel_err(got, want) < FP32_TOL
+
+
+def test_attention_per_column_kernel_lowers_for_triton():
+    """Cross-lower the Falcon-2A per-column forward + backward through the Triton lowering rules on CPU
+    (bf16, d = 128, chunk 64)."""
+    B, H, T, D = 1, 1, 128, 128
+    q = jnp.zeros((B, H, T, D), jnp.bfloat16)
+    gate = jnp.zeros((B, H, T, D), jnp.float32)
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = decayed_attention_per_column(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu",
+                                            interpret=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for name in ("col_fwd", "col_bwd"):
+        assert f"falcon_attn_{name}" in text, name
 
 
 # ---- windowed form (Falcon-3) ------------------------------------------------------------------------
