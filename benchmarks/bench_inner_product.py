@@ -2,8 +2,9 @@
 
     python benchmarks/bench_inner_product.py [--out bench.json] [--quick]
 
-Rows (bf16, median ms): ours (falcon 1A through the Pallas kernel, gates and layout
-included; the kernel alone; the XLA chunk form), cuDNN causal softmax attention,
+Rows (bf16, median ms): ours (falcon 1A and 3A through the Pallas kernel — and 2A with per-column
+gains through the per-column kernel, at the first shape —, gates and layout included; the kernel
+alone; the XLA chunk form), cuDNN causal softmax attention,
 jax-linear-attention ``simple_gla`` (impl="mosaic_gpu") and fla ``chunk_simple_gla``
 when those packages are importable (optional; install them as wheels on the GPU
 machine). Also the HBM floor (q, k, v read and o written once at the measured copy
@@ -171,6 +172,14 @@ def main() -> int:
         for variant in ("1A", "3A"):
             f, b = fwd_and_bwd(ours_falcon(variant), 5)
             measure(f"falcon-{variant} pallas", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
+        if shape == SHAPES[0]:  # Falcon-2A: per-column gains, the per-column kernel without the residual
+            try:
+                beta_col = beta[..., None] * jnp.linspace(0.5, 1.0, D)  # [B, T, H, D], differs per column
+                f, b = fwd_and_bwd(ours_falcon("2A"), 5)
+                measure("falcon-2A pallas (per-column)", shape, f, b, (q, k, v, beta_col, lam),
+                        (q, k, v, beta_col, lam))
+            except Exception as e:  # noqa: BLE001
+                errors[f"falcon-2A {shape}"] = repr(e)[:300]
         f, b = fwd_and_bwd(kernel_only, 4)
         measure("kernel only (decayed_attention)", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
         try:  # Mosaic GPU forward (wgmma + TMA), Triton backward; not yet the default

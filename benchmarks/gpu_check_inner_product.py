@@ -4,7 +4,8 @@
 
 Checks (exit 1 if any fails):
   * fp32: falcon(variant="1A", impl="pallas") vs the float64 XLA chunk form at T = 8192,
-    outputs, final state and gradients, rel. error <= 1e-4; Falcon-3A outputs likewise;
+    outputs, final state and gradients, rel. error <= 1e-4; Falcon-3A and Falcon-2A (per-column gains)
+    outputs likewise;
   * bf16: kernel error vs the float64 reference within 2x the XLA chunk form's bf16 error;
   * segments + initial state + read-before-write on the GPU lowering;
   * T = 65536: forward and backward finite.
@@ -70,6 +71,18 @@ def main() -> int:
     ref3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="xla"))(*x64_3a)
     got3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="pallas"))(*[a.astype(jnp.float32) for a in x64_3a])
     check("fp32 T=8192 Falcon-3A output rel err", rel(got3, ref3), 1e-4)
+    # Falcon-2A with per-column gains (β, hence η and γ, differ per column): the per-column kernel, no residual
+    # (own generator: the later checks keep their inputs; a crash is recorded as a failed check)
+    beta_col = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.9, size=(B, T, H, d)))
+    x64_2a = x64[:3] + [beta_col, x64[4]]
+    try:
+        ref2a = jax.jit(lambda *a: falcon(*a, variant="2A", impl="xla"))(*x64_2a)
+        got2a = jax.jit(lambda *a: falcon(*a, variant="2A", impl="pallas"))(*[a.astype(jnp.float32) for a in x64_2a])
+        err2a = rel(got2a, ref2a)
+    except Exception as e:  # noqa: BLE001
+        results["Falcon-2A error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        err2a = float("nan")
+    check("fp32 T=8192 Falcon-2A (per-column) output rel err", err2a, 1e-4)
 
     ct = jnp.asarray(rng.normal(size=ref_out.shape))
 
