@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in priority order, each under its own time limit, for short leases:
+#
+#   bash benchmarks/h200_run.sh checks      # correctness on the real lowering (about 9 min at most)
+#   bash benchmarks/h200_run.sh bench       # timings and memory (about 9 min at most)
+#
+# Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
+# when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
+# $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
+set -u
+part=${1:?usage: h200_run.sh checks|bench}
+out=${OUT:-benchmarks/results/latest}
+mkdir -p "$out/$part"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "warning: installing .whl/ failed; peers will be skipped"
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+step() {  # step NAME SECONDS CMD...: run with a limit, keep a filtered log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "slow_operation_alarm|Constant folding|reduce-window|constant-folding|If you'd like to file|The operation took|^$" \
+    | tee "$out/$part/$name.log"
+}
+
+case $part in
+  checks)
+    step check_regression 270 python3 benchmarks/gpu_check_regression.py --out "$out/$part/check_regression.json"
+    step check_inner 150 python3 benchmarks/gpu_check_inner_product.py --out "$out/$part/check_inner.json"
+    step check_mosaic 110 python3 benchmarks/gpu_check_mosaic.py --out "$out/$part/check_mosaic.json"
+    ;;
+  bench)
+    step bench_inner 260 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
+    step bench_regression 260 python3 benchmarks/bench_regression.py --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench)"; exit 2 ;;
+esac
+tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
