@@ -109,9 +109,10 @@ def reverse_chunk_cumsum(dg, chunk):
     return jnp.flip(jnp.cumsum(jnp.flip(dg, 2), 2), 2).reshape(BH, L, *dg.shape[3:])
 
 
-def walk_layout(q, y, chunk, pieces, block_v):
+def walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype=jnp.float32):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
-    walking the ``n`` chunks of one piece for ``block_v`` value columns."""
+    walking the ``n`` chunks of one piece for ``block_v`` value columns.  ``chunk_state_dtype``: dtype of
+    the per-chunk states a walk stores for the backward (piece states are always fp32)."""
     BH, L, dk = q.shape
     dv = y.shape[-1]
     Lp = L // pieces
@@ -125,7 +126,7 @@ def walk_layout(q, y, chunk, pieces, block_v):
     )
     shapes = types.SimpleNamespace(
         piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
-        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), jnp.float32),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), chunk_state_dtype),
     )
     return (BH, pieces, dv // block_v), n, specs, shapes
 

@@ -177,6 +177,32 @@ def test_bf16_error_within_twice_the_xla_forms():
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
 
 
+def test_bf16_gradients_within_twice_the_xla_forms():
+    """bf16 inputs, backward: the kernel stores its per-chunk states and their gradients in bf16 and
+    runs its matmuls on bf16 operands (fp32 accumulation), the XLA chunk form computes in fp32 from
+    the same bf16 inputs; the kernel's gradient error against fp64 stays within 3× the XLA form's
+    (measured 2.7× on these inputs, the same with fp32-stored states: the dots round them anyway)."""
+    rng = np.random.default_rng(6)
+    q, k, v, beta, lam = falcon_inputs(rng, T=80)
+    ct = jnp.asarray(rng.normal(size=v.shape))
+    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+
+    def grads(impl, xs, dtype):
+        def loss(q_, k_, v_):
+            out = falcon(q_, k_, v_, beta.astype(dtype), lam.astype(dtype), variant="1A", impl=impl, chunk_size=16)
+            return jnp.sum(out.astype(dtype) * ct.astype(dtype))
+        return jax.grad(loss, argnums=(0, 1, 2))(*xs)
+
+    exact = grads("xla", [a.astype(jnp.float64) for a in bf], jnp.float64)
+    with poisoned_outputs():
+        got = grads("pallas", bf, jnp.float32)
+    xla = grads("xla", bf, jnp.float32)
+    for g_kernel, g_xla, g_exact in zip(got, xla, exact):
+        assert np.all(np.isfinite(np.asarray(g_kernel, np.float64)))
+        err_kernel, err_xla = rel_err(g_kernel, g_exact), rel_err(g_xla, g_exact)
+        assert err_kernel <= 3 * err_xla + 1e-3, (err_kernel, err_xla)
+
+
 def test_rules_without_kernel_raise_or_fall_back():
     rng = np.random.default_rng(2)
     q, k, v, beta, lam = falcon_inputs(rng, T=20)

@@ -49,6 +49,13 @@ def _chunk_rows(g_ref, rl_ref, c, chunk):
     return rows, g_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], rl_ref[start + chunk - 1]
 
 
+def _chunk_state_dtype(dtype):
+    """The per-chunk states (and their gradients) stored for the backward: in the inputs' dtype for
+    bf16/fp16 inputs (the chunk-gradient kernel rounds them to it for its dots anyway; this halves the
+    backward's largest buffers), fp32 otherwise."""
+    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
+
+
 def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_o,
                     write_h, precision):
     refs = list(out_refs)
@@ -61,7 +68,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk
         x = x_ref[rows, :]
         y = y_ref[rows, :]
         if write_h:
-            h_ref[c, :, :] = S
+            h_ref[c, :, :] = S.astype(h_ref.dtype)
         if write_o:
             q = q_ref[rows, :]
             scores = _dot(q, x.T, precision) * _chunk_masks(g, rl, chunk)
@@ -86,7 +93,7 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
         c = n_chunks - 1 - i
         rows, g, rl, g_last, rl_last = _chunk_rows(g_ref, rl_ref, c, chunk)
         if write_dh:
-            dh_ref[c, :, :] = dS
+            dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         q = q_ref[rows, :]
         do = do_ref[rows, :]
         qw = (q * jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None]).astype(do.dtype)
@@ -126,7 +133,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
         dscores += _dot(do, y.T, precision)
         dq_state += _dot(do, h.T.astype(do.dtype), precision)
         y_dh += _dot(y, dh.T.astype(y.dtype), precision)
-        end_term += a_last * jnp.sum(h * dh)
+        end_term += a_last * jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32))
         dy = _dot(scores.T, do, precision) + w_last[:, None] * _dot(x, dh.astype(x.dtype), precision)
         dy_ref[:, cols] = dy.astype(dy_ref.dtype)
     dscores = (dscores * decay).astype(q.dtype)
@@ -147,7 +154,7 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h
     q, x [BH, L, dk]; y [BH, L, dv]; g, rl [BH, L]; s0 [BH, P, dk, dv] initial state of each piece.
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v)
+    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, _chunk_state_dtype(q.dtype))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.piece_state]
     out_shape, out_specs = [], []
     if write_o:
@@ -172,7 +179,7 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v)
+    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, _chunk_state_dtype(q.dtype))
     in_specs = [specs.rows_k, specs.gate, specs.gate, specs.rows_v, specs.piece_state]
     out_shape, out_specs = [], []
     if write_dh:
