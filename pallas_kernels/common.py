@@ -21,6 +21,29 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def resolve_implementation(implementation: str, choices: tuple[str, ...]) -> str:
+    """Check ``implementation`` against an op's ``choices``; ``"auto"`` becomes the kernel of this
+    machine's accelerator (``"pallas_gpu"`` / ``"pallas_tpu"``), else ``"xla"``."""
+    if implementation not in choices:
+        raise ValueError(f"`implementation` must be one of {choices}; got {implementation!r}.")
+    if implementation == "auto":
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+    return implementation
+
+
+def interpret_default(implementation: str, interpret: bool | None) -> bool:
+    """A kernel off its own accelerator runs in interpret mode unless ``interpret`` says otherwise."""
+    native = {"pallas_gpu": "gpu", "mosaic_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == jax.default_backend()
+    return (not native) if interpret is None else interpret
+
+
+def flatten_pad(a, length: int, mode: str = "constant"):
+    """``[B, H, T, ...]`` -> ``[B·H, length, ...]``, padded at the end of T (zeros, or ``mode="edge"``
+    to repeat the last entry, e.g. to continue a run index)."""
+    a = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2), mode=mode)
+
+
 def dot(a, b, precision):
     """``a @ b`` with fp32 accumulation."""
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
@@ -137,5 +160,5 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "chunk_local", "dot", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
-           "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason", "walk_layout"]
+__all__ = ["call", "chunk_local", "dot", "flatten_pad", "interpret_default", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
+           "resolve_implementation", "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from pallas_kernels.common import chunk_local as _prepare
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pieces_for as _pieces
-from pallas_kernels.common import reverse_chunk_cumsum, unsupported_dims_reason
+from pallas_kernels.common import (flatten_pad, interpret_default, resolve_implementation, reverse_chunk_cumsum,
+                                   unsupported_dims_reason)
 from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
@@ -144,16 +145,11 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     Returns:
       ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    platform = jax.default_backend()
-    if implementation == "auto":
-        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
-    native = {"pallas_gpu": "gpu", "mosaic_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == platform
-    interpret = (not native) if interpret is None else interpret
+    interpret = interpret_default(implementation, interpret)
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is None and implementation == "mosaic_gpu":
         reason = mosaic_gpu.unsupported_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype)
@@ -174,14 +170,10 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     else:
         P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
-    def flat(a, fill="zero"):
-        a = a.reshape(B * H, T, *a.shape[3:])
-        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
-        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
-
+    flat = functools.partial(flatten_pad, length=L)
     # padding: zero pairs, zero log decay (identity steps), run continued
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), "edge"),
+                          flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), mode="edge"),
                           initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
                           bool(interpret), implementation)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

@@ -45,7 +45,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import chunk_local, next_pow2, pieces_for, reverse_chunk_cumsum, unsupported_dims_reason
+from pallas_kernels.common import (chunk_local, flatten_pad, interpret_default, next_pow2, pieces_for,
+                                   resolve_implementation, reverse_chunk_cumsum, unsupported_dims_reason)
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference)
@@ -229,11 +230,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     Returns:
       ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    platform = jax.default_backend()
-    if implementation == "auto":
-        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -241,7 +238,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     if per_column:
         return _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config,
                            interpret, residual=True)
-    interpret = _interpret(implementation, interpret)
+    interpret = interpret_default(implementation, interpret)
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_delta_rule: {reason}")
@@ -258,23 +255,14 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     else:
         P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
-    def flat(a, fill="zero"):
-        a = a.reshape(B * H, T, *a.shape[3:])
-        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
-        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
-
+    flat = functools.partial(flatten_pad, length=L)
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
     f32 = jnp.float32
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
+                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,
                           bool(interpret), implementation, 1)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
-
-
-def _interpret(implementation, interpret):
-    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == jax.default_backend()
-    return (not native) if interpret is None else interpret
 
 
 def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config, interpret,
@@ -284,7 +272,7 @@ def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, impleme
     name = "decayed_delta_rule" if residual else "decayed_attention_per_column"
     if implementation == "pallas_tpu":
         raise NotImplementedError(f"pallas_tpu {name}: no TPU kernel for per-column gates yet")
-    interpret = _interpret(implementation, interpret)
+    interpret = interpret_default(implementation, interpret)
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
         raise NotImplementedError(f"{implementation} {name}: {reason}")
@@ -296,13 +284,10 @@ def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, impleme
     config = dataclasses.replace(config, column_block_v=min(config.column_block_v, dv))
     eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
 
-    def flat(a, fill="zero"):  # padding: zero pairs, write weight and log decay (identity steps), run continued
-        a = a.reshape(B * H, T, *a.shape[3:])
-        widths = [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2)
-        return jnp.pad(a, widths, mode="edge" if fill == "edge" else "constant")
+    flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
 
     o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), "edge"),
+                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, bool(interpret),
                           residual)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
@@ -324,10 +309,7 @@ def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *,
     Args: as :func:`decayed_delta_rule` (eta, log_gamma ``[B, H, T, dv]`` or ``[B, H, T]``).
     Returns: ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    if implementation == "auto":
-        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+    implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         o, final = decayed_attention_per_column_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -370,15 +352,11 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     """
     from pallas_kernels.decayed_delta_rule.reference import windowed_delta_rule_reference
 
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    platform = jax.default_backend()
-    if implementation == "auto":
-        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         o, final = windowed_delta_rule_reference(q, x, y, w, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
-    interpret = _interpret(implementation, interpret)
+    interpret = interpret_default(implementation, interpret)
     B, H, T, dk = q.shape
     W = w.shape[-1]
     dv = y.shape[-1]
@@ -398,10 +376,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
         P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.target_programs)
     f32 = jnp.float32
 
-    def pad(a, n, mode="constant"):  # [B,H,len,...] -> [BH, n, ...]
-        a = a.reshape(B * H, *a.shape[2:])
-        return jnp.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2), mode=mode)
-
+    pad = flatten_pad  # [B,H,len,...] -> [BH, n, ...]
     # padding: zero pairs, weights and log decays (identity steps), run continued
     x_e, y_e = pad(x.astype(dtype), Ls + W - 1), pad(y.astype(dtype), Ls + W - 1)
 
