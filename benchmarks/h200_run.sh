@@ -3,12 +3,13 @@
 #
 #   bash benchmarks/h200_run.sh checks      # correctness on the real lowering (about 9 min at most)
 #   bash benchmarks/h200_run.sh bench       # timings and memory (about 9 min at most)
+#   bash benchmarks/h200_run.sh all         # both in one call of at most 9.5 min, the least-run checks first
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench}
+part=${1:?usage: h200_run.sh checks|bench|all}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -36,6 +37,13 @@ case $part in
     step bench_inner 260 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
     step bench_regression 260 python3 benchmarks/bench_regression.py --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench)"; exit 2 ;;
+  all)
+    step check_mosaic 100 python3 benchmarks/gpu_check_mosaic.py --out "$out/$part/check_mosaic.json"
+    step check_regression 170 python3 benchmarks/gpu_check_regression.py --out "$out/$part/check_regression.json"
+    step check_inner 60 python3 benchmarks/gpu_check_inner_product.py --out "$out/$part/check_inner.json"
+    step bench_inner 140 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
+    step bench_regression 70 python3 benchmarks/bench_regression.py --quick --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
