@@ -111,6 +111,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench_regression.json")
     parser.add_argument("--quick", action="store_true", help="first shape only, no memory rows")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
+    parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
+                        "not measured (e.g. 'xla,C=32')")
     args = parser.parse_args()
     t_start = time.time()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
@@ -131,8 +133,12 @@ def main() -> int:
         print(f"  error {key}: {errors[key]}", flush=True)
         traceback.print_exc(limit=2)
 
+    skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+
     def measure(name, shape, op, n_diff, op_args, fwd_only=False, slow=False):
         row = {"impl": name, "shape": "x".join(map(str, shape))}
+        if any(s in name for s in skip):
+            return row
         try:
             f, b = fwd_and_bwd(op, n_diff)
         except Exception as e:  # noqa: BLE001
@@ -155,52 +161,50 @@ def main() -> int:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
         measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
-        for label, kw in VARIANTS.items():
-            measure(label, shape, functools.partial(kernel_only, **kw), 5, (q, k, v, beta, log_decay))
-        measure("falcon-1 xla chunk (ours)", shape, ours_xla, 5, (q, k, v, beta, lam), slow=True)
+        if not args.smoke:  # peers (GPU only)
+            for kind in ("gated_deltanet", "deltanet"):
+                measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
+            try:
+                import torch
+                from fla.ops.delta_rule import chunk_delta_rule
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+                tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
+                tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", dtype=torch.float32), dim=-1)
+                tk = tk.to(torch.bfloat16)
+                tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+                tg = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
+                tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+                row = {"impl": "fla 0.6.0 chunk_gated_delta_rule", "shape": "x".join(map(str, shape))}
+                try:
+                    row["fwd_ms"] = time_torch(lambda: chunk_gated_delta_rule(tq, tk, tv, g=tg, beta=tb))
+                except Exception as e:  # noqa: BLE001
+                    record_error(f"fla gated fwd {shape}", e)
+                rows.append(row)
+                print(row, flush=True)
+                row = {"impl": "fla 0.6.0 chunk_delta_rule", "shape": "x".join(map(str, shape))}
+                try:
+                    row["fwd_ms"] = time_torch(lambda: chunk_delta_rule(tq, tk, tv, beta=tb))
+                    leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
+
+                    def fwd_bwd():
+                        o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
+                        o.sum().backward()
+
+                    row["fwd_bwd_ms"] = time_torch(fwd_bwd)
+                except Exception as e:  # noqa: BLE001
+                    record_error(f"fla delta fwd/bwd {shape}", e)
+                rows.append(row)
+                print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
+            except Exception as e:  # noqa: BLE001
+                record_error(f"fla {shape}", e)
         if shape == shapes[0]:  # Falcon-2 (per-column gains): first shape only
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
-        if args.smoke:
-            continue
-        for kind in ("gated_deltanet", "deltanet"):
-            measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
-        try:
-            import torch
-            from fla.ops.delta_rule import chunk_delta_rule
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-            tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
-            tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", dtype=torch.float32), dim=-1)
-            tk = tk.to(torch.bfloat16)
-            tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-            tg = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
-            tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-            row = {"impl": "fla 0.6.0 chunk_gated_delta_rule", "shape": "x".join(map(str, shape))}
-            try:
-                row["fwd_ms"] = time_torch(lambda: chunk_gated_delta_rule(tq, tk, tv, g=tg, beta=tb))
-            except Exception as e:  # noqa: BLE001
-                record_error(f"fla gated fwd {shape}", e)
-            rows.append(row)
-            print(row, flush=True)
-            row = {"impl": "fla 0.6.0 chunk_delta_rule", "shape": "x".join(map(str, shape))}
-            try:
-                row["fwd_ms"] = time_torch(lambda: chunk_delta_rule(tq, tk, tv, beta=tb))
-                leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
-
-                def fwd_bwd():
-                    o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
-                    o.sum().backward()
-
-                row["fwd_bwd_ms"] = time_torch(fwd_bwd)
-            except Exception as e:  # noqa: BLE001
-                record_error(f"fla delta fwd/bwd {shape}", e)
-            rows.append(row)
-            print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
-        except Exception as e:  # noqa: BLE001
-            record_error(f"fla {shape}", e)
-
+        for label, kw in VARIANTS.items():
+            measure(label, shape, functools.partial(kernel_only, **kw), 5, (q, k, v, beta, log_decay))
+        measure("falcon-1 xla chunk (ours)", shape, ours_xla, 5, (q, k, v, beta, lam), slow=True)
     for shape in memory_shapes:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         entry = {"shape": "x".join(map(str, shape))}

@@ -4,12 +4,13 @@
 #   bash benchmarks/h200_run.sh checks      # correctness on the real lowering (about 9 min at most)
 #   bash benchmarks/h200_run.sh bench       # timings and memory (about 9 min at most)
 #   bash benchmarks/h200_run.sh all         # both in one call of at most 9.5 min, the least-run checks first
+#   bash benchmarks/h200_run.sh split       # per-pass times, peers of the regression rules, the remaining checks
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all}
+part=${1:?usage: h200_run.sh checks|bench|all|split}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -44,6 +45,14 @@ case $part in
     step bench_inner 140 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
     step bench_regression 70 python3 benchmarks/bench_regression.py --quick --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all)"; exit 2 ;;
+  split)
+    step check_mosaic 90 python3 benchmarks/gpu_check_mosaic.py --out "$out/$part/check_mosaic.json"
+    step split_passes 120 python3 benchmarks/split_passes.py --out "$out/$part/split_passes.json"
+    step bench_regression 150 python3 benchmarks/bench_regression.py --quick --skip "xla,C=32,8 warps" \
+      --out "$out/$part/bench_regression.json"
+    step check_regression 190 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values,falcon-3 values" \
+      --out "$out/$part/check_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -109,20 +109,18 @@ def _interpret_params(interpret):
 def _mma(a, b, shape, init=None, interpret=False):
     """``init + a @ b`` (fp32) on the tensor cores; ``a`` an SMEM ref or 16-bit registers, ``b`` an SMEM ref.
 
+    The product goes into a fresh scoped accumulator and ``init`` is added in registers afterwards:
+    under jax 0.11.2 an accumulator initialised from a value (``pl.run_state`` with
+    ``plgpu.ACC.init``) inside this kernel's loop failed to lower on the H200 ("Shaped arrays must be
+    represented by ir.Values, got: TypedInt(0)"); the extra fp32 add costs one pass over registers.
     The result goes through an optimization barrier so that no arithmetic on it is scheduled
-    ahead of the wgmma wait that reading the accumulator implies.  (The interpreter has no
-    ``run_state``: there the product is added to ``init`` afterwards.)"""
-    if init is not None and interpret:
-        return _mma(a, b, shape, interpret=True) + init
-    if init is None:
-        def scoped(acc):
-            plgpu.wgmma(acc, a, b)
-            return acc[...]
+    ahead of the wgmma wait that reading the accumulator implies."""
+    def scoped(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
 
-        out = pl.run_scoped(scoped, plgpu.ACC(shape, F32))
-    else:
-        out = pl.run_state(lambda acc: plgpu.wgmma(acc, a, b))(plgpu.ACC.init(init))
-    return lax.optimization_barrier(out)
+    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+    return out if init is None else out + init
 
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v=None, write_o, write_h, interpret=False,

@@ -1,0 +1,159 @@
+"""Where the time of the GPU chunk kernels goes: each Triton pass timed alone (H200).
+
+    python benchmarks/split_passes.py [--out split_passes.json] [--smoke]
+
+For ``decayed_attention`` (Falcon-1A) and ``decayed_delta_rule`` (Falcon-1), on flattened bf16
+inputs ``[B·H, T, d]`` (B, T, H, d = 8, 2048, 16, 128 and 1, 32768, 16, 128), with the op's own
+launch parameters and piece count, the median ms of:
+
+  decayed_attention:  fwd walk (write o) · pieces pre-pass · recompute walk (write h) ·
+                      state-gradient walk (write dh) · chunk gradients
+  decayed_delta_rule: triangular inverse · fwd walk (write o) · recompute walk (write h) ·
+                      state-gradient walk (write dh) · chunk gradients
+
+plus the whole op's fwd and fwd+bwd for comparison (their difference to the passes' sum is the
+XLA glue: gate cumsums, piece scans, reverse cumsums, layout). Prints a table, writes JSON.
+``--smoke``: tiny shapes in interpret mode (any machine), to check the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import print_table, time_jax, write_json
+from pallas_kernels.common import chunk_local, pieces_for
+from pallas_kernels.decayed_attention import api as attn_api
+from pallas_kernels.decayed_attention import pallas_gpu as attn_gpu
+from pallas_kernels.decayed_delta_rule import api as delta_api
+from pallas_kernels.decayed_delta_rule import pallas_gpu as delta_gpu
+
+
+def inputs(BH, T, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(BH, T, d)) / np.sqrt(d), dtype)
+    x = jnp.asarray(rng.normal(size=(BH, T, d)) / np.sqrt(d), dtype)
+    y = jnp.asarray(rng.normal(size=(BH, T, d)), dtype)
+    do = jnp.asarray(rng.normal(size=(BH, T, d)), dtype)
+    log_decay = jnp.asarray(-rng.uniform(0.0, 0.1, size=(BH, T)), jnp.float32)
+    eta = jnp.asarray(rng.uniform(0.1, 1.0, size=(BH, T)), jnp.float32)
+    run = jnp.zeros((BH, T), jnp.int32)
+    return q, x, y, do, log_decay, eta, run
+
+
+def split_attention(shape, interpret, rows):
+    B, T, H, d = shape
+    BH, C = B * H, 64
+    cfg = attn_api.KernelConfig()
+    q, x, y, do, log_decay, _, run = inputs(BH, T, d, jnp.bfloat16)
+    P = pieces_for(BH, d // cfg.block_v, T // C, cfg.target_programs)
+    g, rl = chunk_local(log_decay, run, C)
+    s0 = jnp.zeros((BH, P, d, d), jnp.float32)
+    kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
+    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.fwd_stages)
+    name = f"{B}x{T}x{H}x{d}"
+    fwd = jax.jit(functools.partial(attn_gpu.forward_pass, write_o=True, write_h=False, **fwd_kw))
+    pre = jax.jit(functools.partial(attn_gpu.forward_pass, write_o=False, write_h=False, **fwd_kw))
+    rec = jax.jit(functools.partial(attn_gpu.forward_pass, write_o=False, write_h=True, **fwd_kw))
+    sgr = jax.jit(functools.partial(attn_gpu.state_grad_pass, write_dh=True, **state_kw))
+    h, _ = rec(q, x, y, g, rl, s0)
+    dh, _ = sgr(q, g, rl, do, s0)
+    cgr = jax.jit(functools.partial(attn_gpu.chunk_grad_pass, chunk=C, block_v=cfg.block_v, interpret=interpret,
+                                    num_warps=cfg.grad_warps, num_stages=cfg.grad_stages))
+    timings = [("fwd walk (o)", fwd, (q, x, y, g, rl, s0))]
+    if P > 1:
+        timings.append(("pieces pre-pass", pre, (q, x, y, g, rl, s0)))
+    timings += [("recompute walk (h)", rec, (q, x, y, g, rl, s0)),
+                ("state-gradient walk (dh)", sgr, (q, g, rl, do, s0)),
+                ("chunk gradients", cgr, (q, x, y, g, rl, do, h, dh))]
+    op_in = [a.reshape(B, H, T, -1) for a in (q, x, y)] + [log_decay.reshape(B, H, T), run.reshape(B, H, T),
+                                                          jnp.zeros((B, H, d, d), jnp.float32)]
+    impl = "pallas_gpu"
+
+    def op(*a):
+        return attn_api.decayed_attention(*a, implementation=impl, interpret=interpret)[0]
+
+    def op_both(*a):
+        return jax.grad(lambda *b: jnp.sum(op(*b).astype(jnp.float32)), argnums=(0, 1, 2, 3))(*a)
+
+    timings += [("whole op fwd", jax.jit(op), op_in), ("whole op fwd+bwd", jax.jit(op_both), op_in)]
+    for label, fn, args in timings:
+        rows.append({"op": "decayed_attention", "shape": name, "pieces": P, "pass": label,
+                     "ms": time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)})
+        print(rows[-1], flush=True)
+
+
+def split_delta(shape, interpret, rows):
+    B, T, H, d = shape
+    BH, C = B * H, 64
+    cfg = delta_api.KernelConfig()
+    q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
+    eta = eta / d  # η‖x‖² ≈ η: inside (0, 2)
+    P = pieces_for(BH, d // cfg.block_v, T // C, cfg.target_programs)
+    g, gp, rl = delta_api._gates(log_decay, run, C)
+    s0 = jnp.zeros((BH, P, d, d), jnp.float32)
+    kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
+    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.fwd_stages)
+    name = f"{B}x{T}x{H}x{d}"
+    tri = jax.jit(functools.partial(delta_gpu.tri_inverse_pass, chunk=C, interpret=interpret,
+                                    num_warps=cfg.tri_warps))
+    tinv = tri(x, eta, g, gp, rl)
+    fwd = jax.jit(functools.partial(delta_gpu.forward_pass, write_o=True, write_h=False, **fwd_kw))
+    rec = jax.jit(functools.partial(delta_gpu.forward_pass, write_o=False, write_h=True, **fwd_kw))
+    sgr = jax.jit(functools.partial(delta_gpu.state_grad_pass, write_dh=True, **state_kw))
+    h, _ = rec(q, x, y, eta, g, gp, rl, tinv, s0)
+    dh, _ = sgr(q, x, eta, g, gp, rl, tinv, do, s0)
+    cgr = jax.jit(functools.partial(delta_gpu.chunk_grad_pass, chunk=C, block_v=cfg.block_v, interpret=interpret,
+                                    num_warps=cfg.grad_warps, num_stages=cfg.grad_stages))
+    timings = [("triangular inverse", tri, (x, eta, g, gp, rl)),
+               ("fwd walk (o)", fwd, (q, x, y, eta, g, gp, rl, tinv, s0)),
+               ("recompute walk (h)", rec, (q, x, y, eta, g, gp, rl, tinv, s0)),
+               ("state-gradient walk (dh)", sgr, (q, x, eta, g, gp, rl, tinv, do, s0)),
+               ("chunk gradients", cgr, (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
+    op_in = [a.reshape(B, H, T, -1) for a in (q, x, y)] + [eta.reshape(B, H, T), log_decay.reshape(B, H, T),
+                                                          run.reshape(B, H, T), jnp.zeros((B, H, d, d), jnp.float32)]
+
+    def op(*a):
+        return delta_api.decayed_delta_rule(*a, implementation="pallas_gpu", interpret=interpret)[0]
+
+    def op_both(*a):
+        return jax.grad(lambda *b: jnp.sum(op(*b).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))(*a)
+
+    timings += [("whole op fwd", jax.jit(op), op_in), ("whole op fwd+bwd", jax.jit(op_both), op_in)]
+    for label, fn, args in timings:
+        rows.append({"op": "decayed_delta_rule", "shape": name, "pieces": P, "pass": label,
+                     "ms": time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)})
+        print(rows[-1], flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="split_passes.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)")
+    args = ap.parse_args()
+    interpret = args.smoke or jax.default_backend() != "gpu"
+    shapes = [(1, 256, 2, 16)] if args.smoke else [(8, 2048, 16, 128), (1, 32768, 16, 128)]
+    rows, errors = [], {}
+    for split in (split_attention, split_delta):
+        for shape in shapes:
+            try:
+                split(shape, interpret, rows)
+            except Exception as e:  # noqa: BLE001 - record and go on
+                errors[f"{split.__name__} {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print("error", split.__name__, shape, errors, flush=True)
+            write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                  "dtype": "bfloat16", "rows": rows, "errors": errors})
+    print()
+    print_table(rows, ["op", "shape", "pieces", "pass", "ms"])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
