@@ -66,9 +66,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
     if args.smoke:
-        B, T, H, d, Ts, Tlong, Hlong, dlong = 1, 200, 2, 16, 96, 300, 2, 16
+        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg = 1, 200, 2, 16, 96, 300, 2, 16, 100
     else:
-        B, T, H, d, Ts, Tlong, Hlong, dlong = 1, 8192, 4, 128, 3000, 65536, 2, 128
+        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg = 1, 8192, 4, 128, 3000, 65536, 2, 128, 2048
     t_start = time.time()
 
     def check(name, value, bound):
@@ -106,7 +106,10 @@ def main() -> int:
         check(f"fp32 T={T} final state rel err", rel(state32.S, ref_state.S), 1e-4)
 
     def fp32_grads():
-        ct = jnp.asarray(rng.normal(size=(B, T, H, d)))
+        # the first Tg steps: the float64 XLA reference's gradient at T = 8192 compiled for over 2 minutes on
+        # the H200 ("Very slow compile"), longer than a lease's step
+        xs64, xs32 = [a[:, :Tg] for a in x64], [a[:, :Tg] for a in x32]
+        ct = jnp.asarray(rng.normal(size=(B, Tg, H, d)))
 
         def grads(impl, xs, state):
             def loss(*a):
@@ -114,10 +117,10 @@ def main() -> int:
                 return jnp.sum(out * ct.astype(a[0].dtype))
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, state.S)
 
-        g_ref = grads("xla", x64, s_init)
-        g32 = grads("pallas", x32, to32(s_init))
+        g_ref = grads("xla", xs64, s_init)
+        g32 = grads("pallas", xs32, to32(s_init))
         for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
-            check(f"fp32 T={T} grad {name} rel err", rel(a, b), 1e-4)
+            check(f"fp32 T={Tg} grad {name} rel err", rel(a, b), 1e-4)
 
     def extreme_op():
         """The op alone: β = η‖x‖² = 1.99, γ at the clamp on 10% of steps, against the fp64 XLA chunk form
@@ -188,8 +191,8 @@ def main() -> int:
         check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
 
     for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values),
-                     ("falcon-3 values", falcon3_values), ("fp32 grads", fp32_grads),
-                     ("extreme op", extreme_op), ("bf16", bf16), ("segments", segments), ("long bf16", long_bf16)]:
+                     ("falcon-3 values", falcon3_values), ("bf16", bf16), ("long bf16", long_bf16),
+                     ("extreme op", extreme_op), ("segments", segments), ("fp32 grads", fp32_grads)]:
         if name in skip:
             continue
         if name == "bf16" and "out" not in ref:

@@ -66,6 +66,9 @@ LM_RUNS = {
     "falcon-1A.3": ["--model", "falcon-1A.3"],
     "falcon-3A.3": ["--model", "falcon-3A.3"],
     "transformer": ["--model", "transformer"],
+    # parameter-matched: the Falcon models' gate projections make them 5.33M against the Transformer's 4.90M;
+    # a SwiGLU hidden size of 800 (704 by default) gives the Transformer 5.34M
+    "transformer-matched": ["--model", "transformer", "--set", "model.mlp_hidden=800"],
 }
 
 # ---------------------------------------------------------------- model-size sweep for the addition task

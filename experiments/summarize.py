@@ -2,6 +2,7 @@
 
     python experiments/summarize.py addition results.tar.gz --tag h200-2026-11-29
     python experiments/summarize.py lm lm.tar.gz --tag h200-2026-11-29
+    python experiments/summarize.py addition-sweep sweep.tar.gz --tag h200-2026-11-29
 
 Writes ``experiments/results/<suite>-<tag>.json`` (the numbers every table is made from),
 ``docs/img/<suite>-<tag>-*.png`` and prints the markdown tables.
@@ -151,7 +152,7 @@ def plots(suite: str, rows: list[dict], runs: dict, prefix: str) -> list[str]:
     ax.legend(fontsize=6, ncol=2), fig.tight_layout()
     fig.savefig(prefix + "-loss.png", dpi=110), plt.close(fig)
     written.append(prefix + "-loss.png")
-    if suite == "addition":
+    if suite != "lm":
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in rows:
             w = sorted(r["exact_by_width"])
@@ -165,19 +166,19 @@ def plots(suite: str, rows: list[dict], runs: dict, prefix: str) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Summarize a packed experiment suite.")
-    p.add_argument("suite", choices=("addition", "lm"))
+    p.add_argument("suite", choices=("addition", "addition-sweep", "lm"))
     p.add_argument("results", help="the .tar.gz written by suite.py --pack, or a runs/exp/<suite> folder")
     p.add_argument("--tag", required=True, help="name of this result set, e.g. h200-2026-11-29")
     args = p.parse_args(argv)
     runs = load_runs(args.results, args.suite)
-    rows = addition_rows(runs) if args.suite == "addition" else lm_rows(runs)
+    rows = lm_rows(runs) if args.suite == "lm" else addition_rows(runs)
     os.makedirs(os.path.join(ROOT, "experiments", "results"), exist_ok=True)
     os.makedirs(os.path.join(ROOT, "docs", "img"), exist_ok=True)
     out = os.path.join(ROOT, "experiments", "results", f"{args.suite}-{args.tag}.json")
     with open(out, "w") as f:
         json.dump({"suite": args.suite, "tag": args.tag, "rows": rows,
                    "configs": {n: r.get("config") for n, r in runs.items()}}, f, indent=1)
-    print(addition_markdown(rows) if args.suite == "addition" else lm_markdown(rows))
+    print(lm_markdown(rows) if args.suite == "lm" else addition_markdown(rows))
     for f in plots(args.suite, rows, runs, os.path.join(ROOT, "docs", "img", f"{args.suite}-{args.tag}")):
         print("wrote", os.path.relpath(f, ROOT))
     print("wrote", os.path.relpath(out, ROOT))
