@@ -3,6 +3,7 @@
     python experiments/suite.py addition --lanes 6 --deadline-min 8 --pack $OUT/addition.tar.gz
     python experiments/suite.py lm --lanes 1 --deadline-min 8 --pack $OUT/lm.tar.gz
     python experiments/suite.py addition-sweep --lanes 6 --deadline-min 8 --pack $OUT/sweep.tar.gz
+    python experiments/suite.py addition-m --only transformer-s0 falcon-1A.3-s0 --lanes 2 --deadline-min 9
     python experiments/suite.py addition --list          # the runs and their flags
 
 Every run is ``python -m train`` in ``runs/exp/<suite>/<name>`` with the suite's settings (below).
@@ -83,8 +84,15 @@ SWEEP_COMMON = ADDITION_COMMON + ["--set", "train.steps=1000", "--set", "optim.w
 SWEEP_RUNS = {f"{m}-{size}": ["--model", m, *flags] for size, flags in SIZES.items()
               for m in ("transformer", "falcon-1A.3")}
 
+# The sweep's `m` Falcon-1A.3 learned widths 1-3 in 1,000 steps and was still improving (docs/results.md):
+# the Table 3 suite again at that size (8 layers, d_model 512) for 3,000 steps.  Twelve such runs are more
+# than one lease: run them in groups with --only, each group within one session (checkpoints stay on the
+# machine only while it is held).
+ADDITION_M_COMMON = ADDITION_COMMON + SIZES["m"] + ["--set", "train.steps=3000", "--set", "train.eval_every=500",
+                                                    "--set", "checkpoint.every=500"]
+
 SUITES = {"addition": (ADDITION_COMMON, ADDITION_RUNS), "lm": (LM_COMMON, LM_RUNS),
-          "addition-sweep": (SWEEP_COMMON, SWEEP_RUNS)}
+          "addition-sweep": (SWEEP_COMMON, SWEEP_RUNS), "addition-m": (ADDITION_M_COMMON, ADDITION_RUNS)}
 
 
 def run_dir(suite: str, name: str) -> str:

@@ -166,7 +166,7 @@ def plots(suite: str, rows: list[dict], runs: dict, prefix: str) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Summarize a packed experiment suite.")
-    p.add_argument("suite", choices=("addition", "addition-sweep", "lm"))
+    p.add_argument("suite", choices=("addition", "addition-sweep", "addition-m", "lm"))
     p.add_argument("results", help="the .tar.gz written by suite.py --pack, or a runs/exp/<suite> folder")
     p.add_argument("--tag", required=True, help="name of this result set, e.g. h200-2026-11-29")
     args = p.parse_args(argv)

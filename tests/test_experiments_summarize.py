@@ -1,0 +1,61 @@
+"""experiments/summarize.py: tables from a packed suite (addition-style and LM), written under a
+temporary root, from run folders with random numbers."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from experiments import summarize
+
+
+def _pack(path, suite, runs):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, (config, records) in runs.items():
+            for fname, text in (("config.json", json.dumps(config)),
+                                ("metrics.jsonl", "\n".join(json.dumps(r) for r in records) + "\n{cut")):
+                data = text.encode()
+                info = tarfile.TarInfo(f"{suite}/{name}/{fname}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("suite", ["addition-sweep", "addition-m"])
+def test_addition_suites_pick_the_best_in_distribution_step(tmp_path, monkeypatch, suite):
+    rng = np.random.default_rng()
+    in_dist = rng.uniform(size=4)
+    evals = [{"kind": "eval", "step": 100 * (i + 1), "in_dist_exact": float(a), "heldout_width_exact": float(a) / 2,
+              "teacher_forced": {str(w): {"exact": float(a) / w, "digit": 0.5} for w in range(1, 7)},
+              "greedy": {"4": 0.0}} for i, a in enumerate(in_dist)]
+    config = {"data": {"train_max_width": 4}, "model": {"mixer": "falcon-1A.3"}, "train": {"seed": 0}}
+    _pack(tmp_path / "p.tar.gz", suite, {"run-a": (config, evals + [{"kind": "train", "step": 400, "loss": 1.5}])})
+    monkeypatch.setattr(summarize, "ROOT", str(tmp_path))
+    assert summarize.main([suite, str(tmp_path / "p.tar.gz"), "--tag", "t"]) == 0
+    (row,) = json.loads((tmp_path / "experiments" / "results" / f"{suite}-t.json").read_text())["rows"]
+    best = int(np.argmax(in_dist))
+    assert row["best_step"] == 100 * (best + 1)
+    assert row["in_dist_exact"] == pytest.approx(in_dist[best])
+    assert row["exact_at"] == {"5": pytest.approx(in_dist[best] / 5), "6": pytest.approx(in_dist[best] / 6)} or \
+        row["exact_at"] == {5: pytest.approx(in_dist[best] / 5), 6: pytest.approx(in_dist[best] / 6)}
+    assert (tmp_path / "docs" / "img" / f"{suite}-t-accuracy-vs-width.png").stat().st_size > 0
+
+
+def test_lm_rows_report_the_last_validation_and_median_speed(tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    losses = rng.uniform(1.0, 2.0, size=3)
+    speeds = rng.uniform(1e5, 1e6, size=7)
+    recs = [{"kind": "eval", "step": 10 * (i + 1), "val_loss": float(v), "val_ppl": float(np.exp(v)),
+             "val_tokens": 1000} for i, v in enumerate(losses)]
+    recs += [{"kind": "speed", "step": 5 * (i + 1), "tokens_per_s": float(s)} for i, s in enumerate(speeds)]
+    config = {"model": {"mixer": "transformer"}, "train": {"batch_size": 4, "log_every": 5},
+              "data": {"seq_len": 65}}
+    _pack(tmp_path / "lm.tar.gz", "lm", {"transformer": (config, recs)})
+    monkeypatch.setattr(summarize, "ROOT", str(tmp_path))
+    assert summarize.main(["lm", str(tmp_path / "lm.tar.gz"), "--tag", "t"]) == 0
+    (row,) = json.loads((tmp_path / "experiments" / "results" / "lm-t.json").read_text())["rows"]
+    assert row["val_loss"] == pytest.approx(losses[-1])
+    assert row["tokens"] == 30 * 4 * 64
+    steady = sorted(speeds[2:])  # steps 15..35: after twice the log interval
+    assert row["tokens_per_s_median"] == pytest.approx(steady[len(steady) // 2])
