@@ -132,17 +132,43 @@ def reverse_chunk_cumsum(dg, chunk):
     return jnp.flip(jnp.cumsum(jnp.flip(dg, 2), 2), 2).reshape(BH, L, *dg.shape[3:])
 
 
-def walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype=jnp.float32):
+def token_dims(a, heads: int | None = None) -> tuple[int, int, int]:
+    """``(B·H, L, d)`` of a token array: ``[B·H, L, d]`` (``heads=None``) or ``[B, L, H, d]`` (``heads=H``)."""
+    if heads is None:
+        return a.shape
+    B, L, H, d = a.shape
+    return B * H, L, d
+
+
+def row_block(heads: int | None, rows: int, cols: int, index_map):
+    """BlockSpec of a ``[rows, cols]`` tile of one batch·head's token rows.
+
+    ``index_map(*grid ids) -> (batch·head, row block, column block)``. With ``heads=None`` the array is
+    ``[B·H, L, d]``; with ``heads=H`` it is ``[B, L, H, d]`` (the model's own layout, read in place: the
+    tile's rows are ``H·d`` elements apart, which Triton loads with strides, so no transposed copy of
+    q, k, v, o or their gradients is ever made)."""
+    if heads is None:
+        return pl.BlockSpec((None, rows, cols), index_map)
+
+    def in_place(*ids):
+        bh, r, c = index_map(*ids)
+        return bh // heads, r, bh % heads, c
+
+    return pl.BlockSpec((None, rows, None, cols), in_place)
+
+
+def walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype=jnp.float32, heads=None):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
     walking the ``n`` chunks of one piece for ``block_v`` value columns.  ``chunk_state_dtype``: dtype of
-    the per-chunk states a walk stores for the backward (piece states are always fp32)."""
-    BH, L, dk = q.shape
+    the per-chunk states a walk stores for the backward (piece states are always fp32).  ``heads``: see
+    :func:`row_block` (the gates and states are always ``[B·H, ...]``)."""
+    BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
     Lp = L // pieces
     n = Lp // chunk
     specs = types.SimpleNamespace(
-        rows_k=pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0)),
-        rows_v=pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v)),
+        rows_k=row_block(heads, Lp, dk, lambda b, p, v: (b, p, 0)),
+        rows_v=row_block(heads, Lp, block_v, lambda b, p, v: (b, p, v)),
         gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
         piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
         chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
@@ -161,4 +187,5 @@ def interpret_tpu(interpret: bool):
 
 
 __all__ = ["call", "chunk_local", "dot", "flatten_pad", "interpret_default", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
-           "resolve_implementation", "reverse_chunk_cumsum", "triton_params", "unsupported_dims_reason", "walk_layout"]
+           "resolve_implementation", "reverse_chunk_cumsum", "row_block", "token_dims", "triton_params",
+           "unsupported_dims_reason", "walk_layout"]

@@ -95,6 +95,54 @@ def test_gradients_match_reference(pieces, segments, block_v, implementation):
         assert rel_err(g, w) < 5e-5, name
 
 
+def _time_major(a):
+    """[B, H, T, ...] -> [B, T, H, ...] (the "BTHD" layout)."""
+    return jnp.swapaxes(jnp.asarray(a), 1, 2)
+
+
+@pytest.mark.parametrize("T,pieces,segments,implementation", [
+    (37, 1, True, "pallas_gpu"), (100, 4, True, "pallas_gpu"), (64, 2, False, "pallas_gpu"),
+    (37, 1, True, "pallas_tpu"), (37, 1, True, "xla")])
+def test_time_major_layout_matches_reference(T, pieces, segments, implementation):
+    """``layout="BTHD"``: the Triton kernels read [B, T, H, d] in place (other implementations transpose);
+    values, final state and gradients equal the float64 reference, every output element written."""
+    rng = np.random.default_rng(3 * T + pieces)
+    q, x, y, log_decay, run, s0 = op_inputs(rng, B=2, H=3, T=T, segments=segments)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    kw = dict(pieces=pieces, layout="BTHD") if implementation != "pallas_tpu" else dict(layout="BTHD")
+
+    def loss_tm(q, x, y, log_decay, s0):  # the op in BTHD, the cotangent transposed to match
+        if implementation == "xla":
+            o, s = decayed_attention(q, x, y, log_decay, _time_major(run), s0, implementation="xla", layout="BTHD")
+        else:
+            o, s = kernel(q, x, y, log_decay, _time_major(run), s0, implementation=implementation, **kw)
+        assert o.shape == (2, T, 3, y.shape[-1])
+        return jnp.sum(o * _time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
+
+    def loss_ref(q, x, y, log_decay, s0):
+        o, s = decayed_attention_reference(q, x, y, log_decay, run, s0)
+        return jnp.sum(o * ct_o) + jnp.sum(s), (o, s)
+
+    args32 = [jnp.asarray(_time_major(a), jnp.float32) for a in (q, x, y, log_decay)] + [jnp.asarray(s0, jnp.float32)]
+    (_, (o, s)), got = jax.value_and_grad(loss_tm, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args32)
+    (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+        *(jnp.asarray(a) for a in (q, x, y, log_decay, s0)))
+    assert rel_err(o, _time_major(o_ref)) < FP32_TOL
+    assert rel_err(s, s_ref) < FP32_TOL
+    for name, g, w in zip(["q", "x", "y", "log_decay"], got[:4], want[:4]):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, _time_major(w)) < 5e-5, name
+    assert rel_err(got[4], want[4]) < 5e-5
+
+
+def test_layout_is_validated():
+    rng = np.random.default_rng(0)
+    q, x, y, log_decay, run, s0 = op_inputs(rng, T=16)
+    with pytest.raises(ValueError, match="layout"):
+        decayed_attention(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, log_decay)), run, jnp.asarray(s0),
+                          layout="TBHD")
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_extreme_decays_stay_finite_and_exact(implementation):
     """γ at the clamp (log γ = log 1e-6 ≈ −13.8) and γ = 1 in one sequence."""

@@ -22,7 +22,7 @@ from pallas_kernels.common import chunk_local as _prepare
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pieces_for as _pieces
 from pallas_kernels.common import (flatten_pad, interpret_default, resolve_implementation, reverse_chunk_cumsum,
-                                   unsupported_dims_reason)
+                                   token_dims, unsupported_dims_reason)
 from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
@@ -48,10 +48,16 @@ class KernelConfig:
     mosaic_target_ctas: int = 132  # mosaic_gpu: one CTA per SM (≈210 KiB of SMEM each), one wave
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
-    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
+    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads)
     return out
+
+
+def _layout_kw(heads):
+    """``heads=H``: q, x, y (and o and the gradients) are ``[B, L, H, d]``, read in place (GPU Triton kernels
+    only); ``None``: ``[B·H, L, d]``."""
+    return {} if heads is None else {"heads": heads}
 
 
 def _piece_decay(g, rl, chunk, pieces):
@@ -74,12 +80,12 @@ def _piece_starts(ends_from_zero, a, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
+def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
     kernels = _BACKENDS[backend]
     g, rl = _prepare(log_decay, run, chunk)
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
-              num_warps=config.fwd_warps, num_stages=config.fwd_stages)
-    BH, _, dk = q.shape
+              num_warps=config.fwd_warps, num_stages=config.fwd_stages, **_layout_kw(heads))
+    BH, _, dk = token_dims(q, heads)
     dv = y.shape[-1]
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
@@ -91,17 +97,17 @@ def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, back
     return (o, s_end[:, -1]), (q, x, y, g, rl, starts)
 
 
-def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend):
-    return _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend)
+def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
+    return _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads)
 
 
-def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
+def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
     kernels = _BACKENDS[backend]
     q, x, y, g, rl, starts = res
     do, ds_final = cts
-    BH, L, dk = q.shape
+    BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
-    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret)
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, **_layout_kw(heads))
     fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
     state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
     do = do.astype(y.dtype)
@@ -122,7 +128,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
     # 3) per-chunk gradients
     dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
                                                 interpret=interpret, num_warps=config.grad_warps,
-                                                num_stages=config.grad_stages)
+                                                num_stages=config.grad_stages, **_layout_kw(heads))
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
     dlog = reverse_chunk_cumsum(dg, chunk)
     return dq, dx, dy, dlog, None, ds_start[:, 0]
@@ -131,9 +137,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, res, cts):
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
 
 
+LAYOUTS = ("BHTD", "BTHD")
+
+
 def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int = 64,
                       implementation: str = "auto", config: KernelConfig | None = None,
-                      pieces: int | None = None, interpret: bool | None = None):
+                      pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD"):
     """Chunked decayed attention.
 
     Args:
@@ -142,10 +151,22 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``).
       initial_state: ``[B, H, dk, dv]``.
+      layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
+        log_decay and run ``[B, T, H]``, o ``[B, T, H, dv]`` — the usual layout of a model's projections.
+        The GPU Triton kernels read and write it in place (no transposed copies of the tokens or their
+        gradients); the other implementations transpose.
     Returns:
-      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+      ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
+    kw = dict(chunk_size=chunk_size, implementation=implementation, config=config, pieces=pieces,
+              interpret=interpret)
+    if layout == "BTHD" and implementation != "pallas_gpu":  # only the Triton kernels read BTHD in place
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        o, final = decayed_attention(*(heads_first(a) for a in (q, x, y, log_decay, run)), initial_state, **kw)
+        return heads_first(o), final
     if implementation == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
@@ -155,7 +176,10 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
         reason = mosaic_gpu.unsupported_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_attention: {reason}")
-    B, H, T, dk = q.shape
+    if layout == "BTHD":
+        B, T, H, dk = q.shape
+    else:
+        B, H, T, dk = q.shape
     dv = y.shape[-1]
     dtype = q.dtype
     chunk = chunk_size
@@ -171,9 +195,17 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
         P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
     flat = functools.partial(flatten_pad, length=L)
+    s0 = initial_state.astype(jnp.float32).reshape(B * H, dk, dv)
+    if layout == "BTHD":
+        # tokens stay [B, L, H, d] (padded in time only); the gates are small: [B·H, L] as always
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        gates = lambda a, **m: flat(jnp.swapaxes(a, 1, 2), **m)  # noqa: E731
+        o, final = _kernel_op(pad(q.astype(dtype)), pad(x.astype(dtype)), pad(y.astype(dtype)),
+                              gates(log_decay.astype(jnp.float32)), gates(run.astype(jnp.int32), mode="edge"),
+                              s0, chunk, config, P, bool(interpret), implementation, H)
+        return o[:, :T], final.reshape(B, H, dk, dv)
     # padding: zero pairs, zero log decay (identity steps), run continued
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), mode="edge"),
-                          initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
-                          bool(interpret), implementation)
+                          s0, chunk, config, P, bool(interpret), implementation, None)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

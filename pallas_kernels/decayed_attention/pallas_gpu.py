@@ -1,6 +1,7 @@
 """GPU kernels (Pallas, Triton lowering) for decayed attention with scalar gates.
 
-Layout: batch·heads flattened, ``q, x [BH, L, dk]``, ``y [BH, L, dv]``,
+Layout: batch·heads flattened, ``q, x [BH, L, dk]``, ``y [BH, L, dv]`` — or, with ``heads=H``,
+the model's own ``[B, L, H, d]`` read in place (``common.row_block``) —,
 ``g [BH, L]`` the *chunk-local* inclusive cumsum of the log decay, ``rl [BH, L]``
 the chunk-local run index (0 = same segment as the chunk's initial state).
 
@@ -30,6 +31,8 @@ from pallas_kernels.common import call as _call
 from pallas_kernels.common import dot as _dot
 from pallas_kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
 from pallas_kernels.common import precision_for as _precision
+from pallas_kernels.common import row_block as _row_block
+from pallas_kernels.common import token_dims as _token_dims
 from pallas_kernels.common import triton_params as _params
 from pallas_kernels.common import walk_layout as _walk_layout
 
@@ -148,13 +151,14 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
 
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=4,
-                 num_stages=2):
+                 num_stages=2, heads=None):
     """Run the chunk walk for every (batch·head, piece, value block).
 
-    q, x [BH, L, dk]; y [BH, L, dv]; g, rl [BH, L]; s0 [BH, P, dk, dv] initial state of each piece.
-    Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
+    q, x [BH, L, dk]; y [BH, L, dv] (or [B, L, H, d] with ``heads=H``); g, rl [BH, L]; s0 [BH, P, dk, dv]
+    initial state of each piece.
+    Returns (o like y if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, _chunk_state_dtype(q.dtype))
+    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, _chunk_state_dtype(q.dtype), heads)
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.piece_state]
     out_shape, out_specs = [], []
     if write_o:
@@ -173,13 +177,13 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h
 
 
 def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret, num_warps=4,
-                    num_stages=2):
+                    num_stages=2, heads=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, _chunk_state_dtype(q.dtype))
+    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, _chunk_state_dtype(q.dtype), heads)
     in_specs = [specs.rows_k, specs.gate, specs.gate, specs.rows_v, specs.piece_state]
     out_shape, out_specs = [], []
     if write_dh:
@@ -194,20 +198,24 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
                  interpret=interpret, name="falcon_decayed_attention_dstate")
 
 
-def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
-    """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv]. Returns dq, dx [BH,L,dk], dy [BH,L,dv], dg [BH,L] f32."""
-    BH, L, dk = q.shape
+def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1,
+                    heads=None):
+    """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv].
+
+    Returns dq, dx, dy (in the layout of q, x, y: [BH, L, d], or [B, L, H, d] with ``heads=H``) and
+    dg [BH, L] f32."""
+    BH, L, dk = _token_dims(q, heads)
     dv = y.shape[-1]
     n = L // chunk
-    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
-    row_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row_k = _row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
+    row_v = _row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
     state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
     kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=_precision(q.dtype))
     return _call(kernel, grid=(BH, n), in_specs=[row_k, row_k, row_v, row, row, row_v, state, state],
                  out_specs=[row_k, row_k, row_v, row],
-                 out_shape=[jax.ShapeDtypeStruct((BH, L, dk), q.dtype), jax.ShapeDtypeStruct((BH, L, dk), x.dtype),
-                            jax.ShapeDtypeStruct((BH, L, dv), y.dtype), jax.ShapeDtypeStruct((BH, L), jnp.float32)],
+                 out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((BH, L), jnp.float32)],
                  args=(q, x, y, g, rl, do, h, dh),
                  compiler_params=None if interpret else _params(num_warps, num_stages), interpret=interpret,
                  name="falcon_decayed_attention_chunk_grads")
