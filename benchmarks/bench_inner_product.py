@@ -72,6 +72,15 @@ def kernel_only(q, k, v, log_decay, config=None, chunk_size=64, implementation="
 kernel_only_mosaic = functools.partial(kernel_only, implementation="mosaic_gpu")
 
 
+def kernel_only_in_place(q, k, v, log_decay, config=None, chunk_size=64):
+    """The op on the model's [B, T, H, D] layout, read and written in place (layout="BTHD")."""
+    B, T, H, _ = q.shape
+    run = jnp.zeros((B, T, H), jnp.int32)
+    s0 = jnp.zeros((B, H, q.shape[-1], v.shape[-1]), jnp.float32)
+    return decayed_attention(q, k, v, log_decay, run, s0, implementation="pallas_gpu", config=config,
+                             chunk_size=chunk_size, layout="BTHD")[0]
+
+
 TUNE_CONFIGS = [
     dict(chunk_size=64, config=KernelConfig()),
     dict(chunk_size=64, config=KernelConfig(block_v=128)),
@@ -172,6 +181,8 @@ def main() -> int:
                 errors[f"falcon-2A {shape}"] = repr(e)[:300]
         f, b = fwd_and_bwd(kernel_only, 4)
         measure("kernel only (decayed_attention)", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
+        f, b = fwd_and_bwd(kernel_only_in_place, 4)
+        measure("kernel only, BTHD in place", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
         try:  # Mosaic GPU forward (wgmma + TMA), Triton backward; not yet the default
             f, b = fwd_and_bwd(kernel_only_mosaic, 4)
             measure("kernel only mosaic_gpu fwd", shape, f, b, (q, k, v, log_decay), (q, k, v, log_decay))
@@ -214,6 +225,8 @@ def main() -> int:
         entry = {"shape": "x".join(map(str, shape)), "falcon-1A pallas fwd+bwd bytes": compiled_memory(b, q, k, v, beta, lam)}
         _, b = fwd_and_bwd(kernel_only, 4)
         entry["kernel only fwd+bwd bytes"] = compiled_memory(b, q, k, v, log_decay)
+        _, b = fwd_and_bwd(kernel_only_in_place, 4)
+        entry["kernel only BTHD in place fwd+bwd bytes"] = compiled_memory(b, q, k, v, log_decay)
         try:
             _, b = fwd_and_bwd(jla_simple_gla, 4)
             entry["jla simple_gla fwd+bwd bytes"] = compiled_memory(b, q, k, v, log_decay)

@@ -261,3 +261,30 @@ def test_rules_without_kernel_raise_or_fall_back():
     # on CPU "auto" is the XLA chunk form, exactly
     np.testing.assert_array_equal(falcon(q, k, v, beta, lam, variant="3", impl="auto"),
                                   falcon(q, k, v, beta, lam, variant="3", impl="xla"))
+
+
+@pytest.mark.parametrize("layout,dtype,pieces", [("BTHD", jnp.bfloat16, 2), ("BTHD", jnp.float32, 1),
+                                                 ("BHTD", jnp.bfloat16, 2)])
+def test_triton_kernels_lower_in_both_layouts(layout, dtype, pieces):
+    """Cross-lower forward + backward through the Triton lowering rules on CPU (no GPU needed), d = 128,
+    chunk 64, H = 3 (the in-place [B, T, H, d] reads stride over the heads)."""
+    B, H, T, D = 2, 3, 512, 128
+    tok = (B, T, H, D) if layout == "BTHD" else (B, H, T, D)
+    gate = (B, T, H) if layout == "BTHD" else (B, H, T)
+    q = jnp.zeros(tok, dtype)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+    run = jnp.zeros(gate, jnp.int32)
+
+    def loss(q, x, y, log_decay, s0):
+        o, s = decayed_attention(q, x, y, log_decay, run, s0, implementation="pallas_gpu", interpret=False,
+                                 pieces=pieces, layout=layout)
+        assert o.shape == tok
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(
+        q, q, q, jnp.zeros(gate, jnp.float32), s0).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("fwd", "dstate", "chunk_grads"):
+        assert f"falcon_decayed_attention_{name}" in text, name
+    if layout == "BTHD":  # no transposes of the token arrays around the kernels
+        assert "stablehlo.transpose" not in text or all(
+            f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
