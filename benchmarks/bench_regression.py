@@ -87,6 +87,15 @@ def kernel_only(q, k, v, beta, log_decay, chunk_size=64, config=None):
                               chunk_size=chunk_size, config=config)[0]
 
 
+def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
+    """The same op on the model's [B, T, H, D] layout, read and written in place (layout="BTHD")."""
+    B, T, H, _ = q.shape
+    run = jnp.zeros((B, T, H), jnp.int32)
+    s0 = jnp.zeros((B, H, q.shape[-1], v.shape[-1]), jnp.float32)
+    return decayed_delta_rule(q, k, v, beta, log_decay, run, s0, implementation="pallas_gpu",
+                              chunk_size=chunk_size, config=config, layout="BTHD")[0]
+
+
 # launch variants timed alongside the default (untuned: the chunk-gradient program's [C, C] and [C, d] fp32
 # tiles may favour a smaller chunk or more warps)
 VARIANTS = {
@@ -161,6 +170,7 @@ def main() -> int:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
         measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
+        measure("kernel only, BTHD in place", shape, kernel_only_in_place, 5, (q, k, v, beta, log_decay))
         if not args.smoke:  # peers (GPU only)
             for kind in ("gated_deltanet", "deltanet"):
                 measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
@@ -210,6 +220,7 @@ def main() -> int:
         entry = {"shape": "x".join(map(str, shape))}
         for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
                              ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
+                             ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:
                 _, b = fwd_and_bwd(op, len(a))

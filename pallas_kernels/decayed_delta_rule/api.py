@@ -46,12 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import (chunk_local, flatten_pad, interpret_default, next_pow2, pieces_for,
-                                   resolve_implementation, reverse_chunk_cumsum, unsupported_dims_reason)
+                                   resolve_implementation, reverse_chunk_cumsum, token_dims, unsupported_dims_reason)
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference)
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
+LAYOUTS = ("BHTD", "BTHD")
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -77,10 +78,16 @@ class KernelConfig:
     column_warps: int = 4
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
-    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
+def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
+    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
     return out
+
+
+def _layout_kw(heads):
+    """``heads=H``: q, x, y (o and their gradients) are ``[B, L, H, d]``, read in place (GPU Triton kernels
+    only); ``None``: ``[B·H, L, d]``."""
+    return {} if heads is None else {"heads": heads}
 
 
 def _gates(log_gamma, run, chunk, group=1):
@@ -105,9 +112,9 @@ def _log_gamma_grad(dg, dgp, chunk, group):
 
 def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
     """``[M | E]`` of every piece: one forward walk over the augmented state (zero outputs)."""
-    BH, L, dk = q.shape
+    BH, L, dk = token_dims(q, kw.get("heads"))
     dv = y.shape[-1]
-    y_aug = jnp.concatenate([jnp.zeros((BH, L, dk), y.dtype), y], axis=-1)
+    y_aug = jnp.concatenate([jnp.zeros((*y.shape[:-1], dk), y.dtype), y], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
     s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
     kw = dict(kw, block_v=min(kw["block_v"], dk))  # divides dk + dv (both powers of two)
@@ -126,13 +133,13 @@ def _piece_starts(M, E, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
+def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
     kernels = _BACKENDS[backend]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps, group=group)
+                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
-              num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+              num_warps=config.fwd_warps, num_stages=config.fwd_stages, **_layout_kw(heads))
     if pieces > 1:
         M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
         starts, _ = _piece_starts(M, E, s0)
@@ -142,24 +149,24 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts)
 
 
-def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group):
-    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group)
+def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
+    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
 
 
-def _bwd_rule(chunk, config, pieces, interpret, backend, group, res, cts):
+def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
     kernels = _BACKENDS[backend]
     q, x, y, eta, g, gp, rl, starts = res
     do, ds_final = cts
-    BH, L, dk = q.shape
+    BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
-    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret)
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, **_layout_kw(heads))
     fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
     state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps, group=group)
+                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
     h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
@@ -175,7 +182,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, res, cts):
     # 3) per-chunk gradients
     dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
         q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
-        num_warps=config.grad_warps, num_stages=config.grad_stages, group=group)
+        num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
     return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
@@ -217,7 +224,7 @@ _column_op.defvjp(lambda *a: _column_forward(*a), _column_bwd)
 
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation: str = "auto", config: KernelConfig | None = None,
-                       pieces: int | None = None, interpret: bool | None = None):
+                       pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD"):
     """Chunked decayed delta rule (residual on the undecayed state).
 
     Args:
@@ -227,14 +234,25 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``); the state resets to zero before a step whose run index changes.
       initial_state: ``[B, H, dk, dv]``.
+      layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
+        eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``. The GPU Triton
+        kernels (scalar gates) read and write it in place; the other paths transpose.
     Returns:
-      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+      ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
+    per_column = eta.ndim == 4 or log_gamma.ndim == 4
+    if layout == "BTHD" and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        o, final = decayed_delta_rule(*(heads_first(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
+                                      chunk_size=chunk_size, implementation=implementation, config=config,
+                                      pieces=pieces, interpret=interpret)
+        return heads_first(o), final
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
-    per_column = eta.ndim == 4 or log_gamma.ndim == 4
     if per_column:
         return _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config,
                            interpret, residual=True)
@@ -242,7 +260,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_delta_rule: {reason}")
-    B, H, T, dk = q.shape
+    if layout == "BTHD":
+        B, T, H, dk = q.shape
+    else:
+        B, H, T, dk = q.shape
     dv = y.shape[-1]
     dtype = q.dtype
     chunk = chunk_size
@@ -258,10 +279,18 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     flat = functools.partial(flatten_pad, length=L)
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
     f32 = jnp.float32
+    s0 = initial_state.astype(f32).reshape(B * H, dk, dv)
+    if layout == "BTHD":  # tokens stay [B, L, H, d] (padded in time only); the gates go to [B·H, L]
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        gates = lambda a, **m: flat(jnp.swapaxes(a, 1, 2), **m)  # noqa: E731
+        o, final = _kernel_op(pad(q.astype(dtype)), pad(x.astype(dtype)), pad(y.astype(dtype)),
+                              gates(eta.astype(f32)), gates(log_gamma.astype(f32)),
+                              gates(run.astype(jnp.int32), mode="edge"), s0, chunk, config, P, bool(interpret),
+                              implementation, 1, H)
+        return o[:, :T], final.reshape(B, H, dk, dv)
     o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
-                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P,
-                          bool(interpret), implementation, 1)
+                          s0, chunk, config, P, bool(interpret), implementation, 1, None)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
 
 
@@ -390,6 +419,6 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     o, final = _kernel_op(q_v.reshape(B * H, Ls * Wp, dk), virtual(x_e), virtual(y_e), w_v,
                           pad(log_gamma.astype(f32), Ls), pad(run.astype(jnp.int32), Ls, "edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, P,
-                          bool(interpret), implementation, Wp)
+                          bool(interpret), implementation, Wp, None)
     o = o.reshape(B * H, Ls, Wp, dv)[:, :T, Wp - 1]
     return o.reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call, dot, precision_for, triton_params, walk_layout
+from pallas_kernels.common import call, dot, precision_for, row_block, token_dims, triton_params, walk_layout
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
@@ -246,13 +246,14 @@ def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
-def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1):
+def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None):
     """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` fp32 (row cC+s = row s of chunk c's T).
 
-    ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes)."""
-    BH, L, dk = x.shape
+    ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
+    ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``)."""
+    BH, L, dk = token_dims(x, heads)
     n = L // chunk
-    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
+    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
     t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
     kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
@@ -264,13 +265,14 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2):
+                 num_warps=4, num_stages=2, heads=None):
     """Chunk walk for every (batch·head, piece, value block).
 
-    s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o [BH, L, dv] if write_o,
-    h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
+    s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
+    h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
+    ``[B, L, H, d]``, read in place.
     """
-    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v)
+    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
@@ -292,13 +294,13 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2):
+                    num_warps=4, num_stages=2, heads=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v)
+    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
@@ -318,17 +320,17 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 
 def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
-                    num_stages=1, group=1):
+                    num_stages=1, group=1, heads=None):
     """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv].
 
-    Returns dq, dx [BH, L, dk], dy [BH, L, dv], and fp32 [BH, L]: deta, dg (w.r.t. the chunk-local
-    inclusive cumsum g) and dgp (w.r.t. the exclusive one).
+    Returns dq, dx, dy (in the layout of q, x, y: [BH, L, d], or [B, L, H, d] with ``heads=H``), and
+    fp32 [BH, L]: deta, dg (w.r.t. the chunk-local inclusive cumsum g) and dgp (w.r.t. the exclusive one).
     """
-    BH, L, dk = q.shape
+    BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
     n = L // chunk
-    row_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
-    row_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
+    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
     t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
     state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
@@ -338,8 +340,8 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
     return call(kernel, grid=(BH, n),
                 in_specs=[row_k, row_k, row_v, row, row, row, row, t_spec, row_v, state, state],
                 out_specs=[row_k, row_k, row_v, row, row, row],
-                out_shape=[jax.ShapeDtypeStruct((BH, L, dk), q.dtype), jax.ShapeDtypeStruct((BH, L, dk), x.dtype),
-                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype), vec, vec, vec],
+                out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           jax.ShapeDtypeStruct(y.shape, y.dtype), vec, vec, vec],
                 args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_chunk_grads")
