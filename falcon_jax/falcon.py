@@ -11,6 +11,7 @@ from falcon_jax import validation as val
 from falcon_jax.forms.chunk import chunk
 from falcon_jax.forms.chunk_pallas import chunk_pallas
 from falcon_jax.forms.chunk_pallas import supports as pallas_unsupported
+from falcon_jax.forms.chunk_pallas import time_major_served
 from falcon_jax.forms.parallel import parallel
 from falcon_jax.forms.recurrent import recurrent
 from falcon_jax.forms.recurrent import step as recurrent_step
@@ -74,9 +75,17 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     else:
         val.check_state(initial_state, B, H, dk, dv, tail)
         state = cast_state(initial_state, cdt)
+    resets = segment_starts(segment_ids, B, T)
+    if form == "chunk" and time_major_served(rule, inputs) and _use_pallas(impl, rule, inputs, dk, dv, out_dtype,
+                                                                           chunk_size):
+        # the kernels read and write the model's [B, T, H, ...] layout in place: no transposed copies
+        o, final = chunk_pallas(rule, *(a.astype(cdt) for a in (q, k, v)),
+                                {name: a.astype(cdt) for name, a in inputs.items()}, resets, state,
+                                chunk_size=chunk_size, kernel_dtype=out_dtype, time_major=True)
+        out = (o * scale).astype(out_dtype)
+        return (out, final) if return_final_state else out
     qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
     inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
-    resets = segment_starts(segment_ids, B, T)
     if form == "recurrent":
         o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
     elif form == "parallel":

@@ -55,7 +55,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from falcon_jax.forms.stream import final_state, write_stream
+from falcon_jax.forms.stream import final_state, per_position, write_stream
 from falcon_jax.rules import Rule
 from falcon_jax.state import FalconState
 
@@ -100,100 +100,130 @@ def _shift(a, d: int, axis: int = 2):
     return jax.lax.slice_in_dim(jnp.pad(a, widths), 0, a.shape[axis], axis=axis)
 
 
+def time_major_served(rule: Rule, inputs: dict) -> bool:
+    """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the kernels
+    read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's
+    virtual rows are built head-major)."""
+    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
+    return not per_column and not (rule.regression and rule.window > 1)
+
+
+def _time_slice(a, start, stop, axis):
+    return jax.lax.slice_in_dim(a, start, stop, axis=axis)
+
+
+def _at_time(a, t, axis):
+    return jax.lax.index_in_dim(a, t, axis=axis, keepdims=False)
+
+
+def _shift_queries(q, axis):
+    """``out[t] = q[t + 1]`` (zero at the end): step t's state read with the query of step t+1."""
+    T = q.shape[axis]
+    return jnp.concatenate([_time_slice(q, 1, T, axis), jnp.zeros_like(_time_slice(q, 0, 1, axis))], axis=axis)
+
+
+def _read_before_write(o, q, S0, resets, axis):
+    """Read-before-write outputs from the shifted reads ``o``: step 0 reads the initial state, a segment
+    start reads the reset state (zero)."""
+    first = jnp.einsum("bhk,bhkd->bhd", _at_time(q, 0, axis), S0.astype(q.dtype))
+    T = o.shape[axis]
+    o = jnp.concatenate([jnp.expand_dims(first, axis), _time_slice(o, 0, T - 1, axis)], axis=axis)
+    return jnp.where(per_position(resets, axis)[..., None], 0.0, o)
+
+
 def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
-                 kernel_dtype=None):
+                 kernel_dtype=None, time_major: bool = False):
     """Same arguments and result as :func:`falcon_jax.forms.chunk.chunk`.
 
     ``kernel_dtype``: dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16);
-    gates, decays, coefficients and states stay fp32.
+    gates, decays, coefficients and states stay fp32.  ``time_major``: q, k, v, inputs and the output
+    are ``[B, T, H, ...]`` instead of ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the
+    GPU kernels read and write in place.
     """
     from pallas_kernels.decayed_attention import decayed_attention
 
     reason = supports(rule, inputs, v.shape[-1], chunk_size=chunk_size)
     if reason is not None:
         raise NotImplementedError(reason)
+    if time_major and not time_major_served(rule, inputs):
+        raise ValueError(f"{rule.name}: time_major=True is served only where time_major_served() says so")
     per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
     if rule.regression or per_column:
-        return _regression(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=kernel_dtype)
-    B, H, T, _ = q.shape
+        return _regression(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=kernel_dtype,
+                           time_major=time_major)
+    ax = 1 if time_major else 2  # the time axis of the token arrays
+    T = q.shape[ax]
     W = rule.window
     kd = kernel_dtype or q.dtype
-    stream = write_stream(rule, k, v, inputs, resets, state)
-    w = stream.w[..., 0]  # [B,H,T,W]: step s writes pair s+i (tail-ext index) with weight w[s, i]
-    lg = stream.log_gamma[..., 0]  # [B,H,T]
+    stream = write_stream(rule, k, v, inputs, resets, state, time_axis=ax)
+    w = stream.w[..., 0]  # [B,H,T,W] (time-major [B,T,H,W]): step s writes pair s+i (tail-ext index) with w[s, i]
+    lg = stream.log_gamma[..., 0]  # [B,H,T] or [B,T,H]
     run = stream.run  # [B,T]
     # decay[m][t] = exp(Σ_{r=t-m+1}^{t} a_r): from step t-m to step t (m < W)
     decay = [jnp.ones_like(lg)]
     for m in range(1, W):
-        decay.append(decay[-1] * jnp.exp(_shift(lg, m - 1)))
+        decay.append(decay[-1] * jnp.exp(_shift(lg, m - 1, axis=ax)))
 
     def writes_before(d):
         """Σ_{i≥d} w[t+d-i, i] · decay[i-d][t] over same-segment steps: the writes of pair t+d done by
-        steps ≤ t, decayed to t.  [B,H,T]"""
+        steps ≤ t, decayed to t.  [B,H,T] (or [B,T,H])"""
         total = jnp.zeros_like(lg)
         for i in range(d, W):
             same = (_shift(run, i - d, axis=1) == run) & (jnp.arange(T) >= i - d)
-            total = total + jnp.where(same[:, None], _shift(w[..., i], i - d), 0.0) * decay[i - d]
+            total = total + jnp.where(per_position(same, ax), _shift(w[..., i], i - d, axis=ax), 0.0) * decay[i - d]
         return total
 
-    x_pair = stream.x_ext[:, :, :T]  # the pair whose last writer is step s
-    y_pair = writes_before(0)[..., None] * stream.y_ext[:, :, :T]
+    x_pair = _time_slice(stream.x_ext, 0, T, ax)  # the pair whose last writer is step s
+    y_pair = writes_before(0)[..., None] * _time_slice(stream.y_ext, 0, T, ax)
     # kernel position t is step t; read-before-write reads step t's state with the query of step t+1
     # (step t+1's read of S_t), and step 0's read of the initial state is added below
-    if rule.timing == "raw":
-        q_step = q
-    else:
-        q_step = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
+    q_step = q if rule.timing == "raw" else _shift_queries(q, ax)
     o, S = decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
-                             jnp.broadcast_to(run[:, None], (B, H, T)), state.S,
-                             chunk_size=chunk_size, implementation=_implementation())
+                             jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
+                             chunk_size=chunk_size, implementation=_implementation(),
+                             layout="BTHD" if time_major else "BHTD")
     o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
         coef = writes_before(d)
-        x_d, y_d = stream.x_ext[:, :, d:d + T], stream.y_ext[:, :, d:d + T]
-        o = o + (jnp.einsum("bhtk,bhtk->bht", q_step, x_d) * coef)[..., None] * y_d
-        last = coef[:, :, -1]  # the final state gets pair T-1+d's writes up to step T-1
-        S = S + jnp.einsum("bhk,bh,bhd->bhkd", x_d[:, :, -1], last, y_d[:, :, -1])
+        x_d, y_d = _time_slice(stream.x_ext, d, d + T, ax), _time_slice(stream.y_ext, d, d + T, ax)
+        o = o + (jnp.einsum("...k,...k->...", q_step, x_d) * coef)[..., None] * y_d
+        last = _at_time(coef, T - 1, ax)  # the final state gets pair T-1+d's writes up to step T-1
+        S = S + jnp.einsum("bhk,bh,bhd->bhkd", _at_time(x_d, T - 1, ax), last, _at_time(y_d, T - 1, ax))
     if rule.timing == "rbw":
-        first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S)  # step 0 reads the initial state
-        o = jnp.concatenate([first[:, :, None], o[:, :, :-1]], axis=2)
-        o = jnp.where(resets[:, None, :, None], 0.0, o)  # a segment start reads the reset state
-    return o, final_state(stream, S.astype(state.S.dtype), k, rule)
+        o = _read_before_write(o, q, state.S, resets, ax)
+    return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)
 
 
 def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
-                kernel_dtype=None):
+                kernel_dtype=None, time_major: bool = False):
     """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
     gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form.  Falcon-2A
     (per-column, no residual) through the same mapping to the per-column kernel without the residual."""
     from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 
-    B, H, T, _ = q.shape
+    ax = 1 if time_major else 2
     kd = kernel_dtype or q.dtype
-    stream = write_stream(rule, k, v, inputs, resets, state)
-    eta = stream.w[..., 0, :]  # [B,H,T,G], G = 1 or dv
+    stream = write_stream(rule, k, v, inputs, resets, state, time_axis=ax)
+    eta = stream.w[..., 0, :]  # [B,H,T,G] (or [B,T,H,G]), G = 1 or dv
     lg = stream.log_gamma
     eta, lg = (a[..., 0] if a.shape[-1] == 1 else a for a in (eta, lg))  # [B,H,T] or [B,H,T,dv]
-    run = jnp.broadcast_to(stream.run[:, None], (B, H, T))
-    if rule.timing == "raw":
-        q_read = q
-    else:  # step t reads S_{t-1}: the op's position t-1 read with query q_t
-        q_read = jnp.concatenate([q[:, :, 1:], jnp.zeros_like(q[:, :, :1])], axis=2)
+    run = jnp.broadcast_to(per_position(stream.run, ax), q.shape[:3])
+    # raw: step t reads S_t; rbw: step t reads S_{t-1}, the op's position t-1 read with query q_t
+    q_read = q if rule.timing == "raw" else _shift_queries(q, ax)
     if rule.window > 1:  # w [B,H,T,W,1]: step t writes ext pairs t..t+W-1 (its window, oldest first)
         o, S = windowed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                    stream.w[..., 0], lg, run, state.S, chunk_size=chunk_size,
                                    implementation=_implementation())
     else:
         op = decayed_delta_rule if rule.regression else decayed_attention_per_column
+        layout = {"layout": "BTHD"} if time_major else {}
         o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S,
-                  chunk_size=chunk_size, implementation=_implementation())
+                  chunk_size=chunk_size, implementation=_implementation(), **layout)
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
-        first = jnp.einsum("bhk,bhkd->bhd", q[:, :, 0], state.S.astype(q.dtype))  # step 0 reads the initial state
-        o = jnp.concatenate([first[:, :, None], o[:, :, :-1]], axis=2)
-        o = jnp.where(resets[:, None, :, None], 0.0, o)  # a segment start reads the reset state
-    return o, final_state(stream, S.astype(state.S.dtype), k, rule)
+        o = _read_before_write(o, q, state.S, resets, ax)
+    return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)
 
 
 def _implementation() -> str:

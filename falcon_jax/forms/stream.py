@@ -27,6 +27,9 @@ class WriteStream:
     w      [B, H, T, W, G]      log_gamma [B, H, T, G]
     run    [B, T] int           number of segment starts up to and including t
     valid_ext [B, W-1+T] bool   the pair is real (not a sentinel / empty tail slot)
+
+    With ``time_axis=1`` (the model's ``[B, T, H, ...]`` layout) the token arrays have time and
+    heads swapped: x_ext ``[B, W-1+T, H, dk]``, w ``[B, T, H, W, G]``, log_gamma ``[B, T, H, G]``.
     """
 
     x_ext: jax.Array
@@ -45,46 +48,62 @@ def segment_starts(segment_ids, B: int, T: int) -> jax.Array:
     return jnp.concatenate([jnp.zeros((B, 1), bool), change], axis=1)
 
 
-def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState) -> WriteStream:
-    """k [B,H,T,dk], v [B,H,T,dv], inputs {name: [B,H,T] or [B,H,T,dv]}, resets [B,T]."""
-    B, H, T, _ = k.shape
+def per_position(a, time_axis: int = 2):
+    """A ``[B, T, ...]`` array shaped to broadcast against token arrays: ``[B, 1, T, ...]`` for
+    ``[B, H, T, ...]`` (``time_axis=2``), ``[B, T, 1, ...]`` for ``[B, T, H, ...]`` (``time_axis=1``)."""
+    return a[:, :, None] if time_axis == 1 else a[:, None]
+
+
+def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, time_axis: int = 2) -> WriteStream:
+    """k [B,H,T,dk], v [B,H,T,dv], inputs {name: [B,H,T] or [B,H,T,dv]}, resets [B,T].
+
+    ``time_axis=1``: k, v, inputs in ``[B, T, H, ...]`` instead (the state keeps its own layout)."""
+    B, T = k.shape[0], k.shape[time_axis]
     W = rule.window
     if rule.alignment == "shifted":
-        x = jnp.concatenate([state.last_key[:, :, None, :], k[:, :, :-1, :]], axis=2)
+        last_key = state.last_key[:, None] if time_axis == 1 else state.last_key[:, :, None]
+        x = jnp.concatenate([last_key, jax.lax.slice_in_dim(k, 0, T - 1, axis=time_axis)], axis=time_axis)
         first = jnp.zeros((B, T), bool).at[:, 0].set(True)
         valid = ~resets & (~first | state.has_key[:, None])
     else:
         x = k
         valid = jnp.ones((B, T), bool)
-    x = jnp.where(valid[:, None, :, None], x, 0.0)
+    x = jnp.where(per_position(valid, time_axis)[..., None], x, 0.0)
     # The barrier keeps XLA from constant-folding this cumsum when there are no segment ids (all-false
     # resets): folding a reduce-window over T = 131072 took seconds of compile time on the H200.
     run = jnp.cumsum(jax.lax.optimization_barrier(resets).astype(jnp.int32), axis=1)
 
-    x_ext = jnp.concatenate([state.tail_x, x], axis=2)
-    y_ext = jnp.concatenate([state.tail_y, v], axis=2)
+    tail_x, tail_y = ((jnp.swapaxes(a, 1, 2) if time_axis == 1 else a) for a in (state.tail_x, state.tail_y))
+    x_ext = jnp.concatenate([tail_x, x], axis=time_axis)
+    y_ext = jnp.concatenate([tail_y, v], axis=time_axis)
     valid_ext = jnp.concatenate([state.tail_valid, valid], axis=1)
     run_ext = jnp.concatenate([jnp.zeros((B, W - 1), run.dtype), run], axis=1)
     # window entry i of position t is ext index t + i (oldest first, current last)
-    x_win = jnp.stack([x_ext[:, :, i:i + T] for i in range(W)], axis=3)  # [B,H,T,W,dk]
+    x_win = jnp.stack([jax.lax.slice_in_dim(x_ext, i, i + T, axis=time_axis) for i in range(W)], axis=3)
     in_win = jnp.stack([valid_ext[:, i:i + T] & (run_ext[:, i:i + T] == run) for i in range(W)], axis=2)
-    w, log_gamma = rule.gates(x_win, in_win[:, None], valid[:, None], inputs)
+    w, log_gamma = rule.gates(x_win, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
     return WriteStream(x_ext=x_ext, y_ext=y_ext, w=w, log_gamma=log_gamma, run=run, valid_ext=valid_ext)
 
 
-def final_state(stream: WriteStream, S_final, k, rule: Rule) -> FalconState:
-    """The state after the last position: ``S``, the last key, and the window tail."""
+def final_state(stream: WriteStream, S_final, k, rule: Rule, time_axis: int = 2) -> FalconState:
+    """The state after the last position: ``S``, the last key, and the window tail (always in the
+    state's ``[B, H, ...]`` layout)."""
     tail = rule.window - 1
-    total = stream.x_ext.shape[2]
+    total = stream.x_ext.shape[time_axis]
     run_last = stream.run[:, -1:]
     # tail slots come from the last W-1 ext entries; they stay valid only inside the last segment
     ext_run = jnp.concatenate([jnp.zeros((run_last.shape[0], tail), stream.run.dtype), stream.run], axis=1)
     keep = stream.valid_ext[:, total - tail:] & (ext_run[:, total - tail:] == run_last)
+
+    def tail_of(a):
+        a = jax.lax.slice_in_dim(a, total - tail, total, axis=time_axis)
+        return jnp.swapaxes(a, 1, 2) if time_axis == 1 else a
+
     return FalconState(
         S=S_final,
-        last_key=k[:, :, -1, :],
+        last_key=jax.lax.index_in_dim(k, k.shape[time_axis] - 1, axis=time_axis, keepdims=False),
         has_key=jnp.ones((k.shape[0],), bool),
-        tail_x=stream.x_ext[:, :, total - tail:],
-        tail_y=stream.y_ext[:, :, total - tail:],
+        tail_x=tail_of(stream.x_ext),
+        tail_y=tail_of(stream.y_ext),
         tail_valid=keep,
     )
