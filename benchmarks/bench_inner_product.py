@@ -135,6 +135,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_inner_product.json")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--memory-only", action="store_true", help="only the compiled peak memory rows")
     parser.add_argument("--tune", action="store_true", help="time launch configurations of the kernel, then stop")
     args = parser.parse_args()
     if args.tune:
@@ -163,7 +164,7 @@ def main() -> int:
         save()
         return row
 
-    for shape in SHAPES[:1] if args.quick else SHAPES:
+    for shape in [] if args.memory_only else SHAPES[:1] if args.quick else SHAPES:
         B, T, H, D = shape
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         floor = 4 * q.nbytes / (bw * 1e9) * 1e3
@@ -219,7 +220,7 @@ def main() -> int:
             errors[f"fla {shape}"] = repr(e)[:300]
 
     # memory after the timings: its compiles at T = 131072 are the slowest part
-    for shape in [] if args.quick else MEMORY_SHAPES:
+    for shape in MEMORY_SHAPES if args.memory_only else [] if args.quick else MEMORY_SHAPES:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         _, b = fwd_and_bwd(ours_falcon("1A"), 5)
         entry = {"shape": "x".join(map(str, shape)), "falcon-1A pallas fwd+bwd bytes": compiled_memory(b, q, k, v, beta, lam)}

@@ -5,12 +5,13 @@
 #   bash benchmarks/h200_run.sh bench       # timings and memory (about 9 min at most)
 #   bash benchmarks/h200_run.sh all         # both in one call of at most 9.5 min, the least-run checks first
 #   bash benchmarks/h200_run.sh split       # per-pass times, peers of the regression rules, the remaining checks
+#   bash benchmarks/h200_run.sh next        # after the BTHD layout and the λmax precision fix: checks, timings, memory
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -53,6 +54,14 @@ case $part in
     step check_regression 190 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values,falcon-3 values" \
       --out "$out/$part/check_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split)"; exit 2 ;;
+  next)
+    step check_regression 200 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values" \
+      --out "$out/$part/check_regression.json"
+    step bench_inner 150 python3 benchmarks/bench_inner_product.py --quick --out "$out/$part/bench_inner.json"
+    step memory_inner 80 python3 benchmarks/bench_inner_product.py --memory-only --out "$out/$part/memory_inner.json"
+    step bench_regression 120 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2" \
+      --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
