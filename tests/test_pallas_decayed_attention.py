@@ -190,6 +190,8 @@ def test_falcon_pallas_equals_xla_chunk_form(variant, options):
     assert rel_err(got, want) < FP32_TOL
     assert rel_err(got_state.S, want_state.S) < FP32_TOL
     np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
+    for field in ("tail_x", "tail_y", "tail_valid"):  # the window tail the next segment continues from
+        np.testing.assert_array_equal(getattr(got_state, field), getattr(want_state, field), err_msg=field)
 
     ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
 
