@@ -89,15 +89,19 @@ TUNE_CONFIGS = [
     dict(chunk_size=64, config=KernelConfig(target_programs=528)),
     dict(chunk_size=128, config=KernelConfig(fwd_warps=8, state_warps=8, grad_warps=8)),
     dict(chunk_size=32, config=KernelConfig()),
+    # fewer pieces: 528 programs was slower than 264 at every shape (first run); 128 means no sequence split at
+    # 8x2048 (no pieces pre-pass, no scan over pieces) and half the pieces elsewhere
+    dict(chunk_size=64, config=KernelConfig(fwd_stages=3, target_programs=128)),
+    dict(chunk_size=64, config=KernelConfig(fwd_stages=3, target_programs=64)),
 ]
 
 
-def tune(out_path: str) -> None:
+def tune(out_path: str, shapes=None) -> None:
     """Time the kernel alone (fwd, fwd+bwd) for each launch configuration at every shape."""
     import functools
 
     rows = []
-    for shape in SHAPES:
+    for shape in shapes or SHAPES:
         q, k, v, _, _, log_decay = make_inputs(*shape)
         for i, cfg in enumerate(TUNE_CONFIGS):
             op = functools.partial(kernel_only, **cfg)
@@ -111,6 +115,7 @@ def tune(out_path: str) -> None:
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             print(row, flush=True)
+            write_json(out_path, rows)  # after every row: a run cut off by its time limit keeps what it measured
     print_table(rows, ["shape", "config", "chunk", "block_v", "fwd_warps", "fwd_stages", "target_programs", "fwd_ms", "fwd_bwd_ms"])
     write_json(out_path, rows)
 
@@ -138,8 +143,8 @@ def main() -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the compiled peak memory rows")
     parser.add_argument("--tune", action="store_true", help="time launch configurations of the kernel, then stop")
     args = parser.parse_args()
-    if args.tune:
-        tune(args.out)
+    if args.tune:  # with --quick: the first shape and the last shape only
+        tune(args.out, [SHAPES[0], SHAPES[2]] if args.quick else None)
         return 0
     bw = copy_bandwidth_gbs()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s", flush=True)

@@ -59,6 +59,7 @@ case $part in
       --out "$out/$part/check_regression.json"
     step bench_inner 150 python3 benchmarks/bench_inner_product.py --quick --out "$out/$part/bench_inner.json"
     step memory_inner 80 python3 benchmarks/bench_inner_product.py --memory-only --out "$out/$part/memory_inner.json"
+    step tune_inner 150 python3 benchmarks/bench_inner_product.py --tune --quick --out "$out/$part/tune_inner.json"
     step bench_regression 120 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2" \
       --out "$out/$part/bench_regression.json"
     ;;
