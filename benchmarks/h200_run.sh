@@ -6,12 +6,13 @@
 #   bash benchmarks/h200_run.sh all         # both in one call of at most 9.5 min, the least-run checks first
 #   bash benchmarks/h200_run.sh split       # per-pass times, peers of the regression rules, the remaining checks
 #   bash benchmarks/h200_run.sh next        # after the BTHD layout and the λmax precision fix: checks, timings, memory
+#   bash benchmarks/h200_run.sh next2       # then: launch tuning (fewer pieces) and the regression timings
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -59,10 +60,12 @@ case $part in
       --out "$out/$part/check_regression.json"
     step bench_inner 150 python3 benchmarks/bench_inner_product.py --quick --out "$out/$part/bench_inner.json"
     step memory_inner 80 python3 benchmarks/bench_inner_product.py --memory-only --out "$out/$part/memory_inner.json"
+    ;;
+  next2)
     step tune_inner 150 python3 benchmarks/bench_inner_product.py --tune --quick --out "$out/$part/tune_inner.json"
     step bench_regression 120 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2" \
       --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next)"; exit 2 ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
