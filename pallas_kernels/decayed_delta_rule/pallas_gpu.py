@@ -43,6 +43,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import call, dot, precision_for, row_block, token_dims, triton_params, walk_layout
 
+def chunk_state_dtype(dtype):
+    """The per-chunk states and state gradients stored for the backward: in the inputs' dtype for bf16/fp16
+    inputs (half the backward's largest buffers: 2 × 0.54 GB in fp32 at 1×32768×16×128), fp32 otherwise.
+    The chunk-gradient program reads them back into fp32 for its (TF32 for 16-bit inputs) products."""
+    return dtype if jnp.dtype(dtype).itemsize == 2 else F32
+
+
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
 
@@ -135,7 +142,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
         x = x_ref[rows, :]
         xf = x.astype(F32)
         if write_h:
-            h_ref[c, :, :] = S
+            h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * dot(xf, S, p32))
         P = dot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
         if write_o:
@@ -160,7 +167,7 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
         if write_dh:
-            dh_ref[c, :, :] = dS
+            dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         q, x = q_ref[rows, :], x_ref[rows, :]
         xf = x.astype(F32)
         do = do_ref[rows, :].astype(F32)
@@ -206,7 +213,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     for j in range(dv // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
         y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
-        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        h, dh = h_ref[:, cols].astype(F32), dh_ref[:, cols].astype(F32)
         xh = dot(xf, h, p32)
         target = y - cont_p[:, None] * xh
         P = dot(tinv, eta[:, None] * target, p32)
@@ -272,7 +279,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
     ``[B, L, H, d]``, read in place.
     """
-    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
+    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype(q.dtype), heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
@@ -300,7 +307,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
+    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, chunk_state_dtype(q.dtype), heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
