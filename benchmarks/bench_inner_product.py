@@ -56,6 +56,19 @@ def ours_falcon(variant):
     return lambda q, k, v, beta, lam: falcon(q, k, v, beta, lam, variant=variant, impl="pallas")
 
 
+def ours_falcon_head_major(variant):
+    """``falcon`` with the kernels on [B, H, T, D] copies (the layout before in-place [B, T, H, D] reads)."""
+    from falcon_jax.forms import chunk_pallas
+
+    def op(q, k, v, beta, lam):
+        chunk_pallas.PREFER_TIME_MAJOR = False  # read while tracing; restored right after
+        try:
+            return falcon(q, k, v, beta, lam, variant=variant, impl="pallas")
+        finally:
+            chunk_pallas.PREFER_TIME_MAJOR = True
+    return op
+
+
 def ours_xla(q, k, v, beta, lam):
     return falcon(q, k, v, beta, lam, variant="1A", impl="xla")
 
@@ -179,6 +192,8 @@ def main() -> int:
         for variant in ("1A", "3A"):
             f, b = fwd_and_bwd(ours_falcon(variant), 5)
             measure(f"falcon-{variant} pallas", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
+            f, b = fwd_and_bwd(ours_falcon_head_major(variant), 5)
+            measure(f"falcon-{variant} pallas, head-major", shape, f, b, (q, k, v, beta, lam), (q, k, v, beta, lam))
         if shape == SHAPES[0]:  # Falcon-2A: per-column gains, the per-column kernel without the residual
             try:
                 beta_col = beta[..., None] * jnp.linspace(0.5, 1.0, D)  # [B, T, H, D], differs per column

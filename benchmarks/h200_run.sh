@@ -62,6 +62,7 @@ case $part in
     step memory_inner 80 python3 benchmarks/bench_inner_product.py --memory-only --out "$out/$part/memory_inner.json"
     ;;
   next2)
+    step split_passes 120 python3 benchmarks/split_passes.py --out "$out/$part/split_passes.json"
     step tune_inner 150 python3 benchmarks/bench_inner_product.py --tune --quick --out "$out/$part/tune_inner.json"
     step bench_regression 120 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2" \
       --out "$out/$part/bench_regression.json"

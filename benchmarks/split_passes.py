@@ -7,7 +7,8 @@ inputs ``[B·H, T, d]`` (B, T, H, d = 8, 2048, 16, 128 and 1, 32768, 16, 128), w
 launch parameters and piece count, the median ms of:
 
   decayed_attention:  fwd walk (write o) · pieces pre-pass · recompute walk (write h) ·
-                      state-gradient walk (write dh) · chunk gradients
+                      state-gradient walk (write dh) · chunk gradients · fwd walk and chunk
+                      gradients reading [B, T, H, d] in place
   decayed_delta_rule: triangular inverse · fwd walk (write o) · recompute walk (write h) ·
                       state-gradient walk (write dh) · chunk gradients
 
@@ -72,6 +73,13 @@ def split_attention(shape, interpret, rows):
     timings += [("recompute walk (h)", rec, (q, x, y, g, rl, s0)),
                 ("state-gradient walk (dh)", sgr, (q, g, rl, do, s0)),
                 ("chunk gradients", cgr, (q, x, y, g, rl, do, h, dh))]
+    # the same passes reading [B, T, H, d] in place (strided rows): what layout="BTHD" costs inside the kernels
+    tm = [jnp.swapaxes(a.reshape(B, H, T, d), 1, 2) for a in (q, x, y, do)]
+    fwd_tm = jax.jit(functools.partial(attn_gpu.forward_pass, write_o=True, write_h=False, heads=H, **fwd_kw))
+    cgr_tm = jax.jit(functools.partial(attn_gpu.chunk_grad_pass, chunk=C, block_v=cfg.block_v, interpret=interpret,
+                                       num_warps=cfg.grad_warps, num_stages=cfg.grad_stages, heads=H))
+    timings += [("fwd walk (o), BTHD in place", fwd_tm, (tm[0], tm[1], tm[2], g, rl, s0)),
+                ("chunk gradients, BTHD in place", cgr_tm, (tm[0], tm[1], tm[2], g, rl, tm[3], h, dh))]
     op_in = [a.reshape(B, H, T, -1) for a in (q, x, y)] + [log_decay.reshape(B, H, T), run.reshape(B, H, T),
                                                           jnp.zeros((B, H, d, d), jnp.float32)]
     impl = "pallas_gpu"

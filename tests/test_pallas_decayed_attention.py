@@ -290,3 +290,25 @@ def test_triton_kernels_lower_in_both_layouts(layout, dtype, pieces):
     if layout == "BTHD":  # no transposes of the token arrays around the kernels
         assert "stablehlo.transpose" not in text or all(
             f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
+
+
+@pytest.mark.parametrize("variant", ["1A", "3A"])
+def test_falcon_kernel_path_in_both_layouts(variant, monkeypatch):
+    """``falcon(impl="pallas")`` hands the kernels the [B, T, H, d] arrays in place by default; with
+    ``PREFER_TIME_MAJOR`` off it transposes them to [B, H, T, d] first.  Both equal the XLA chunk form
+    (outputs, state and its window tail, with segments and a continued state)."""
+    from falcon_jax.forms import chunk_pallas
+
+    rng = np.random.default_rng(21)
+    q, k, v, beta, lam = falcon_inputs(rng)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, 45)), axis=1))
+    kw = dict(variant=variant, chunk_size=16, return_final_state=True, timing="rbw")
+    _, state = falcon(q[:, :7], k[:, :7], v[:, :7], beta[:, :7], lam[:, :7], **kw)
+    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, segment_ids=seg, **kw)
+    for prefer in (True, False):
+        monkeypatch.setattr(chunk_pallas, "PREFER_TIME_MAJOR", prefer)
+        with poisoned_outputs():
+            got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, segment_ids=seg, **kw)
+        assert rel_err(got, want) < FP32_TOL, prefer
+        assert rel_err(got_state.S, want_state.S) < FP32_TOL, prefer
+        np.testing.assert_array_equal(got_state.tail_x, want_state.tail_x)

@@ -100,12 +100,19 @@ def _shift(a, d: int, axis: int = 2):
     return jax.lax.slice_in_dim(jnp.pad(a, widths), 0, a.shape[axis], axis=axis)
 
 
+# Whether ``falcon(impl="pallas")`` hands the kernels the model's [B, T, H, ...] arrays in place (True) or
+# transposes them to [B, H, T, ...] first (False).  In place saves the transposes (0.12 of 0.43 ms forward at
+# 8x2048x16x128 on the H200) but makes the kernels' row loads strided; the benchmark times both
+# (benchmarks/bench_inner_product.py, "head-major" rows) until the H200 has said which is faster.
+PREFER_TIME_MAJOR = True
+
+
 def time_major_served(rule: Rule, inputs: dict) -> bool:
     """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the kernels
     read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's
-    virtual rows are built head-major)."""
+    virtual rows are built head-major), unless ``PREFER_TIME_MAJOR`` is off."""
     per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
-    return not per_column and not (rule.regression and rule.window > 1)
+    return PREFER_TIME_MAJOR and not per_column and not (rule.regression and rule.window > 1)
 
 
 def _time_slice(a, start, stop, axis):
