@@ -76,26 +76,27 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
         val.check_state(initial_state, B, H, dk, dv, tail)
         state = cast_state(initial_state, cdt)
     resets = segment_starts(segment_ids, B, T)
-    if form == "chunk" and time_major_served(rule, inputs) and _use_pallas(impl, rule, inputs, dk, dv, out_dtype,
-                                                                           chunk_size):
+    # (supports() looks only at the inputs' ranks and the head dims, so either layout of inputs serves)
+    pallas = form == "chunk" and _use_pallas(impl, rule, inputs, dk, dv, out_dtype, chunk_size)
+    if pallas and time_major_served(rule, inputs):
         # the kernels read and write the model's [B, T, H, ...] layout in place: no transposed copies
         o, final = chunk_pallas(rule, *(a.astype(cdt) for a in (q, k, v)),
                                 {name: a.astype(cdt) for name, a in inputs.items()}, resets, state,
                                 chunk_size=chunk_size, kernel_dtype=out_dtype, time_major=True)
-        out = (o * scale).astype(out_dtype)
-        return (out, final) if return_final_state else out
-    qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
-    inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
-    if form == "recurrent":
-        o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
-    elif form == "parallel":
-        o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
-    elif _use_pallas(impl, rule, inputs_h, dk, dv, out_dtype, chunk_size):
-        o, final = chunk_pallas(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size,
-                                kernel_dtype=out_dtype)
     else:
-        o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
-    out = (jnp.moveaxis(o, 1, 2) * scale).astype(out_dtype)
+        qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
+        inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
+        if form == "recurrent":
+            o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
+        elif form == "parallel":
+            o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
+        elif pallas:
+            o, final = chunk_pallas(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size,
+                                    kernel_dtype=out_dtype)
+        else:
+            o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
+        o = jnp.moveaxis(o, 1, 2)
+    out = (o * scale).astype(out_dtype)
     return (out, final) if return_final_state else out
 
 

@@ -37,11 +37,55 @@ def interpret_default(implementation: str, interpret: bool | None) -> bool:
     return (not native) if interpret is None else interpret
 
 
-def flatten_pad(a, length: int, mode: str = "constant"):
-    """``[B, H, T, ...]`` -> ``[B·H, length, ...]``, padded at the end of T (zeros, or ``mode="edge"``
-    to repeat the last entry, e.g. to continue a run index)."""
-    a = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+LAYOUTS = ("BHTD", "BTHD")  # the ops' token layouts: [B, H, T, d] or the model's [B, T, H, d]
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
+
+
+def swap_time_heads(a):
+    """``[B, T, H, ...]`` <-> ``[B, H, T, ...]``."""
+    return jnp.swapaxes(a, 1, 2)
+
+
+def pad_time(a, length: int, mode: str = "constant"):
+    """``[N, T, ...]`` padded at the end of axis 1 to ``length`` (zeros, or ``mode="edge"`` to repeat
+    the last entry, e.g. to continue a run index)."""
     return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2), mode=mode)
+
+
+def flatten_pad(a, length: int, mode: str = "constant"):
+    """``[B, H, T, ...]`` -> ``[B·H, length, ...]``, padded at the end of T (see :func:`pad_time`)."""
+    return pad_time(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), length, mode)
+
+
+def kernel_operands(in_place: bool, length: int):
+    """``(tokens, gates)``: how an op hands its arrays to the GPU passes, padded in time to ``length``.
+    Tokens are ``[B, T, H, d]`` kept in place (``in_place``) or ``[B, H, T, d]`` flattened to
+    ``[B·H, L, d]``; gates (``[B, T, H]`` or ``[B, H, T]``, maybe with a trailing column axis) always
+    become ``[B·H, L, ...]``.  Both take ``mode`` (see :func:`pad_time`)."""
+    def gates(a, mode="constant"):
+        return flatten_pad(swap_time_heads(a) if in_place else a, length, mode)
+
+    def tokens(a, mode="constant"):
+        return pad_time(a, length, mode) if in_place else flatten_pad(a, length, mode)
+
+    return tokens, gates
+
+
+def layout_kw(heads: int | None) -> dict:
+    """Keyword for the GPU passes: ``heads=H`` when the tokens are ``[B, L, H, d]`` read in place
+    (:func:`row_block`), nothing for ``[B·H, L, d]`` (so backends without the option are called as before)."""
+    return {} if heads is None else {"heads": heads}
+
+
+def chunk_state_dtype(dtype):
+    """The per-chunk states and state gradients a backward stores: in the inputs' dtype for bf16/fp16
+    inputs (half the backward's largest buffers; the kernels read them back for their products), fp32
+    otherwise."""
+    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
 def dot(a, b, precision):
@@ -157,11 +201,11 @@ def row_block(heads: int | None, rows: int, cols: int, index_map):
     return pl.BlockSpec((None, rows, None, cols), in_place)
 
 
-def walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype=jnp.float32, heads=None):
+def walk_layout(q, y, chunk, pieces, block_v, heads=None):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
-    walking the ``n`` chunks of one piece for ``block_v`` value columns.  ``chunk_state_dtype``: dtype of
-    the per-chunk states a walk stores for the backward (piece states are always fp32).  ``heads``: see
-    :func:`row_block` (the gates and states are always ``[B·H, ...]``)."""
+    walking the ``n`` chunks of one piece for ``block_v`` value columns.  The per-chunk states a walk
+    stores for the backward are in :func:`chunk_state_dtype` of q's dtype (piece states always fp32).
+    ``heads``: see :func:`row_block` (the gates and states are always ``[B·H, ...]``)."""
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
     Lp = L // pieces
@@ -175,7 +219,7 @@ def walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype=jnp.float32, hea
     )
     shapes = types.SimpleNamespace(
         piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
-        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), chunk_state_dtype),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), chunk_state_dtype(q.dtype)),
     )
     return (BH, pieces, dv // block_v), n, specs, shapes
 
@@ -186,6 +230,7 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "chunk_local", "dot", "flatten_pad", "interpret_default", "next_pow2", "pieces_for", "poisoned_outputs", "precision_for",
-           "resolve_implementation", "reverse_chunk_cumsum", "row_block", "token_dims", "triton_params",
-           "unsupported_dims_reason", "walk_layout"]
+__all__ = ["call", "check_layout", "chunk_local", "chunk_state_dtype", "dot", "flatten_pad", "interpret_default",
+           "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for", "poisoned_outputs",
+           "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",
+           "token_dims", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -155,3 +155,39 @@ def jcall(fn, *args, **kwargs):
     """fn(*args, **kwargs) through a cached jax.jit (array args and _TRACED kwargs traced)."""
     traced = {name: kwargs.pop(name) for name in _TRACED if name in kwargs}
     return _jitted(fn, tuple(sorted(kwargs.items())))(*args, **traced)
+
+
+# ----------------------------------------------------------------------------
+# Pallas kernel tests: layouts and bf16 gradients.
+# ----------------------------------------------------------------------------
+def time_major(a):
+    """``[B, H, T, ...]`` -> ``[B, T, H, ...]`` (the kernel ops' ``layout="BTHD"``)."""
+    import jax.numpy as jnp
+
+    return jnp.swapaxes(jnp.asarray(a), 1, 2)
+
+
+def bf16_gradient_errors(q, k, v, beta, lam, ct, **falcon_kw):
+    """Gradients of ``Σ falcon(q, k, v, β, λ) · ct`` w.r.t. bf16 ``q, k, v``: the Pallas kernel (outputs
+    poisoned) and the XLA chunk form (fp32 compute), each against the float64 XLA form on the same bf16
+    values.  Returns ``[(name, kernel gradient, kernel error, XLA error)]`` for q, k, v."""
+    import jax
+    import jax.numpy as jnp
+
+    from falcon_jax import falcon
+    from pallas_kernels.common import poisoned_outputs
+
+    bf = [jnp.asarray(a).astype(jnp.bfloat16) for a in (q, k, v)]
+
+    def grads(impl, xs, dtype):
+        def loss(q_, k_, v_):
+            out = falcon(q_, k_, v_, jnp.asarray(beta).astype(dtype), jnp.asarray(lam).astype(dtype), impl=impl,
+                         **falcon_kw)
+            return jnp.sum(out.astype(dtype) * jnp.asarray(ct).astype(dtype))
+        return jax.grad(loss, argnums=(0, 1, 2))(*xs)
+
+    exact = grads("xla", [a.astype(jnp.float64) for a in bf], jnp.float64)
+    with poisoned_outputs():
+        got = grads("pallas", bf, jnp.float32)
+    xla = grads("xla", bf, jnp.float32)
+    return [(name, g, rel_err(g, e), rel_err(x, e)) for name, g, x, e in zip("qkv", got, xla, exact)]

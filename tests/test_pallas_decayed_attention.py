@@ -18,6 +18,7 @@ from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention.api import KernelConfig
 from pallas_kernels.decayed_attention.pallas_gpu import poisoned_outputs
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+from tests.helpers import bf16_gradient_errors, time_major
 
 FP32_TOL = 2e-5
 
@@ -95,11 +96,6 @@ def test_gradients_match_reference(pieces, segments, block_v, implementation):
         assert rel_err(g, w) < 5e-5, name
 
 
-def _time_major(a):
-    """[B, H, T, ...] -> [B, T, H, ...] (the "BTHD" layout)."""
-    return jnp.swapaxes(jnp.asarray(a), 1, 2)
-
-
 @pytest.mark.parametrize("T,pieces,segments,implementation", [
     (37, 1, True, "pallas_gpu"), (100, 4, True, "pallas_gpu"), (64, 2, False, "pallas_gpu"),
     (37, 1, True, "pallas_tpu"), (37, 1, True, "xla")])
@@ -113,25 +109,25 @@ def test_time_major_layout_matches_reference(T, pieces, segments, implementation
 
     def loss_tm(q, x, y, log_decay, s0):  # the op in BTHD, the cotangent transposed to match
         if implementation == "xla":
-            o, s = decayed_attention(q, x, y, log_decay, _time_major(run), s0, implementation="xla", layout="BTHD")
+            o, s = decayed_attention(q, x, y, log_decay, time_major(run), s0, implementation="xla", layout="BTHD")
         else:
-            o, s = kernel(q, x, y, log_decay, _time_major(run), s0, implementation=implementation, **kw)
+            o, s = kernel(q, x, y, log_decay, time_major(run), s0, implementation=implementation, **kw)
         assert o.shape == (2, T, 3, y.shape[-1])
-        return jnp.sum(o * _time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
+        return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
 
     def loss_ref(q, x, y, log_decay, s0):
         o, s = decayed_attention_reference(q, x, y, log_decay, run, s0)
         return jnp.sum(o * ct_o) + jnp.sum(s), (o, s)
 
-    args32 = [jnp.asarray(_time_major(a), jnp.float32) for a in (q, x, y, log_decay)] + [jnp.asarray(s0, jnp.float32)]
+    args32 = [jnp.asarray(time_major(a), jnp.float32) for a in (q, x, y, log_decay)] + [jnp.asarray(s0, jnp.float32)]
     (_, (o, s)), got = jax.value_and_grad(loss_tm, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args32)
     (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=(0, 1, 2, 3, 4), has_aux=True)(
         *(jnp.asarray(a) for a in (q, x, y, log_decay, s0)))
-    assert rel_err(o, _time_major(o_ref)) < FP32_TOL
+    assert rel_err(o, time_major(o_ref)) < FP32_TOL
     assert rel_err(s, s_ref) < FP32_TOL
     for name, g, w in zip(["q", "x", "y", "log_decay"], got[:4], want[:4]):
         assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, _time_major(w)) < 5e-5, name
+        assert rel_err(g, time_major(w)) < 5e-5, name
     assert rel_err(got[4], want[4]) < 5e-5
 
 
@@ -234,23 +230,11 @@ def test_bf16_gradients_within_twice_the_xla_forms():
     (measured 2.7× on these inputs, the same with fp32-stored states: the dots round them anyway)."""
     rng = np.random.default_rng(6)
     q, k, v, beta, lam = falcon_inputs(rng, T=80)
-    ct = jnp.asarray(rng.normal(size=v.shape))
-    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
-
-    def grads(impl, xs, dtype):
-        def loss(q_, k_, v_):
-            out = falcon(q_, k_, v_, beta.astype(dtype), lam.astype(dtype), variant="1A", impl=impl, chunk_size=16)
-            return jnp.sum(out.astype(dtype) * ct.astype(dtype))
-        return jax.grad(loss, argnums=(0, 1, 2))(*xs)
-
-    exact = grads("xla", [a.astype(jnp.float64) for a in bf], jnp.float64)
-    with poisoned_outputs():
-        got = grads("pallas", bf, jnp.float32)
-    xla = grads("xla", bf, jnp.float32)
-    for g_kernel, g_xla, g_exact in zip(got, xla, exact):
-        assert np.all(np.isfinite(np.asarray(g_kernel, np.float64)))
-        err_kernel, err_xla = rel_err(g_kernel, g_exact), rel_err(g_xla, g_exact)
-        assert err_kernel <= 3 * err_xla + 1e-3, (err_kernel, err_xla)
+    ct = rng.normal(size=v.shape)
+    for name, g_kernel, err_kernel, err_xla in bf16_gradient_errors(q, k, v, beta, lam, ct, variant="1A",
+                                                                    chunk_size=16):
+        assert np.all(np.isfinite(np.asarray(g_kernel, np.float64))), name
+        assert err_kernel <= 3 * err_xla + 1e-3, (name, err_kernel, err_xla)
 
 
 def test_rules_without_kernel_raise_or_fall_back():

@@ -20,6 +20,7 @@ from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, deca
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference, windowed_delta_rule_reference)
+from tests.helpers import bf16_gradient_errors, time_major
 
 FP32_TOL = 1e-5
 
@@ -102,11 +103,6 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
         assert rel_err(g, w) < 5e-5, name
 
 
-def _time_major(a):
-    """[B, H, T, ...] -> [B, T, H, ...] (the "BTHD" layout)."""
-    return jnp.swapaxes(jnp.asarray(a), 1, 2)
-
-
 @pytest.mark.parametrize("T,pieces,per_column,implementation", [
     (53, 1, False, "pallas_gpu"), (100, 4, False, "pallas_gpu"), (41, 1, True, "pallas_gpu"),
     (41, 1, False, "xla")])
@@ -122,11 +118,11 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 
     def loss_tm(*a):
         if implementation == "xla":
-            o, s = decayed_delta_rule(*a[:5], _time_major(run), a[5], implementation="xla", layout="BTHD")
+            o, s = decayed_delta_rule(*a[:5], time_major(run), a[5], implementation="xla", layout="BTHD")
         else:
-            o, s = kernel(*a[:5], _time_major(run), a[5], pieces=pieces, layout="BTHD")
+            o, s = kernel(*a[:5], time_major(run), a[5], pieces=pieces, layout="BTHD")
         assert o.shape == (2, T, 3, 32)
-        return jnp.sum(o * _time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
+        return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
 
     def loss_ref(*a):
         o, s = reference_op(*a[:5], run, a[5])
@@ -134,14 +130,14 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 
     argnums = tuple(range(6))
     (_, (o, s)), got = jax.value_and_grad(loss_tm, argnums=argnums, has_aux=True)(
-        *(jnp.asarray(_time_major(a), jnp.float32) for a in (q, x, y, eta, log_gamma)), jnp.asarray(s0, jnp.float32))
+        *(jnp.asarray(time_major(a), jnp.float32) for a in (q, x, y, eta, log_gamma)), jnp.asarray(s0, jnp.float32))
     (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
         *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
-    assert rel_err(o, _time_major(o_ref)) < FP32_TOL
+    assert rel_err(o, time_major(o_ref)) < FP32_TOL
     assert rel_err(s, s_ref) < FP32_TOL
     for name, g, w in zip(["q", "x", "y", "eta", "log_gamma"], got[:5], want[:5]):
         assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, _time_major(w)) < 5e-5, name
+        assert rel_err(g, time_major(w)) < 5e-5, name
     assert rel_err(got[5], want[5]) < 5e-5
 
 
@@ -265,23 +261,10 @@ def test_bf16_gradients_within_a_few_times_the_xla_forms(variant, rng):
     into fp32 for its products), the XLA chunk form computes in fp32 from the same bf16 inputs; the
     kernel's gradient error against fp64 stays within 3× the XLA form's."""
     q, k, v, beta, lam = falcon_inputs(rng, T=80)
-    ct = jnp.asarray(rng.normal(size=v.shape))
-    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
-
-    def grads(impl, xs, dtype):
-        def loss(q_, k_, v_):
-            out = falcon(q_, k_, v_, beta.astype(dtype), lam.astype(dtype), variant=variant, impl=impl,
-                         chunk_size=16)
-            return jnp.sum(out.astype(dtype) * ct.astype(dtype))
-        return jax.grad(loss, argnums=(0, 1, 2))(*xs)
-
-    exact = grads("xla", [a.astype(jnp.float64) for a in bf], jnp.float64)
-    with poisoned_outputs():
-        got = grads("pallas", bf, jnp.float32)
-    xla = grads("xla", bf, jnp.float32)
-    for name, g_kernel, g_xla, g_exact in zip("qkv", got, xla, exact):
+    ct = rng.normal(size=v.shape)
+    for name, g_kernel, err_kernel, err_xla in bf16_gradient_errors(q, k, v, beta, lam, ct, variant=variant,
+                                                                    chunk_size=16):
         assert np.all(np.isfinite(np.asarray(g_kernel, np.float64))), name
-        err_kernel, err_xla = rel_err(g_kernel, g_exact), rel_err(g_xla, g_exact)
         assert err_kernel <= 3 * err_xla + 1e-3, (name, err_kernel, err_xla)
 
 

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from pallas_kernels.common import chunk_local as _prepare
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pieces_for as _pieces
-from pallas_kernels.common import (flatten_pad, interpret_default, resolve_implementation, reverse_chunk_cumsum,
-                                   token_dims, unsupported_dims_reason)
+from pallas_kernels.common import (check_layout, interpret_default, kernel_operands as _kernel_operands,
+                                   layout_kw as _layout_kw, resolve_implementation, reverse_chunk_cumsum,
+                                   swap_time_heads, token_dims, unsupported_dims_reason)
 from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
 
@@ -52,12 +53,6 @@ class KernelConfig:
 def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
     out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads)
     return out
-
-
-def _layout_kw(heads):
-    """``heads=H``: q, x, y (and o and the gradients) are ``[B, L, H, d]``, read in place (GPU Triton kernels
-    only); ``None``: ``[B·H, L, d]``."""
-    return {} if heads is None else {"heads": heads}
 
 
 def _piece_decay(g, rl, chunk, pieces):
@@ -137,9 +132,6 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
 
 
-LAYOUTS = ("BHTD", "BTHD")
-
-
 def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int = 64,
                       implementation: str = "auto", config: KernelConfig | None = None,
                       pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD"):
@@ -158,15 +150,14 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
+    check_layout(layout)
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
-    kw = dict(chunk_size=chunk_size, implementation=implementation, config=config, pieces=pieces,
-              interpret=interpret)
-    if layout == "BTHD" and implementation != "pallas_gpu":  # only the Triton kernels read BTHD in place
-        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-        o, final = decayed_attention(*(heads_first(a) for a in (q, x, y, log_decay, run)), initial_state, **kw)
-        return heads_first(o), final
+    in_place = layout == "BTHD"
+    if in_place and implementation != "pallas_gpu":  # only the Triton kernels read BTHD in place
+        o, final = decayed_attention(*(swap_time_heads(a) for a in (q, x, y, log_decay, run)), initial_state,
+                                     chunk_size=chunk_size, implementation=implementation, config=config,
+                                     pieces=pieces, interpret=interpret)
+        return swap_time_heads(o), final
     if implementation == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
@@ -176,7 +167,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
         reason = mosaic_gpu.unsupported_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_attention: {reason}")
-    if layout == "BTHD":
+    if in_place:
         B, T, H, dk = q.shape
     else:
         B, H, T, dk = q.shape
@@ -194,18 +185,12 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     else:
         P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
-    flat = functools.partial(flatten_pad, length=L)
-    s0 = initial_state.astype(jnp.float32).reshape(B * H, dk, dv)
-    if layout == "BTHD":
-        # tokens stay [B, L, H, d] (padded in time only); the gates are small: [B·H, L] as always
-        pad = lambda a: jnp.pad(a, [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        gates = lambda a, **m: flat(jnp.swapaxes(a, 1, 2), **m)  # noqa: E731
-        o, final = _kernel_op(pad(q.astype(dtype)), pad(x.astype(dtype)), pad(y.astype(dtype)),
-                              gates(log_decay.astype(jnp.float32)), gates(run.astype(jnp.int32), mode="edge"),
-                              s0, chunk, config, P, bool(interpret), implementation, H)
-        return o[:, :T], final.reshape(B, H, dk, dv)
-    # padding: zero pairs, zero log decay (identity steps), run continued
-    o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(log_decay.astype(jnp.float32)), flat(run.astype(jnp.int32), mode="edge"),
-                          s0, chunk, config, P, bool(interpret), implementation, None)
-    return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+    # padding: zero pairs, zero log decay (identity steps), run continued.  In place the tokens stay
+    # [B, L, H, d] (padded in time only); the gates are [B·H, L] either way (they are small).
+    tokens, gates = _kernel_operands(in_place, L)
+    o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
+                          gates(log_decay.astype(jnp.float32)), gates(run.astype(jnp.int32), mode="edge"),
+                          initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
+                          bool(interpret), implementation, H if in_place else None)
+    o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
+    return o, final.reshape(B, H, dk, dv)

@@ -52,13 +52,6 @@ def _chunk_rows(g_ref, rl_ref, c, chunk):
     return rows, g_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], rl_ref[start + chunk - 1]
 
 
-def _chunk_state_dtype(dtype):
-    """The per-chunk states (and their gradients) stored for the backward: in the inputs' dtype for
-    bf16/fp16 inputs (the chunk-gradient kernel rounds them to it for its dots anyway; this halves the
-    backward's largest buffers), fp32 otherwise."""
-    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
-
-
 def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_o,
                     write_h, precision):
     refs = list(out_refs)
@@ -158,7 +151,7 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h
     initial state of each piece.
     Returns (o like y if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, _chunk_state_dtype(q.dtype), heads)
+    grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, heads)
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.piece_state]
     out_shape, out_specs = [], []
     if write_o:
@@ -183,7 +176,7 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, _chunk_state_dtype(q.dtype), heads)
+    grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, heads)
     in_specs = [specs.rows_k, specs.gate, specs.gate, specs.rows_v, specs.piece_state]
     out_shape, out_specs = [], []
     if write_dh:

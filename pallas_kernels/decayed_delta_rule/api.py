@@ -45,14 +45,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (chunk_local, flatten_pad, interpret_default, next_pow2, pieces_for,
-                                   resolve_implementation, reverse_chunk_cumsum, token_dims, unsupported_dims_reason)
+from pallas_kernels.common import (check_layout, chunk_local, flatten_pad, interpret_default, kernel_operands,
+                                   next_pow2, pieces_for, resolve_implementation, reverse_chunk_cumsum,
+                                   swap_time_heads, token_dims, unsupported_dims_reason)
+from pallas_kernels.common import layout_kw as _layout_kw
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference)
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
-LAYOUTS = ("BHTD", "BTHD")
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -82,12 +83,6 @@ class KernelConfig:
 def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
     out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
     return out
-
-
-def _layout_kw(heads):
-    """``heads=H``: q, x, y (o and their gradients) are ``[B, L, H, d]``, read in place (GPU Triton kernels
-    only); ``None``: ``[B·H, L, d]``."""
-    return {} if heads is None else {"heads": heads}
 
 
 def _gates(log_gamma, run, chunk, group=1):
@@ -240,16 +235,15 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
+    check_layout(layout)
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     per_column = eta.ndim == 4 or log_gamma.ndim == 4
-    if layout == "BTHD" and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
-        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-        o, final = decayed_delta_rule(*(heads_first(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
+    in_place = layout == "BTHD"
+    if in_place and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
+        o, final = decayed_delta_rule(*(swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
                                       chunk_size=chunk_size, implementation=implementation, config=config,
                                       pieces=pieces, interpret=interpret)
-        return heads_first(o), final
+        return swap_time_heads(o), final
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -260,7 +254,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
         raise NotImplementedError(f"{implementation} decayed_delta_rule: {reason}")
-    if layout == "BTHD":
+    if in_place:
         B, T, H, dk = q.shape
     else:
         B, H, T, dk = q.shape
@@ -276,22 +270,16 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     else:
         P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.target_programs)
 
-    flat = functools.partial(flatten_pad, length=L)
-    # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued
+    # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued.  In place the
+    # tokens stay [B, L, H, d] (padded in time only); the gates are [B·H, L] either way.
+    tokens, gates = kernel_operands(in_place, L)
     f32 = jnp.float32
-    s0 = initial_state.astype(f32).reshape(B * H, dk, dv)
-    if layout == "BTHD":  # tokens stay [B, L, H, d] (padded in time only); the gates go to [B·H, L]
-        pad = lambda a: jnp.pad(a, [(0, 0), (0, L - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        gates = lambda a, **m: flat(jnp.swapaxes(a, 1, 2), **m)  # noqa: E731
-        o, final = _kernel_op(pad(q.astype(dtype)), pad(x.astype(dtype)), pad(y.astype(dtype)),
-                              gates(eta.astype(f32)), gates(log_gamma.astype(f32)),
-                              gates(run.astype(jnp.int32), mode="edge"), s0, chunk, config, P, bool(interpret),
-                              implementation, 1, H)
-        return o[:, :T], final.reshape(B, H, dk, dv)
-    o, final = _kernel_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
-                          s0, chunk, config, P, bool(interpret), implementation, 1, None)
-    return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+    o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
+                          gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
+                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P, bool(interpret),
+                          implementation, 1, H if in_place else None)
+    o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
+    return o, final.reshape(B, H, dk, dv)
 
 
 def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config, interpret,

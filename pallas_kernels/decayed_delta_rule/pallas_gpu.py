@@ -43,13 +43,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import call, dot, precision_for, row_block, token_dims, triton_params, walk_layout
 
-def chunk_state_dtype(dtype):
-    """The per-chunk states and state gradients stored for the backward: in the inputs' dtype for bf16/fp16
-    inputs (half the backward's largest buffers: 2 × 0.54 GB in fp32 at 1×32768×16×128), fp32 otherwise.
-    The chunk-gradient program reads them back into fp32 for its (TF32 for 16-bit inputs) products."""
-    return dtype if jnp.dtype(dtype).itemsize == 2 else F32
-
-
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
 
@@ -279,7 +272,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
     ``[B, L, H, d]``, read in place.
     """
-    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, chunk_state_dtype(q.dtype), heads=heads)
+    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
@@ -307,7 +300,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
     ds_start [BH, P, dk, dv]).
     """
-    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, chunk_state_dtype(q.dtype), heads=heads)
+    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
