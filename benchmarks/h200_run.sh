@@ -16,7 +16,7 @@ part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ -z "${SKIP_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then  # SKIP_WHEELS=1: already in /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || echo "warning: installing .whl/ failed; peers will be skipped"
 fi

@@ -38,14 +38,34 @@ def multihost_env() -> str | None:
 
 
 def maybe_initialize_distributed(mode: str = "auto") -> bool:
-    """Call ``jax.distributed.initialize()`` (which reads the cluster from the environment)
-    when ``mode == "on"``, or ``"auto"`` and a multi-host launcher is detected.  Must run
-    before anything touches the devices.  Returns whether it initialised."""
+    """Call ``jax.distributed.initialize()`` when ``mode == "on"``, or ``"auto"`` and a
+    multi-host launcher is detected.  Must run before anything touches the devices.  Returns
+    whether it initialised.
+
+    SLURM, Open MPI and TPU pods describe the cluster themselves.  A plain launcher (or
+    ``python -m train.launch``) sets ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0),
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, optionally ``JAX_LOCAL_DEVICE_IDS`` (GPU
+    indices this process drives).  On CPU, cross-process collectives go through gloo."""
     if mode not in ("auto", "on", "off"):
         raise MeshError(f"mesh.distributed={mode!r}: use 'auto', 'on' or 'off'.")
     if mode == "off" or (mode == "auto" and multihost_env() is None):
         return False
-    jax.distributed.initialize()
+    kw = {}
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS") and not any(env.get(k) for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
+        missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(k)]
+        if missing:
+            raise MeshError(f"JAX_COORDINATOR_ADDRESS is set but {' and '.join(missing)} is not; set "
+                            f"JAX_NUM_PROCESSES (the number of processes) and JAX_PROCESS_ID (0 .. N-1) for every "
+                            f"process, or unset JAX_COORDINATOR_ADDRESS for a single-process run.")
+        try:
+            kw = {"num_processes": int(env["JAX_NUM_PROCESSES"]), "process_id": int(env["JAX_PROCESS_ID"])}
+        except ValueError as e:
+            raise MeshError(f"JAX_NUM_PROCESSES={env['JAX_NUM_PROCESSES']!r} and JAX_PROCESS_ID="
+                            f"{env['JAX_PROCESS_ID']!r} must be integers.") from e
+    if "jax_cpu_collectives_implementation" in jax.config.values:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only; GPUs use NCCL
+    jax.distributed.initialize(**kw)
     return True
 
 

@@ -124,6 +124,20 @@ class Logger:
             print(msg, flush=True)
 
 
+def peak_device_memory() -> int | None:
+    """The largest ``peak_bytes_in_use`` over this process's devices (None where the backend
+    keeps no allocator statistics, e.g. CPU)."""
+    peaks = []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without allocator statistics
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
 def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
     """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
     train, evals = {}, []
@@ -178,8 +192,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     params, rest = jax.jit(init_fn, out_shardings=(p_shard, r_shard))()
     tx, sched = make_optimizer(cfg.optim, cfg.train.steps, params)
     opt_state = place_like_params(jax.jit(tx.init)(params), params, mesh)
-    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32), "rng": rng}
+    # step and RNG key replicated over the mesh: orbax cannot save process-local arrays on several hosts
+    rng = replicate(np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))), mesh)
+    state = {"params": params, "opt_state": opt_state, "step": replicate(np.zeros((), np.int32), mesh), "rng": rng}
 
     # ---- checkpoints: refuse to clobber an existing run unless resuming
     ckpt = None
@@ -269,6 +284,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         return rec
 
     tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
+    n_devices = mesh.devices.size
     t_last, steps_since = time.perf_counter(), 0
     last_eval = None
     step = start
@@ -289,13 +305,18 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
                 if log_now:
                     tps = tokens_per_step * steps_since / max(dt, 1e-9)
                     eta = (cfg.train.steps - step) * dt / max(steps_since, 1)
+                    peak = peak_device_memory()
                     say(f"step {step:>6}/{cfg.train.steps} | loss {last_train['loss']:.4f} | "
                         f"gnorm {last_train['grad_norm']:.3f} | lr {last_train['lr']:.2e} | "
-                        f"{tps / 1e3:,.1f}k tok/s | eta {eta:,.0f}s")
-                    logger.write({"kind": "speed", "step": step, "tokens_per_s": tps, "s_per_step": dt / steps_since})
+                        f"{tps / 1e3:,.1f}k tok/s ({tps / n_devices / 1e3:,.1f}k/device) | "
+                        + (f"peak {peak / 2**30:.2f} GiB/device | " if peak is not None else "")
+                        + f"eta {eta:,.0f}s")
+                    logger.write({"kind": "speed", "step": step, "tokens_per_s": tps, "s_per_step": dt / steps_since,
+                                  "devices": n_devices, "tokens_per_s_per_device": tps / n_devices,
+                                  "peak_bytes_per_device": peak})
                     t_last, steps_since = time.perf_counter(), 0
             if save_now:
-                ckpt.save(step, {"params": params, "opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+                ckpt.save(step, {"params": params, "opt_state": opt_state, "step": replicate(np.asarray(step, np.int32), mesh),
                                  "rng": state["rng"]}, meta(step), force=step == cfg.train.steps)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
                 last_eval = do_eval(step)

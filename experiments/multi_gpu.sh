@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue #8: sharded training of the 130M Falcon-1A LM preset on one host's GPUs, against one GPU.
+#
+#   OUT=/some/dir bash experiments/multi_gpu.sh            # needs 2 GPUs; about 8 minutes on 2 H200s
+#   CPU_SMOKE=1 STEPS=6 EXTRA="--set model.d_model=64 ..." bash experiments/multi_gpu.sh   # the script on CPU
+#
+# Four runs of the same job (lm-130m preset: Falcon-1A.3, 12 layers, d_model 768, BPE vocab 50,304;
+# shortened to STEPS steps of a global batch of BATCH x 1,024 tokens on data/python-docs.jsonl):
+#   g1        1 GPU, one process
+#   g2-fsdp   2 GPUs, one process, mesh data=1 x fsdp=2 (parameters and optimizer state sharded)
+#   g2-proc   2 GPUs, two processes through jax.distributed (python -m train.launch), mesh data=2
+#   g2to1     g2-fsdp's checkpoint of step RESUME_FROM restored on 1 GPU (orbax reshards) and continued
+# then experiments/multi_gpu_summary.py prints the table for docs/results.md and writes JSON.
+set -u
+out=${OUT:-runs/mgpu-out}
+STEPS=${STEPS:-300}
+BATCH=${BATCH:-32}
+RESUME_FROM=${RESUME_FROM:-200}
+CKPT_EVERY=${CKPT_EVERY:-100}
+runs=runs/mgpu
+mkdir -p "$out" "$runs"
+# NVLink multicast stays off (the lending machines require it; see the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "warning: installing .whl/ failed"
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -5
+
+common=(--preset lm-130m --set 'data.paths=["data/python-docs.jsonl"]' --set data.cache_dir=/tmp/falcon-cache
+        --set train.steps="$STEPS" --set train.batch_size="$BATCH" --set optim.warmup_steps=30
+        --set train.log_every=25 --set train.eval_every=0 --set data.val_batches=8
+        --set checkpoint.every=$CKPT_EVERY --set checkpoint.keep=3 --set train.plots=false ${EXTRA:-})
+if [ "${CPU_SMOKE:-0}" = 1 ]; then  # simulated CPU devices stand in for the GPUs
+  one=(env JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1)
+  two=(env JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2)
+  per_process=(--cpu-devices 1)
+else
+  one=(env CUDA_VISIBLE_DEVICES=0)
+  two=(env)
+  per_process=(--gpus-per-process 1)
+fi
+filter() { grep -v -E "slow_operation_alarm|Constant folding|The operation took|^$" | tee "$1"; }
+
+echo "== g1: 1 GPU"
+timeout 200 "${one[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=1 \
+  --run-dir $runs/g1 2>&1 | filter "$out/g1.log"
+echo "== g2-fsdp: 2 GPUs, data=1 x fsdp=2"
+timeout 170 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=2 \
+  --run-dir $runs/g2-fsdp 2>&1 | filter "$out/g2-fsdp.log"
+echo "== g2-proc: 2 processes x 1 GPU, data=2"
+timeout 170 "${two[@]}" python3 -m train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" --set mesh.data=2 \
+  --set mesh.fsdp=1 --run-dir $runs/g2-proc 2>&1 | filter "$out/g2-proc.log"
+echo "== g2to1: g2-fsdp's step-$RESUME_FROM checkpoint restored on 1 GPU"
+rm -rf $runs/g2to1 && cp -r $runs/g2-fsdp $runs/g2to1
+for s in $(ls $runs/g2to1/checkpoints); do [ "$s" -gt "$RESUME_FROM" ] && rm -rf "$runs/g2to1/checkpoints/$s"; done
+timeout 120 "${one[@]}" python3 -m train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
+  2>&1 | filter "$out/g2to1.log"
+
+python3 experiments/multi_gpu_summary.py $runs --resume-from "$RESUME_FROM" --out "$out/multi_gpu.json" \
+  | tee "$out/summary.md"
+tar czf "$out/mgpu-runs.tar.gz" --exclude checkpoints $runs && echo "packed $out/mgpu-runs.tar.gz"
