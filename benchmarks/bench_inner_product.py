@@ -95,17 +95,15 @@ def kernel_only_in_place(q, k, v, log_decay, config=None, chunk_size=64):
 
 
 TUNE_CONFIGS = [
-    dict(chunk_size=64, config=KernelConfig()),
+    dict(chunk_size=64, config=KernelConfig()),  # the default (target_programs=128 since the fourth H200 run)
     dict(chunk_size=64, config=KernelConfig(block_v=128)),
     dict(chunk_size=64, config=KernelConfig(fwd_warps=8, state_warps=8, grad_warps=8)),
-    dict(chunk_size=64, config=KernelConfig(fwd_stages=3)),
-    dict(chunk_size=64, config=KernelConfig(target_programs=528)),
     dict(chunk_size=128, config=KernelConfig(fwd_warps=8, state_warps=8, grad_warps=8)),
     dict(chunk_size=32, config=KernelConfig()),
-    # fewer pieces: 528 programs was slower than 264 at every shape (first run); 128 means no sequence split at
-    # 8x2048 (no pieces pre-pass, no scan over pieces) and half the pieces elsewhere
-    dict(chunk_size=64, config=KernelConfig(fwd_stages=3, target_programs=128)),
-    dict(chunk_size=64, config=KernelConfig(fwd_stages=3, target_programs=64)),
+    # the piece count: 264 was the default until the fourth run, where 128 beat it at both shapes and 64 tied
+    # at 8x2048 but lost at 1x32768; 528 was slower than 264 at every shape (first run)
+    dict(chunk_size=64, config=KernelConfig(target_programs=264)),
+    dict(chunk_size=64, config=KernelConfig(target_programs=64)),
 ]
 
 

@@ -51,7 +51,9 @@ def copy_bandwidth_gbs() -> float:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    if not rows:  # e.g. --memory-only: no timing rows
+        return
+    widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns}
     print(" | ".join(c.rjust(widths[c]) for c in columns))
     print("-+-".join("-" * widths[c] for c in columns))
     for r in rows:

@@ -45,20 +45,20 @@ fi
 filter() { grep -v -E "slow_operation_alarm|Constant folding|The operation took|^$" | tee "$1"; }
 
 echo "== g1: 1 GPU"
-timeout 200 "${one[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=1 \
+timeout 140 "${one[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=1 \
   --run-dir $runs/g1 2>&1 | filter "$out/g1.log"
 echo "== g2-fsdp: 2 GPUs, data=1 x fsdp=2"
-timeout 170 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=2 \
+timeout 110 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=2 \
   --run-dir $runs/g2-fsdp 2>&1 | filter "$out/g2-fsdp.log"
-echo "== g2-proc: 2 processes x 1 GPU, data=2"
-timeout 170 "${two[@]}" python3 -m train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" --set mesh.data=2 \
-  --set mesh.fsdp=1 --run-dir $runs/g2-proc 2>&1 | filter "$out/g2-proc.log"
 echo "== g2to1: g2-fsdp's step-$RESUME_FROM checkpoint restored on 1 GPU"
 rm -rf $runs/g2to1 && cp -r $runs/g2-fsdp $runs/g2to1
 for s in $(ls $runs/g2to1/checkpoints); do [ "$s" -gt "$RESUME_FROM" ] && rm -rf "$runs/g2to1/checkpoints/$s"; done
-timeout 120 "${one[@]}" python3 -m train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
+timeout 70 "${one[@]}" python3 -m train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
   2>&1 | filter "$out/g2to1.log"
 
+echo "== g2-proc: 2 processes x 1 GPU, data=2"
+timeout 100 "${two[@]}" python3 -m train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" --set mesh.data=2 \
+  --set mesh.fsdp=1 --run-dir $runs/g2-proc 2>&1 | filter "$out/g2-proc.log"
 python3 experiments/multi_gpu_summary.py $runs --resume-from "$RESUME_FROM" --out "$out/multi_gpu.json" \
   | tee "$out/summary.md"
 tar czf "$out/mgpu-runs.tar.gz" --exclude checkpoints $runs && echo "packed $out/mgpu-runs.tar.gz"

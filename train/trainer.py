@@ -189,7 +189,12 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         _, p, r = nnx.split(FalconLM(lm_cfg, rngs=nnx.Rngs(rngs_seed)), nnx.Param, ...)
         return p, r
 
-    params, rest = jax.jit(init_fn, out_shardings=(p_shard, r_shard))()
+    if cfg.train.init == "jit":
+        params, rest = jax.jit(init_fn, out_shardings=(p_shard, r_shard))()
+    elif cfg.train.init == "eager":
+        params, rest = jax.device_put(init_fn(), (p_shard, r_shard))
+    else:
+        raise ValueError(f"train.init={cfg.train.init!r}: use 'eager' or 'jit'.")
     tx, sched = make_optimizer(cfg.optim, cfg.train.steps, params)
     opt_state = place_like_params(jax.jit(tx.init)(params), params, mesh)
     # step and RNG key replicated over the mesh: orbax cannot save process-local arrays on several hosts
