@@ -25,12 +25,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from falcon_jax.nn import FalconLM, param_counts, state_shardings
+from falcon_jax.sharding import kernel_sharding
 from train import evaluate as ev
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from train.loader import make_loader
-from train.mesh import check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch, replicate
+from train.mesh import BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch, replicate
 from train.optim import make_optimizer
 
 
@@ -293,6 +294,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     t_last, steps_since = time.perf_counter(), 0
     last_eval = None
     step = start
+    # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard
+    sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor")
+    sharded_kernels.__enter__()
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             batch = put_batch(next(loader), mesh, cfg.train.grad_accum, shard=loader.shard)
@@ -330,6 +334,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             flush(0, 0, 0)
         last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
     finally:
+        sharded_kernels.__exit__(None, None, None)
         loader.close()
         if ckpt is not None:
             ckpt.close()

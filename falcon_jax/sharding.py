@@ -1,0 +1,107 @@
+"""Running the Pallas kernel path once per device shard under a sharded ``jit``.
+
+XLA's SPMD partitioner cannot split a kernel's custom call: given batch-sharded inputs it
+gathers them onto every device and runs the whole kernel there (jax-ml/jax#32098 describes the
+same for FFI calls).  The rules are independent across batch rows and heads, so inside
+:func:`kernel_sharding` the kernel path of :func:`falcon_jax.falcon` is wrapped in
+``jax.shard_map``: each device runs the kernels on its own rows and heads, with no collectives.
+
+    with kernel_sharding(mesh, batch_axes=("data", "fsdp"), head_axis="tensor"):
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)   # traced in here
+
+The context is read while tracing.  Axes the mesh lacks, or of size 1, are ignored; a batch
+or head count the shards do not divide falls back to the un-wrapped path (correct, but the
+kernel runs replicated) with a one-time warning.  ``falcon-train`` enters it for its steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import warnings
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from falcon_jax.state import FalconState
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSharding:
+    mesh: Mesh
+    batch_axes: tuple[str, ...]  # mesh axes that split the batch (only those of size > 1)
+    head_axis: str | None  # mesh axis that splits the heads (None: heads whole on every device)
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def head_shards(self) -> int:
+        return self.mesh.shape[self.head_axis] if self.head_axis else 1
+
+
+_CURRENT: contextvars.ContextVar[KernelSharding | None] = contextvars.ContextVar("falcon_kernel_sharding",
+                                                                               default=None)
+_warned: set[tuple] = set()
+
+
+@contextlib.contextmanager
+def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor"):
+    """Within this block, ``falcon``'s Pallas kernel path runs per shard of ``mesh``: batch
+    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    named = [*batch_axes, *([head_axis] if head_axis else [])]
+    batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
+    head = head_axis if head_axis in mesh.shape and mesh.shape[head_axis] > 1 else None
+    if not any(a in mesh.shape for a in named):
+        raise ValueError(f"kernel_sharding: none of the axes {named} is in the mesh "
+                         f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch and heads.")
+    token = _CURRENT.set(KernelSharding(mesh, batch, head) if (batch or head) else None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> KernelSharding | None:
+    return _CURRENT.get()
+
+
+def per_shard(fn, *, batch: int, heads: int, head_dim: int):
+    """``fn(q, k, v, inputs, resets, state) -> (o, final_state)`` wrapped in ``shard_map`` when a
+    :func:`kernel_sharding` context is active and divides the shapes, else ``fn`` itself.
+
+    ``head_dim``: the heads' axis in the token arrays (2 for ``[B, T, H, d]``, 1 for
+    ``[B, H, T, d]``); inputs share it, ``resets`` is ``[B, T]``, the state's fields are
+    ``[B, H, ...]`` (``has_key``, ``tail_valid``: ``[B, ...]``)."""
+    ks = current()
+    if ks is None:
+        return fn
+    if batch % ks.batch_shards or heads % ks.head_shards:
+        key = (batch, heads, ks.batch_shards, ks.head_shards)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"falcon: batch {batch} / heads {heads} do not split over the mesh's "
+                          f"{ks.batch_shards} batch x {ks.head_shards} head shards; the Pallas kernels run "
+                          f"replicated on every device (correct, slower). Use a batch divisible by "
+                          f"{ks.batch_shards} and heads divisible by {ks.head_shards}.", stacklevel=3)
+        return fn
+    b = ks.batch_axes if len(ks.batch_axes) != 1 else ks.batch_axes[0]
+    b = b or None
+    h = ks.head_axis
+    tok = P(*([b] + [None] * (head_dim - 1) + [h]))
+    state_spec = FalconState(S=P(b, h), last_key=P(b, h), has_key=P(b), tail_x=P(b, h), tail_y=P(b, h),
+                             tail_valid=P(b))
+
+    def wrapped(q, k, v, inputs, resets, state):
+        in_specs = (tok, tok, tok, {name: tok for name in inputs}, P(b), state_spec)
+        # check_vma off: pallas_call has no replication rule, and nothing here is replicated
+        return jax.shard_map(fn, mesh=ks.mesh, in_specs=in_specs, out_specs=(tok, state_spec),
+                             check_vma=False)(q, k, v, inputs, resets, state)
+
+    return wrapped

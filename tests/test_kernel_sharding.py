@@ -1,0 +1,115 @@
+"""``kernel_sharding``: under a sharded jit the Pallas kernel path runs once per device shard
+(shard_map), with the same values and gradients as unsharded.  8 simulated CPU devices in a
+subprocess (the count is fixed before jax starts), kernels in interpret mode."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from falcon_jax.sharding import kernel_sharding
+
+SCRIPT = textwrap.dedent(r"""
+    import json, warnings
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from falcon_jax import falcon
+    from falcon_jax.sharding import kernel_sharding
+    assert jax.device_count() == 8
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    out = {}
+
+    def kernel_shapes(jaxpr, acc):
+        # the first operand shape of every pallas_call, anywhere in the program
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                acc.append(list(e.invars[0].aval.shape))
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        kernel_shapes(inner, acc)
+        return acc
+
+    for variant, window, per_col in (("1A", 4, False), ("3A", 3, False), ("1", 4, False), ("2", 4, True)):
+        B, T, H, D = 4, 40, 4, 16
+        ks = jax.random.split(jax.random.key(hash(variant) % 1000), 6)
+        q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.float32) for kk in ks[:3])
+        beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, D) if per_col else (B, T, H)))
+        lam = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+        seg = jnp.asarray(np.repeat(np.arange(2), T // 2)[None].repeat(B, 0))
+
+        def loss(q, k, v, beta, lam):
+            o = falcon(q, k, v, beta, lam, variant=variant, window=window, impl="pallas", chunk_size=16,
+                       segment_ids=seg)
+            return jnp.sum(o * jnp.cos(o)), o
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+        (l0, o0), g0 = f(q, k, v, beta, lam)
+        tok = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
+        args = [jax.device_put(a, tok) for a in (q, k, v, beta, lam)]
+        with kernel_sharding(mesh):
+            f_sh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+            (l1, o1), g1 = f_sh(*args)
+            shapes = kernel_shapes(jax.make_jaxpr(f_sh)(*args).jaxpr, [])
+        rel = lambda a, b: float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+        out[variant] = {"o": rel(o1, o0), "grads": max(rel(a, b) for a, b in zip(g1, g0)),
+                        "kernel_first_dims": sorted({tuple(s[:1]) for s in shapes}), "n_kernels": len(shapes)}
+        # without the context the same jit runs the kernels on the whole batch
+        if variant == "1A":
+            out["unsharded_first_dims"] = sorted({tuple(s[:1]) for s in kernel_shapes(
+                jax.make_jaxpr(f)(*args).jaxpr, [])})
+
+    # a batch the shards do not divide: warned once, replicated kernels, same values
+    B = 2
+    q = jax.random.normal(jax.random.key(1), (B, 24, 4, 16))
+    beta = jnp.full((B, 24, 4), 0.5)
+    ref = falcon(q, q, q, beta, beta, variant="1A", impl="pallas", chunk_size=16)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with kernel_sharding(mesh):
+            got = jax.jit(lambda q, b: falcon(q, q, q, b, b, variant="1A", impl="pallas", chunk_size=16))(q, beta)
+    out["fallback_warning"] = [str(x.message) for x in w if "replicated" in str(x.message)]
+    out["fallback_err"] = float(jnp.max(jnp.abs(got - ref)))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_kernels_run_per_shard_with_the_same_values_and_gradients():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for variant in ("1A", "3A", "1", "2"):
+        r = out[variant]
+        assert r["o"] < 1e-5 and r["grads"] < 1e-5, (variant, r)
+        assert r["n_kernels"] > 0, variant
+    # kernels see [B*H/shards, ...] (flattened rows) or [B/4, ...] (in place): never the whole batch of 4 x 4 heads
+    unsharded = out["unsharded_first_dims"]
+    for variant in ("1A", "3A", "1", "2"):
+        for dims in out[variant]["kernel_first_dims"]:
+            assert dims[0] in (1, 2), (variant, dims)  # B/4 = 1 (BTHD in place) or (B/4)*(H/2) = 2 (flattened)
+    assert any(d[0] in (4, 16) for d in unsharded), unsharded
+    assert len(out["fallback_warning"]) == 1 and "batch 2" in out["fallback_warning"][0]
+    assert out["fallback_err"] < 1e-5
+
+
+def test_kernel_sharding_argument_errors():
+    from jax.sharding import Mesh
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
+    with pytest.raises(ValueError, match="none of the axes"):
+        with kernel_sharding(mesh):
+            pass
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        with kernel_sharding("mesh"):
+            pass
+    with kernel_sharding(mesh, batch_axes=("x",), head_axis=None):  # all axes of size 1: a no-op
+        from falcon_jax.sharding import current
+        assert current() is None
