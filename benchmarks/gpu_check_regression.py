@@ -61,8 +61,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
     parser.add_argument("--skip", default="", help="comma-separated check groups to leave out, e.g. "
                         "'falcon-2 values,falcon-3 values' (ones an earlier run already passed)")
+    parser.add_argument("--only", default="", help="comma-separated check groups to run (default: all), "
+                        "e.g. 'fp32 grads'")
     args = parser.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
     if args.smoke:
@@ -193,7 +196,7 @@ def main() -> int:
     for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values),
                      ("falcon-3 values", falcon3_values), ("bf16", bf16), ("long bf16", long_bf16),
                      ("extreme op", extreme_op), ("segments", segments), ("fp32 grads", fp32_grads)]:
-        if name in skip:
+        if name in skip or (only and name not in only):
             continue
         if name == "bf16" and "out" not in ref:
             continue

@@ -7,6 +7,7 @@ recurrent, parallel, chunk) and the public functions below.
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.rules import VARIANTS
+from falcon_jax.sharding import kernel_sharding
 from falcon_jax.state import FalconState, init_state
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "falcon_step",
     "gated_deltanet",
     "init_state",
+    "kernel_sharding",
 ]
 __version__ = "0.1.0"
