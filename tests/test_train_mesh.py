@@ -39,10 +39,13 @@ SCRIPT = textwrap.dedent(r"""
             "data.train_max_width=3", "data.eval_widths=[2]", "data.eval_examples=8", "data.greedy_widths=[]",
             "train.batch_size=16", "train.steps=3", "train.plots=false", "checkpoint.enabled=false"]
     losses = {}
-    for name, axes in (("one", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]),
-                       ("eight", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])):
+    # *-pallas: the chunk form through the Pallas kernels (interpret mode), which on 8 devices run per
+    # shard inside shard_map (falcon_jax.sharding.kernel_sharding, entered by the trainer)
+    pallas = ["model.form=chunk", "model.impl=pallas", "model.chunk_size=16"]
+    one, eight = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    for name, axes in (("one", one), ("eight", eight), ("one-pallas", one + pallas), ("eight-pallas", eight + pallas)):
         cfg = build_config(preset="addition-tiny", overrides=tiny + axes + [f"train.run_dir={sys.argv[1]}/{name}"])
-        if name == "one":
+        if name.startswith("one"):
             # a 1-device mesh on an 8-device host: restrict via the mesh itself
             import train.trainer as T
             orig = T.make_mesh
@@ -85,9 +88,12 @@ def test_mesh_placement_and_training_on_8_simulated_devices(tmp_path):
     assert "not divisible by the 8 data-parallel shards" in out["batch_error"]
     assert out["embedding_spec"] == "P('tensor', 'fsdp')"
     assert out["q_spec"] == "P('fsdp', 'tensor')"
-    one, eight = out["losses"]["one"], out["losses"]["eight"]
-    assert len(one) == len(eight) == 3
-    for a, b in zip(one, eight):  # the same training run, sharded 2x2x2 instead of on one device
+    for suffix in ("", "-pallas"):
+        one, eight = out["losses"]["one" + suffix], out["losses"]["eight" + suffix]
+        assert len(one) == len(eight) == 3
+        for a, b in zip(one, eight):  # the same training run, sharded 2x2x2 instead of on one device
+            assert a == pytest.approx(b, rel=1e-4)
+    for a, b in zip(out["losses"]["one"], out["losses"]["one-pallas"]):  # kernels = the XLA parallel form
         assert a == pytest.approx(b, rel=1e-4)
 
 
