@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Issue #8: sharded training of the 130M Falcon-1A LM preset on one host's GPUs, against one GPU.
 #
-#   OUT=/some/dir bash experiments/multi_gpu.sh            # needs 2 GPUs; about 8 minutes on 2 H200s
+#   OUT=/some/dir bash experiments/multi_gpu.sh            # needs 2 GPUs; about 7.5 minutes on 2 H200s
 #   CPU_SMOKE=1 STEPS=6 EXTRA="--set model.d_model=64 ..." bash experiments/multi_gpu.sh   # the script on CPU
 #
-# Four runs of the same job (lm-130m preset: Falcon-1A.3, 12 layers, d_model 768, BPE vocab 50,304;
+# Five runs of the same job (lm-130m preset: Falcon-1A.3, 12 layers, d_model 768, BPE vocab 50,304;
 # shortened to STEPS steps of a global batch of BATCH x 1,024 tokens on data/python-docs.jsonl):
 #   g1        1 GPU, one process
 #   g2-fsdp   2 GPUs, one process, mesh data=1 x fsdp=2 (parameters and optimizer state sharded)
+#   g2-data   2 GPUs, one process, mesh data=2 (pure data parallelism)
 #   g2-proc   2 GPUs, two processes through jax.distributed (python -m train.launch), mesh data=2
 #   g2to1     g2-fsdp's checkpoint of step RESUME_FROM restored on 1 GPU (orbax reshards) and continued
-# then experiments/multi_gpu_summary.py prints the table for docs/results.md and writes JSON.
+# (g2to1 runs before g2-data and g2-proc, so a cut-off call still has the restore), then
+# experiments/multi_gpu_summary.py prints the table for docs/results.md and writes JSON.
 set -u
 out=${OUT:-runs/mgpu-out}
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-200}
 BATCH=${BATCH:-32}
-RESUME_FROM=${RESUME_FROM:-200}
+RESUME_FROM=${RESUME_FROM:-100}
 CKPT_EVERY=${CKPT_EVERY:-100}
 runs=runs/mgpu
 mkdir -p "$out" "$runs"
@@ -56,6 +58,9 @@ for s in $(ls $runs/g2to1/checkpoints); do [ "$s" -gt "$RESUME_FROM" ] && rm -rf
 timeout 70 "${one[@]}" python3 -m train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
   2>&1 | filter "$out/g2to1.log"
 
+echo "== g2-data: 2 GPUs, one process, data=2"
+timeout 100 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=2 --set mesh.fsdp=1 \
+  --run-dir $runs/g2-data 2>&1 | filter "$out/g2-data.log"
 echo "== g2-proc: 2 processes x 1 GPU, data=2"
 timeout 100 "${two[@]}" python3 -m train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" --set mesh.data=2 \
   --set mesh.fsdp=1 --run-dir $runs/g2-proc 2>&1 | filter "$out/g2-proc.log"

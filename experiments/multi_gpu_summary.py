@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train.trainer import read_metrics  # noqa: E402
 
-RUNS = {"g1": "1 GPU", "g2-fsdp": "2 GPUs, 1 process, data=1 x fsdp=2",
+RUNS = {"g1": "1 GPU", "g2-fsdp": "2 GPUs, 1 process, data=1 x fsdp=2", "g2-data": "2 GPUs, 1 process, data=2",
         "g2-proc": "2 GPUs, 2 processes (jax.distributed), data=2", "g2to1": "g2-fsdp restored on 1 GPU"}
 
 
@@ -128,7 +128,7 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("base", help="the folder holding g1/, g2-fsdp/, g2-proc/, g2to1/")
-    p.add_argument("--resume-from", type=int, default=200)
+    p.add_argument("--resume-from", type=int, default=100)
     p.add_argument("--out", help="write the summary JSON here")
     a = p.parse_args(argv)
     res = summarize(a.base, a.resume_from)
