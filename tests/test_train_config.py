@@ -108,3 +108,9 @@ def test_gradient_accumulation_matches_one_big_batch():
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
     for a, b in zip(outs[0][1], outs[1][1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_bad_init_mode_is_a_clear_error(capsys, tmp_path):
+    rc, _, err = _run_cli(["--preset", "addition-tiny", "--set", "train.init=lazy", "--set", "train.steps=1",
+                           "--run-dir", str(tmp_path / "run")], capsys)
+    assert rc == 2 and "train.init='lazy'" in err and "'eager'" in err and "'jit'" in err

@@ -28,7 +28,7 @@ from falcon_jax.nn import FalconLM, param_counts, state_shardings
 from falcon_jax.sharding import kernel_sharding
 from train import evaluate as ev
 from train.checkpoint import Checkpointer
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from train.loader import make_loader
 from train.mesh import BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch, replicate
@@ -195,7 +195,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     elif cfg.train.init == "eager":
         params, rest = jax.device_put(init_fn(), (p_shard, r_shard))
     else:
-        raise ValueError(f"train.init={cfg.train.init!r}: use 'eager' or 'jit'.")
+        raise ConfigError(f"train.init={cfg.train.init!r}: use 'eager' (build, then place on the shards) or "
+                          f"'jit' (build on the shards; for models larger than one device).")
     tx, sched = make_optimizer(cfg.optim, cfg.train.steps, params)
     opt_state = place_like_params(jax.jit(tx.init)(params), params, mesh)
     # step and RNG key replicated over the mesh: orbax cannot save process-local arrays on several hosts
@@ -325,8 +326,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
                                   "peak_bytes_per_device": peak})
                     t_last, steps_since = time.perf_counter(), 0
             if save_now:
-                ckpt.save(step, {"params": params, "opt_state": opt_state, "step": replicate(np.asarray(step, np.int32), mesh),
-                                 "rng": state["rng"]}, meta(step), force=step == cfg.train.steps)
+                ckpt.save(step, {"params": params, "opt_state": opt_state,
+                                 "step": replicate(np.asarray(step, np.int32), mesh), "rng": state["rng"]},
+                          meta(step), force=step == cfg.train.steps)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
                 last_eval = do_eval(step)
                 t_last, steps_since = time.perf_counter(), 0
