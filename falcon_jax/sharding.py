@@ -9,7 +9,8 @@ same for FFI calls).  The rules are independent across batch rows and heads, so 
     with kernel_sharding(mesh, batch_axes=("data", "fsdp"), head_axis="tensor"):
         loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)   # traced in here
 
-The context is read while tracing.  Axes the mesh lacks, or of size 1, are ignored; a batch
+The context is read while tracing, and ``jit`` does not retrace for it: trace (first call or
+``.lower``) the function inside the block; one traced outside keeps its un-sharded trace.  Axes the mesh lacks, or of size 1, are ignored; a batch
 or head count the shards do not divide falls back to the un-wrapped path (correct, but the
 kernel runs replicated) with a one-time warning.  ``falcon-train`` enters it for its steps.
 """
@@ -23,7 +24,7 @@ import math
 import warnings
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from falcon_jax.state import FalconState
 
@@ -70,6 +71,22 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
 
 def current() -> KernelSharding | None:
     return _CURRENT.get()
+
+
+def constrain_batch(x: jax.Array, *, split_last: bool = False) -> jax.Array:
+    """``x [B, ...]`` pinned to rows over the context's batch axes (identity outside a
+    :func:`kernel_sharding` context, or when the shards do not divide B).  Placed between the
+    layers it keeps an FSDP step batch-sharded: left free, XLA's partitioner may gather
+    activations (even the logits) onto every device instead of gathering the weights.
+    ``split_last``: also split the last axis over the head axis where it divides (the logits'
+    vocabulary under tensor parallelism)."""
+    ks = current()
+    if ks is None or not ks.batch_axes or x.shape[0] % ks.batch_shards:
+        return x
+    spec = [ks.batch_axes if len(ks.batch_axes) > 1 else ks.batch_axes[0]] + [None] * (x.ndim - 1)
+    if split_last and ks.head_axis and x.ndim > 1 and x.shape[-1] % ks.head_shards == 0:
+        spec[-1] = ks.head_axis
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ks.mesh, P(*spec)))
 
 
 def per_shard(fn, *, batch: int, heads: int, head_dim: int):

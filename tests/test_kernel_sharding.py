@@ -113,3 +113,62 @@ def test_kernel_sharding_argument_errors():
     with kernel_sharding(mesh, batch_axes=("x",), head_axis=None):  # all axes of size 1: a no-op
         from falcon_jax.sharding import current
         assert current() is None
+
+
+FSDP_SCRIPT = textwrap.dedent(r"""
+    import json, re, sys
+    import jax, numpy as np
+    from flax import nnx
+    from falcon_jax.nn import FalconLM, state_shardings
+    from falcon_jax.sharding import kernel_sharding
+    from train.config import build_config
+    from train.mesh import make_mesh, put_batch
+    from train.optim import make_optimizer
+    from train.trainer import make_train_step, place_like_params
+
+    B, T = 4, 16
+    cfg = build_config(preset="lm-tiny", overrides=["model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                                                    "model.vocab_size=256", "mesh.data=1", "mesh.fsdp=2"])
+    lm = cfg.lm_config(vocab_size=256)
+    mesh = make_mesh(cfg.mesh)
+    gd, ap, ar = nnx.split(nnx.eval_shape(lambda: FalconLM(lm, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    _, p, r = nnx.split(FalconLM(lm, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params, rest = jax.device_put((p, r), (state_shardings(ap, mesh), state_shardings(ar, mesh)))
+    tx, _ = make_optimizer(cfg.optim, 10, params)
+    opt = place_like_params(jax.jit(tx.init)(params), params, mesh)
+    batch = put_batch({"tokens": np.ones((B, T + 1), np.int32), "segment_ids": np.zeros((B, T + 1), np.int32),
+                       "loss_mask": np.ones((B, T + 1), bool)}, mesh, 1)
+    out = {}
+    for name in ("free", "constrained"):
+        # a new step function each time: jit caches a trace regardless of the context it was made in
+        step = make_train_step(gd, tx, (jax.tree.map(lambda x: x.sharding, params),
+                                        jax.tree.map(lambda x: x.sharding, opt)))
+        args = (params, rest, opt, batch)
+        if name == "constrained":
+            with kernel_sharding(mesh, ("data", "fsdp"), "tensor"):
+                txt = step.lower(*args).compile().as_text()
+        else:
+            txt = step.lower(*args).compile().as_text()
+        # floating-point results only: the loss's take_along_axis gathers its int32 [B, T, 1] target
+        # indices (B*T*4 bytes), which is not worth a different loss formula
+        out[name] = re.findall(r"= (?:f32|bf16|f16)\[([0-9,]*)\][^=]*? all-gather(?:-start)?\(", txt)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_fsdp_step_gathers_weights_not_activations():
+    """Under the context the LM pins its activations to the batch axes, so an FSDP step all-gathers
+    only weights; left free, XLA gathered whole-batch activations (the logits among them)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+
+    def whole_batch(shapes):  # gathered arrays that start [B, T, ...]: activations of every row
+        return [s for s in shapes if s.startswith("4,16")]
+
+    assert out["constrained"], "an FSDP step must all-gather its weights"
+    assert not whole_batch(out["constrained"]), out["constrained"]
+    assert whole_batch(out["free"]), out["free"]  # what the constraint prevents (XLA's choice without it)

@@ -25,6 +25,7 @@ from falcon_jax.nn.blocks import DecoderBlock
 from falcon_jax.nn.cache import LMCache
 from falcon_jax.nn.config import LMConfig, expected_param_count
 from falcon_jax.nn.layers import RMSNorm, make_param, normal_init
+from falcon_jax.sharding import constrain_batch
 
 
 class FalconLM(nnx.Module):
@@ -69,7 +70,8 @@ class FalconLM(nnx.Module):
         """
         if tokens.ndim != 2:
             raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got shape {tuple(tokens.shape)}.")
-        x = self.embed(tokens)
+        # constrain_batch: rows stay on their devices under a sharded step (no-op otherwise)
+        x = constrain_batch(self.embed(tokens))
         new_layers = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -77,7 +79,8 @@ class FalconLM(nnx.Module):
             else:
                 x, c = layer(x, segment_ids=segment_ids, cache=cache.layers[i])
                 new_layers.append(c)
-        logits = self.unembed(self.final_norm(x))
+            x = constrain_batch(x)
+        logits = constrain_batch(self.unembed(self.final_norm(x)), split_last=True)
         if cache is None:
             return logits
         return logits, LMCache(layers=tuple(new_layers), length=cache.length + tokens.shape[1])
