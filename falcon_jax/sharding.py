@@ -73,6 +73,13 @@ def current() -> KernelSharding | None:
     return _CURRENT.get()
 
 
+def constrain_replicated(x: jax.Array) -> jax.Array:
+    """``x`` replicated on every device of the context's mesh (identity outside a context): for
+    results that every process reads back whole, e.g. evaluation predictions."""
+    ks = current()
+    return x if ks is None else jax.lax.with_sharding_constraint(x, NamedSharding(ks.mesh, P()))
+
+
 def constrain_batch(x: jax.Array, *, split_last: bool = False) -> jax.Array:
     """``x [B, ...]`` pinned to rows over the context's batch axes (identity outside a
     :func:`kernel_sharding` context, or when the shards do not divide B).  Placed between the

@@ -4,6 +4,7 @@ checkpoint; the checkpoint is restored on ONE process with a different device co
 (orbax reshards), and the resumed steps reproduce the two-process run's losses."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 from train.mesh import MeshError, maybe_initialize_distributed
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
-        "data.train_max_width=3", "data.eval_widths=[2]", "data.eval_examples=8", "data.greedy_widths=[]",
+        "data.train_max_width=3", "data.eval_widths=[2]", "data.eval_examples=8", "data.greedy_widths=[2]",
+        "data.greedy_examples=8",
         "train.batch_size=16", "train.steps=4", "train.log_every=1", "train.plots=false",
         "checkpoint.every=2", "checkpoint.keep=3"]
 
@@ -46,6 +48,8 @@ def test_two_processes_train_then_restore_on_one_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} on 4 cpu device(s)" in proc.stdout
     assert "this host: rows slice 1 of 2" in proc.stdout  # each process loaded half of every batch
+    # evaluation reads sharded predictions and greedy decodes back on every process
+    assert re.search(r"\n +2 \| in-dist +\| +[0-9.]+% \| +[0-9.]+% \| +[0-9.]+%", proc.stdout), proc.stdout[-2000:]
     assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["2", "4"]
     two = _losses(a)
     assert sorted(two) == [1, 2, 3, 4] and all(len(v) == 1 for v in two.values())  # only process 0 logs

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from falcon_jax.sharding import constrain_replicated
 from train.data import DIGIT0, AdditionData, target_slice
 
 
@@ -32,12 +33,25 @@ def loss_terms(model, tokens, segment_ids, loss_mask):
 def _predict(graphdef, state, tokens):
     """Argmax next-token predictions ``[B, T-1]`` under teacher forcing."""
     model = nnx.merge(graphdef, state)
-    return jnp.argmax(model(tokens[:, :-1]), axis=-1).astype(jnp.int32)
+    # replicated: under a sharded mesh the rows would otherwise stay split over processes,
+    # and every process reads all predictions back
+    return constrain_replicated(jnp.argmax(model(tokens[:, :-1]), axis=-1).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _eval_loss(graphdef, state, tokens, segment_ids, loss_mask):
     return loss_terms(nnx.merge(graphdef, state), tokens, segment_ids, loss_mask)
+
+
+def to_host(x) -> np.ndarray:
+    """The whole of ``x`` as numpy on every process (arrays spanning other processes' devices
+    are gathered; a fully replicated one is read from a local copy)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def addition_accuracy(graphdef, state, data: AdditionData, widths, *, put=lambda x: x) -> dict[int, dict]:
@@ -49,7 +63,7 @@ def addition_accuracy(graphdef, state, data: AdditionData, widths, *, put=lambda
     out = {}
     for n in widths:
         ev = data.eval_set(n)
-        pred = np.asarray(_predict(graphdef, state, put(ev["tokens"])))
+        pred = to_host(_predict(graphdef, state, put(ev["tokens"])))
         sl = target_slice(n)
         # the token at column j is predicted by the logits at column j - 1
         got = pred[:, sl.start - 1:sl.stop - 1]
@@ -68,7 +82,7 @@ def addition_greedy(model, data: AdditionData, widths, examples: int) -> dict[in
         k = min(examples, len(ev["tokens"]))
         sl = target_slice(n)
         prompt = jnp.asarray(ev["tokens"][:k, :sl.start], jnp.int32)
-        gen = np.asarray(model.generate(prompt, n + 1, greedy=True))
+        gen = to_host(model.generate(prompt, n + 1, greedy=True))
         out[int(n)] = float((gen[:, sl.start:] == ev["tokens"][:k, sl]).all(axis=1).mean())
     return out
 
