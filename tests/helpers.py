@@ -191,3 +191,22 @@ def bf16_gradient_errors(q, k, v, beta, lam, ct, **falcon_kw):
         got = grads("pallas", bf, jnp.float32)
     xla = grads("xla", bf, jnp.float32)
     return [(name, g, rel_err(g, e), rel_err(x, e)) for name, g, x, e in zip("qkv", got, xla, exact)]
+
+
+# ----------------------------------------------------------------------------
+# Scripts on simulated CPU devices (the device count is fixed before jax starts: a subprocess).
+# ----------------------------------------------------------------------------
+def run_on_simulated_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
+    """Run ``python -c script *args`` with jax on ``devices`` simulated CPU devices; the script
+    prints ``"RESULT" + json.dumps(...)``, which is returned parsed.  Fails with its stderr."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from train.launch import simulated_cpu_env
+
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          env=simulated_cpu_env(dict(os.environ), devices), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])

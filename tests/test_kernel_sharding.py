@@ -1,10 +1,6 @@
 """``kernel_sharding``: under a sharded jit the Pallas kernel path runs once per device shard
 (shard_map), with the same values and gradients as unsharded.  8 simulated CPU devices in a
 subprocess (the count is fixed before jax starts), kernels in interpret mode."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -12,6 +8,7 @@ import numpy as np
 import pytest
 
 from falcon_jax.sharding import kernel_sharding
+from tests.helpers import run_on_simulated_devices
 
 SCRIPT = textwrap.dedent(r"""
     import json, warnings
@@ -81,12 +78,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_kernels_run_per_shard_with_the_same_values_and_gradients():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    out = run_on_simulated_devices(SCRIPT, 8)
     for variant in ("1A", "3A", "1", "2"):
         r = out[variant]
         assert r["o"] < 1e-5 and r["grads"] < 1e-5, (variant, r)
@@ -159,12 +151,7 @@ FSDP_SCRIPT = textwrap.dedent(r"""
 def test_fsdp_step_gathers_weights_not_activations():
     """Under the context the LM pins its activations to the batch axes, so an FSDP step all-gathers
     only weights; left free, XLA gathered whole-batch activations (the logits among them)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    out = run_on_simulated_devices(FSDP_SCRIPT, 2)
 
     def whole_batch(shapes):  # gathered arrays that start [B, T, ...]: activations of every row
         return [s for s in shapes if s.startswith("4,16")]

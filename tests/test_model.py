@@ -2,10 +2,6 @@
 (jit, gradients to every parameter, overfitting a batch) and sharding on a simulated mesh."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -18,8 +14,7 @@ from flax import nnx
 
 from falcon_jax.nn import (FalconLM, LMConfig, abstract_model, cross_entropy, expected_param_count, lm_loss,
                            param_counts, summarize_params)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_on_simulated_devices
 
 
 # ------------------------------------------------------------------ configs and presets
@@ -192,9 +187,7 @@ def test_tiny_model_overfits_a_fixed_batch(mixer, form, rng):
 
 # ------------------------------------------------------------------ sharding
 SHARDING_SCRIPT = textwrap.dedent("""
-    import json, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import json
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -223,18 +216,14 @@ SHARDING_SCRIPT = textwrap.dedent("""
     gd, st = nnx.split(model)
     tok = jax.device_put(tokens, NamedSharding(mesh, batch_spec(mesh)))
     out = jax.jit(lambda s, t: nnx.merge(gd, s)(t))(st, tok)
-    print(json.dumps(dict(specs=specs, same=same, err=float(jnp.max(jnp.abs(out - ref))),
+    print("RESULT" + json.dumps(dict(specs=specs, same=same, err=float(jnp.max(jnp.abs(out - ref))),
                           batch_spec=[None if a is None else a for a in tok.sharding.spec],
                           rules=logical_to_mesh_rules(("data",)))))
 """)
 
 
 def test_params_shard_on_a_simulated_8_device_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SHARDING_SCRIPT], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_on_simulated_devices(SHARDING_SCRIPT, 8, timeout=300)
     specs = res["specs"]
 
     def spec(tag, suffix):

@@ -1,13 +1,10 @@
 """Mesh construction and placement on 8 simulated CPU devices (in a subprocess: the device
 count must be fixed before jax is imported), plus the mesh/batch error messages."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.helpers import run_on_simulated_devices
 from train.mesh import MeshError, resolve_axes
 
 SCRIPT = textwrap.dedent(r"""
@@ -72,13 +69,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_mesh_placement_and_training_on_8_simulated_devices(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    out = run_on_simulated_devices(SCRIPT, 8, str(tmp_path), timeout=240)
     assert out["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     assert out["batch_spec"] == "P(None, ('data', 'fsdp'))"
     assert out["batch_shard_shape"] == [2, 2, 5]  # [accum, 8 rows / 4 data shards, T]

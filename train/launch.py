@@ -28,16 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def simulated_cpu_env(env: dict, devices: int) -> dict:
+    """``env`` with jax on the CPU showing ``devices`` simulated devices (any earlier count replaced)."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return dict(env, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]))
+
+
 def process_env(rank: int, n: int, port: int, gpus_per_process: int | None, cpu_devices: int | None) -> dict:
     env = dict(os.environ)
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(rank))
     if gpus_per_process:
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * gpus_per_process + i) for i in range(gpus_per_process))
-    if cpu_devices:
-        env["JAX_PLATFORMS"] = "cpu"
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cpu_devices}"])
-    return env
+    return simulated_cpu_env(env, cpu_devices) if cpu_devices else env
 
 
 def main(argv=None) -> int:
