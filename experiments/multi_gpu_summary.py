@@ -20,24 +20,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.trainer import read_metrics  # noqa: E402
+from train.trainer import metric_records, read_metrics  # noqa: E402
 
 RUNS = {"g1": "1 GPU", "g2-fsdp": "2 GPUs, 1 process, data=1 x fsdp=2", "g2-data": "2 GPUs, 1 process, data=2",
         "g2-proc": "2 GPUs, 2 processes (jax.distributed), data=2", "g2to1": "g2-fsdp restored on 1 GPU"}
-
-
-def speed_records(run_dir: str) -> list[dict]:
-    out = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("kind") == "speed":
-                out.append(r)
-    return out
 
 
 def loss_noise(losses: np.ndarray, width: int = 11) -> float:
@@ -56,7 +42,7 @@ def summarize(base: str, resume_from: int) -> dict:
         if not os.path.exists(os.path.join(d, "metrics.jsonl")):
             continue
         train, evals = read_metrics(d)
-        sp = speed_records(d)
+        sp = metric_records(d, "speed")
         if name == "g2to1":  # only the intervals this (resumed) process ran
             sp = [r for r in sp if r["step"] > resume_from]
         timed = sp[1:] if len(sp) > 1 else sp
@@ -87,13 +73,8 @@ def summarize(base: str, resume_from: int) -> dict:
                 r["scaling_efficiency"] = r["tokens_per_s_per_device"] / res["g1"]["tokens_per_s"]
     if "g2to1" in res and "g2-fsdp" in res:
         src = dict(zip(res["g2-fsdp"]["steps"], res["g2-fsdp"]["loss"]))
-        # the resumed process's own records are the later ones of each step after the restore point
-        train = {}
-        with open(os.path.join(base, "g2to1", "metrics.jsonl")) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("kind") == "train" and rec["step"] > resume_from:
-                    train[rec["step"]] = rec["loss"]
+        # the resumed process's own records: after the restore point, and (read_metrics) the last of each step
+        train = {s: r["loss"] for s, r in read_metrics(os.path.join(base, "g2to1"))[0].items() if s > resume_from}
         diff = np.asarray([train[s] - src[s] for s in sorted(train) if s in src])
         res["g2to1"]["vs_g2_fsdp_after_restore"] = {
             "steps": len(diff), "max_abs_diff": float(np.max(np.abs(diff))) if len(diff) else None,

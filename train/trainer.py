@@ -139,9 +139,10 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
-def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
-    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
-    train, evals = {}, []
+def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
+    """The records of ``metrics.jsonl`` in file order (all, or those of ``kind``: "train",
+    "eval", "speed"); a line cut by a kill is skipped."""
+    out = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         with open(path) as f:
@@ -150,11 +151,16 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill
-                if r.get("kind") == "train":
-                    train[r["step"]] = r
-                elif r.get("kind") == "eval":
-                    evals.append(r)
-    return train, evals
+                if kind is None or r.get("kind") == kind:
+                    out.append(r)
+    return out
+
+
+def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
+    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
+    records = metric_records(run_dir)
+    return ({r["step"]: r for r in records if r.get("kind") == "train"},
+            [r for r in records if r.get("kind") == "eval"])
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
