@@ -80,15 +80,16 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     resets = segment_starts(segment_ids, B, T)
     # (supports() looks only at the inputs' ranks and the head dims, so either layout of inputs serves)
     pallas = form == "chunk" and _use_pallas(impl, rule, inputs, dk, dv, out_dtype, chunk_size)
-    if pallas:
-        # under kernel_sharding(mesh) each device runs the kernels on its own rows and heads
-        def kernels(q, k, v, inputs, resets, state, time_major):
-            return chunk_pallas(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=out_dtype,
-                                time_major=time_major)
+
+    def kernels(time_major: bool):
+        """The Pallas chunk form; under kernel_sharding(mesh) each device runs it on its own rows and heads."""
+        fn = functools.partial(chunk_pallas, rule, chunk_size=chunk_size, kernel_dtype=out_dtype, time_major=time_major)
+        return per_shard(fn, batch=B, heads=H, head_dim=2 if time_major else 1)
+
     if pallas and time_major_served(rule, inputs):
         # the kernels read and write the model's [B, T, H, ...] layout in place: no transposed copies
-        o, final = per_shard(functools.partial(kernels, time_major=True), batch=B, heads=H, head_dim=2)(
-            *(a.astype(cdt) for a in (q, k, v)), {name: a.astype(cdt) for name, a in inputs.items()}, resets, state)
+        o, final = kernels(time_major=True)(*(a.astype(cdt) for a in (q, k, v)),
+                                            {name: a.astype(cdt) for name, a in inputs.items()}, resets, state)
     else:
         qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
         inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
@@ -97,8 +98,7 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
         elif form == "parallel":
             o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
         elif pallas:
-            o, final = per_shard(functools.partial(kernels, time_major=False), batch=B, heads=H, head_dim=1)(
-                qh, kh, vh, inputs_h, resets, state)
+            o, final = kernels(time_major=False)(qh, kh, vh, inputs_h, resets, state)
         else:
             o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
         o = jnp.moveaxis(o, 1, 2)

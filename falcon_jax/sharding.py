@@ -10,9 +10,11 @@ same for FFI calls).  The rules are independent across batch rows and heads, so 
         loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)   # traced in here
 
 The context is read while tracing, and ``jit`` does not retrace for it: trace (first call or
-``.lower``) the function inside the block; one traced outside keeps its un-sharded trace.  Axes the mesh lacks, or of size 1, are ignored; a batch
-or head count the shards do not divide falls back to the un-wrapped path (correct, but the
-kernel runs replicated) with a one-time warning.  ``falcon-train`` enters it for its steps.
+``.lower``) the function inside the block; one traced outside keeps its un-sharded trace.  Axes
+the mesh lacks, or of size 1, are ignored; a batch or head count the shards do not divide falls
+back to the un-wrapped path (correct, but the kernel runs replicated) with a one-time warning.
+Inside the block ``FalconLM`` also pins its activations to the batch axes
+(:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class KernelSharding:
     @property
     def head_shards(self) -> int:
         return self.mesh.shape[self.head_axis] if self.head_axis else 1
+
+    @property
+    def batch_entry(self):
+        """The batch axes as one ``PartitionSpec`` entry: a name, a tuple of names, or None."""
+        return self.batch_axes[0] if len(self.batch_axes) == 1 else (self.batch_axes or None)
 
 
 _CURRENT: contextvars.ContextVar[KernelSharding | None] = contextvars.ContextVar("falcon_kernel_sharding",
@@ -90,7 +97,7 @@ def constrain_batch(x: jax.Array, *, split_last: bool = False) -> jax.Array:
     ks = current()
     if ks is None or not ks.batch_axes or x.shape[0] % ks.batch_shards:
         return x
-    spec = [ks.batch_axes if len(ks.batch_axes) > 1 else ks.batch_axes[0]] + [None] * (x.ndim - 1)
+    spec = [ks.batch_entry] + [None] * (x.ndim - 1)
     if split_last and ks.head_axis and x.ndim > 1 and x.shape[-1] % ks.head_shards == 0:
         spec[-1] = ks.head_axis
     return jax.lax.with_sharding_constraint(x, NamedSharding(ks.mesh, P(*spec)))
@@ -115,9 +122,7 @@ def per_shard(fn, *, batch: int, heads: int, head_dim: int):
                           f"replicated on every device (correct, slower). Use a batch divisible by "
                           f"{ks.batch_shards} and heads divisible by {ks.head_shards}.", stacklevel=3)
         return fn
-    b = ks.batch_axes if len(ks.batch_axes) != 1 else ks.batch_axes[0]
-    b = b or None
-    h = ks.head_axis
+    b, h = ks.batch_entry, ks.head_axis
     tok = P(*([b] + [None] * (head_dim - 1) + [h]))
     state_spec = FalconState(S=P(b, h), last_key=P(b, h), has_key=P(b), tail_x=P(b, h), tail_y=P(b, h),
                              tail_valid=P(b))

@@ -31,7 +31,8 @@ from train.checkpoint import Checkpointer
 from train.config import ConfigError, TrainConfig
 from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from train.loader import make_loader
-from train.mesh import BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch, replicate
+from train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
+                        replicate)
 from train.optim import make_optimizer
 
 
