@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--lanes", type=int, default=1, help="runs at once on the one device")
     p.add_argument("--deadline-min", type=float, default=0, help="stop every run after this many minutes (0 = none)")
     p.add_argument("--pack", help="write the results .tar.gz here at the end")
+    p.add_argument("--gpu-share", type=float, default=0.9,
+                   help="fraction of the GPU's memory all lanes together may take (leave room for other jobs)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--set", action="append", default=[], help="extra --set for every run (smoke tests)")
     args = p.parse_args(argv)
@@ -160,8 +162,10 @@ def main(argv=None) -> int:
     print(f"[suite] {args.suite}: {len(names) - len(todo)} finished, {len(todo)} to run in {args.lanes} lane(s)",
           flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if args.lanes > 1:
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / args.lanes:.3f}"
+    if not 0 < args.gpu_share <= 1:
+        p.error(f"--gpu-share must be in (0, 1], got {args.gpu_share}")
+    if args.lanes > 1 or args.gpu_share < 0.9:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.gpu_share / args.lanes:.3f}"
     t0 = time.time()
     deadline = t0 + 60 * args.deadline_min if args.deadline_min else None
     running: dict[str, tuple[subprocess.Popen, object, float]] = {}

@@ -1,0 +1,123 @@
+"""Which part of the sharded step breaks XLA's GPU compiler?  (issue #8; needs >= 2 GPUs)
+
+On the two-H200 machine the lm-130m step compiled on one GPU but the compiler crashed (SIGSEGV)
+for mesh data=2 and fsdp=2 once the Pallas kernels ran per shard (``kernel_sharding``) and the
+activations were pinned to the batch axes (``constrain_batch``).  Each case below compiles and runs
+one forward+backward in its own process (a crash ends only that case) and prints one line:
+
+    python benchmarks/gpu_check_sharding.py [--cases op-plain,lm-full] [--limit 150] [--out result.json]
+
+Cases: ``op-*`` are one ``falcon(..., impl="pallas")`` call (B8 T1024 H12 d64, bf16) on a
+two-device batch-sharded mesh: without a context (the kernel replicated by the partitioner),
+inside ``kernel_sharding`` (shard_map, the model's [B, T, H, d] layout read in place), and the same
+with the head-major layout.  ``lm-*`` are ``python -m train`` on the lm-130m preset cut to 2 layers,
+3 steps, mesh data=2: no context (as before the change), the context with the kernels left whole
+(``constrain_batch`` only), the context with ``shard_map`` only, and both (today's trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+OP_CASES = ("op-plain", "op-shard_map", "op-shard_map-head-major")
+LM_CASES = ("lm-no-context", "lm-constrain-only", "lm-shard_map-only", "lm-full")
+LM_ARGS = ["--preset", "lm-130m", "--set", 'data.paths=["data/python-docs.jsonl"]', "--set",
+           "data.cache_dir=/tmp/falcon-cache", "--set", "model.n_layers=2", "--set", "train.steps=3",
+           "--set", "train.batch_size=8", "--set", "train.log_every=1", "--set", "train.eval_every=0",
+           "--set", "checkpoint.every=0", "--set", "train.plots=false", "--set", "mesh.data=2",
+           "--set", "mesh.fsdp=1"]
+
+
+def run_op_case(case: str) -> str:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import falcon_jax
+    from falcon_jax.forms import chunk_pallas
+
+    mesh = Mesh(jax.devices()[:2], ("data",))
+    B, T, H, d = 8, 1024, 12, 64
+    keys = jax.random.split(jax.random.key(0), 5)
+    row = NamedSharding(mesh, P("data"))
+    q, k, v = (jax.device_put(jax.random.normal(kk, (B, T, H, d), jnp.bfloat16), row) for kk in keys[:3])
+    beta = jax.device_put(jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H))), row)
+    lam = jax.device_put(0.1 * jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H))), row)
+    if case.endswith("head-major"):
+        chunk_pallas.PREFER_TIME_MAJOR = False
+
+    def loss(q, k, v):
+        o = falcon_jax.falcon(q, k, v, beta, lam, variant="1A", impl="pallas")
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    ctx = falcon_jax.kernel_sharding(mesh, ("data",), None) if case != "op-plain" else contextlib.nullcontext()
+    with ctx:
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        t0 = time.perf_counter()
+        compiled = step.lower(q, k, v).compile()
+        t1 = time.perf_counter()
+        value, grads = compiled(q, k, v)
+        jax.block_until_ready(grads)
+    return f"compile {t1 - t0:.1f}s, loss {float(value):.4g}"
+
+
+def run_lm_case(case: str) -> str:
+    import falcon_jax.falcon
+    import train.trainer
+    from train.cli import main
+
+    if case == "lm-no-context":
+        train.trainer.kernel_sharding = lambda *a, **k: contextlib.nullcontext()
+    elif case == "lm-constrain-only":
+        falcon_jax.falcon.per_shard = lambda fn, **kw: fn
+    elif case == "lm-shard_map-only":
+        import falcon_jax.nn.model
+        falcon_jax.nn.model.constrain_batch = lambda x, **kw: x
+    t0 = time.perf_counter()
+    rc = main(LM_ARGS + ["--run-dir", f"/tmp/falcon-sharding-check/{case}"])
+    return f"rc {rc} in {time.perf_counter() - t0:.1f}s"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(OP_CASES + LM_CASES))
+    p.add_argument("--limit", type=float, default=150, help="seconds per case")
+    p.add_argument("--out")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process
+    args = p.parse_args()
+    if args.one:
+        print("RESULT", run_op_case(args.one) if args.one.startswith("op-") else run_lm_case(args.one), flush=True)
+        return 0
+    results = {}
+    for case in args.cases.split(","):
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--one", case], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=args.limit)
+            out = proc.stdout + proc.stderr
+            line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+            status = f"ok: {line[7:]}" if proc.returncode == 0 and line else f"FAILED rc {proc.returncode}"
+            if not status.startswith("ok"):
+                tail = [ln for ln in out.splitlines() if "Error" in ln or "Fatal" in ln or "error:" in ln][-3:]
+                status += " | " + " | ".join(t[:200] for t in tail)
+        except subprocess.TimeoutExpired:
+            status = f"TIMEOUT after {args.limit:.0f}s"
+        results[case] = dict(status=status, seconds=round(time.perf_counter() - t0, 1))
+        print(f"{case:24s} {status}  [{results[case]['seconds']} s]", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
