@@ -15,6 +15,14 @@ the mesh lacks, or of size 1, are ignored; a batch or head count the shards do n
 back to the un-wrapped path (correct, but the kernel runs replicated) with a one-time warning.
 Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
+
+**Not on GPUs (yet).** With jax 0.11.2 on two H200s, XLA's GPU compiler crashed (SIGSEGV while
+compiling) on every step that put a Pallas Triton kernel inside ``shard_map``, and also on the LM
+step that only pinned the activations with sharding constraints around the un-wrapped kernels;
+the same kernels under a batch-sharded ``jit`` without either compile and train
+(``benchmarks/gpu_check_sharding.py`` has the cases).  So on a mesh of GPU devices the context
+does nothing but warn once, and the partitioner places the kernels as before (correct; under FSDP
+it runs each kernel on the whole batch).  ``allow_gpu=True`` enters it anyway, to try a newer jax.
 """
 
 from __future__ import annotations
@@ -56,10 +64,18 @@ _CURRENT: contextvars.ContextVar[KernelSharding | None] = contextvars.ContextVar
 _warned: set[tuple] = set()
 
 
+def mesh_platforms(mesh: Mesh) -> set[str]:
+    """The platforms of the mesh's devices ("cpu", "gpu", "tpu")."""
+    return {d.platform for d in mesh.devices.flat}
+
+
 @contextlib.contextmanager
-def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor"):
+def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor", *,
+                    allow_gpu: bool = False):
     """Within this block, ``falcon``'s Pallas kernel path runs per shard of ``mesh``: batch
-    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring)."""
+    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring).  On a
+    mesh of GPU devices it is a no-op with a one-time warning unless ``allow_gpu`` (XLA's GPU
+    compiler crashed on it with jax 0.11.2)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
@@ -69,6 +85,14 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
     if not any(a in mesh.shape for a in named):
         raise ValueError(f"kernel_sharding: none of the axes {named} is in the mesh "
                          f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch and heads.")
+    if (batch or head) and "gpu" in mesh_platforms(mesh) and not allow_gpu:
+        if "gpu" not in _warned:
+            _warned.add("gpu")
+            warnings.warn("kernel_sharding: not applied on GPU devices (XLA's GPU compiler crashed compiling "
+                          "per-shard Pallas kernels with jax 0.11.2); the kernels run where the partitioner "
+                          "puts them (correct; under FSDP on the whole batch). Pass allow_gpu=True to try it.",
+                          stacklevel=3)
+        batch, head = (), None
     token = _CURRENT.set(KernelSharding(mesh, batch, head) if (batch or head) else None)
     try:
         yield

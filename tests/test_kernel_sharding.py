@@ -107,6 +107,31 @@ def test_kernel_sharding_argument_errors():
         assert current() is None
 
 
+def test_kernel_sharding_is_a_noop_on_gpu_meshes_unless_allowed(monkeypatch):
+    """On GPU devices the context only warns (XLA's GPU compiler crashed on per-shard kernels)."""
+    import warnings
+    from jax.sharding import Mesh
+    import falcon_jax.sharding as sharding
+    mesh = Mesh(np.asarray(jax.devices()[:1] * 2).reshape(2, 1), ("data", "tensor"))  # a 2-way data axis
+    monkeypatch.setattr(sharding, "mesh_platforms", lambda m: {"gpu"})
+    monkeypatch.setattr(sharding, "_warned", set())
+    with pytest.warns(UserWarning, match="not applied on GPU devices"):
+        with kernel_sharding(mesh):
+            assert sharding.current() is None
+            x = jax.numpy.ones((4, 3))
+            assert sharding.constrain_batch(x) is x  # no constraint either
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        with kernel_sharding(mesh):
+            assert sharding.current() is None
+        with kernel_sharding(mesh, allow_gpu=True):
+            ks = sharding.current()
+            assert ks is not None and ks.batch_axes == ("data",) and ks.batch_shards == 2
+    monkeypatch.setattr(sharding, "mesh_platforms", lambda m: {"cpu"})
+    with kernel_sharding(mesh):
+        assert sharding.current() is not None
+
+
 FSDP_SCRIPT = textwrap.dedent(r"""
     import json, re, sys
     import jax, numpy as np
