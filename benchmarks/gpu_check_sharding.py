@@ -10,7 +10,8 @@ one forward+backward in its own process (a crash ends only that case) and prints
 Cases: ``op-*`` are one ``falcon(..., impl="pallas")`` call (B8 T1024 H12 d64, bf16) on a
 two-device batch-sharded mesh: without a context (the kernel replicated by the partitioner),
 inside ``kernel_sharding`` (shard_map, the model's [B, T, H, d] layout read in place), and the same
-with the head-major layout.  ``lm-*`` are ``python -m train`` on the lm-130m preset cut to 2 layers,
+with the head-major layout; controls: the XLA chunk form inside the context (``shard_map`` with
+no Pallas call) and a one-line Pallas kernel under ``shard_map``.  ``lm-*`` are ``python -m train`` on the lm-130m preset cut to 2 layers,
 3 steps, mesh data=2: no context (as before the change), the context with the kernels left whole
 (``constrain_batch`` only), the context with ``shard_map`` only, and both (today's trainer).
 """
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-OP_CASES = ("op-plain", "op-shard_map", "op-shard_map-head-major")
+OP_CASES = ("op-plain", "op-shard_map", "op-shard_map-head-major", "op-shard_map-xla", "op-shard_map-trivial-pallas")
 LM_CASES = ("lm-no-context", "lm-constrain-only", "lm-shard_map-only", "lm-full")
 LM_ARGS = ["--preset", "lm-130m", "--set", 'data.paths=["data/python-docs.jsonl"]', "--set",
            "data.cache_dir=/tmp/falcon-cache", "--set", "model.n_layers=2", "--set", "train.steps=3",
@@ -54,12 +56,31 @@ def run_op_case(case: str) -> str:
     lam = jax.device_put(0.1 * jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H))), row)
     if case.endswith("head-major"):
         chunk_pallas.PREFER_TIME_MAJOR = False
+    impl = "xla" if case.endswith("-xla") else "pallas"
 
     def loss(q, k, v):
-        o = falcon_jax.falcon(q, k, v, beta, lam, variant="1A", impl="pallas")
+        if case.endswith("trivial-pallas"):  # the smallest Pallas kernel, per shard: o = 2 q
+            from jax.experimental import pallas as pl
+
+            def double(q_ref, o_ref):
+                o_ref[...] = q_ref[...] * 2
+
+            def per_device(q):
+                q = q[:, :, :1]  # one head
+                return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                      grid=(q.shape[0],), in_specs=[pl.BlockSpec((None, T, 1, d),
+                                                                                 lambda b: (b, 0, 0, 0))],
+                                      out_specs=pl.BlockSpec((None, T, 1, d), lambda b: (b, 0, 0, 0)),
+                                      interpret=jax.default_backend() == "cpu")(q)
+            # forward only (the kernel has no VJP): its input is cut from the gradient
+            o = jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              check_vma=False)(jax.lax.stop_gradient(q))
+            return jnp.sum(o.astype(jnp.float32) ** 2) + 0 * jnp.sum(k) + 0 * jnp.sum(v)
+        o = falcon_jax.falcon(q, k, v, beta, lam, variant="1A", impl=impl)
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
-    ctx = falcon_jax.kernel_sharding(mesh, ("data",), None) if case != "op-plain" else contextlib.nullcontext()
+    ctx = (falcon_jax.kernel_sharding(mesh, ("data",), None, allow_gpu=True) if case != "op-plain"
+           else contextlib.nullcontext())
     with ctx:
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         t0 = time.perf_counter()
@@ -71,20 +92,29 @@ def run_op_case(case: str) -> str:
 
 
 def run_lm_case(case: str) -> str:
-    import falcon_jax.falcon
+    import falcon_jax
     import train.trainer
     from train.cli import main
 
+    # the modules by name: the package attribute `falcon_jax.falcon` is the function, not its module
+    falcon_module, model_module = sys.modules["falcon_jax.falcon"], sys.modules["falcon_jax.nn.model"]
     if case == "lm-no-context":
         train.trainer.kernel_sharding = lambda *a, **k: contextlib.nullcontext()
-    elif case == "lm-constrain-only":
-        falcon_jax.falcon.per_shard = lambda fn, **kw: fn
+    else:  # the trainer enters the context; the GPU gate is lifted so the case runs what it names
+        import falcon_jax.sharding
+        entered = falcon_jax.sharding.kernel_sharding
+        train.trainer.kernel_sharding = lambda *a, **k: entered(*a, **k, allow_gpu=True)
+    if case == "lm-constrain-only":
+        falcon_module.per_shard = lambda fn, **kw: fn
     elif case == "lm-shard_map-only":
-        import falcon_jax.nn.model
-        falcon_jax.nn.model.constrain_batch = lambda x, **kw: x
+        model_module.constrain_batch = lambda x, **kw: x
+    run_dir = f"/tmp/falcon-sharding-check/{case}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (a scratch folder of this check)
     t0 = time.perf_counter()
-    rc = main(LM_ARGS + ["--run-dir", f"/tmp/falcon-sharding-check/{case}"])
-    return f"rc {rc} in {time.perf_counter() - t0:.1f}s"
+    rc = main(LM_ARGS + ["--run-dir", run_dir])
+    if rc != 0:
+        raise SystemExit(f"falcon-train exited with {rc}")
+    return f"3 steps in {time.perf_counter() - t0:.1f}s"
 
 
 def main() -> int:

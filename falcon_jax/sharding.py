@@ -17,12 +17,13 @@ Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 
 **Not on GPUs (yet).** With jax 0.11.2 on two H200s, XLA's GPU compiler crashed (SIGSEGV while
-compiling) on every step that put a Pallas Triton kernel inside ``shard_map``, and also on the LM
-step that only pinned the activations with sharding constraints around the un-wrapped kernels;
-the same kernels under a batch-sharded ``jit`` without either compile and train
-(``benchmarks/gpu_check_sharding.py`` has the cases).  So on a mesh of GPU devices the context
-does nothing but warn once, and the partitioner places the kernels as before (correct; under FSDP
-it runs each kernel on the whole batch).  ``allow_gpu=True`` enters it anyway, to try a newer jax.
+compiling) on every step that put the Falcon Pallas kernels inside ``shard_map``: one
+``falcon(..., impl="pallas")`` forward+backward and the LM training step alike, while the same
+kernels under a batch-sharded ``jit`` without the context compile and train
+(``benchmarks/gpu_check_sharding.py`` has these cases and the next ones to isolate it; whether the
+activation constraints alone are safe there is not yet known).  So on a mesh of GPU devices the
+context does nothing but warn once, and the partitioner places the kernels as before (correct;
+under FSDP it runs each kernel on the whole batch).  ``allow_gpu=True`` enters it anyway.
 """
 
 from __future__ import annotations
