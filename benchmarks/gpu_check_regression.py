@@ -111,17 +111,25 @@ def main() -> int:
     def fp32_grads():
         # the first Tg steps: the float64 XLA reference's gradient at T = 8192 compiled for over 2 minutes on
         # the H200 ("Very slow compile"), longer than a lease's step
+        # The float64 reference runs on the host CPU: on the H200 its XLA compile alone outlasted a 200 s step
+        # even at T = 2048 (fifth run; "Very slow compile"), while the CPU compiles it in seconds.
         xs64, xs32 = [a[:, :Tg] for a in x64], [a[:, :Tg] for a in x32]
         ct = jnp.asarray(rng.normal(size=(B, Tg, H, d)))
+        host = jax.devices("cpu")[0]
 
-        def grads(impl, xs, state):
+        def grads(impl, xs, state, ct):
             def loss(*a):
                 out = falcon(*a[:5], impl=impl, initial_state=dataclasses.replace(state, S=a[5]), variant="1")
-                return jnp.sum(out * ct.astype(a[0].dtype))
-            return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, state.S)
+                return jnp.sum(out * a[6].astype(a[0].dtype))
+            return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, state.S, ct))
 
-        g_ref = grads("xla", xs64, s_init)
-        g32 = grads("pallas", xs32, to32(s_init))
+        t0 = time.time()
+        g_ref = grads("xla", jax.device_put(xs64, host), jax.device_put(s_init, host), jax.device_put(ct, host))
+        t1 = time.time()
+        g32 = grads("pallas", xs32, to32(s_init), ct.astype(jnp.float32))
+        print(f"  float64 reference gradient on the host CPU {t1 - t0:.0f} s, kernel gradient {time.time() - t1:.0f} s",
+              flush=True)
+        g_ref = jax.device_put(g_ref, jax.devices()[0])
         for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
             check(f"fp32 T={Tg} grad {name} rel err", rel(a, b), 1e-4)
 

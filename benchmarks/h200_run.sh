@@ -8,12 +8,14 @@
 #   bash benchmarks/h200_run.sh next        # after the BTHD layout and the λmax precision fix: checks, timings, memory
 #   bash benchmarks/h200_run.sh next2       # then: launch tuning (fewer pieces) and the regression timings
 #   bash benchmarks/h200_run.sh next3       # the regression GPU gradients (cut twice), then every shape timed
+#   bash benchmarks/h200_run.sh next4       # the regression GPU gradients (reference now on the host CPU), then
+#                                           # the delta rule's launch variants (C=32, 8 warps) never reached so far
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -73,6 +75,12 @@ case $part in
       --out "$out/$part/check_grads.json"
     step bench_inner 300 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3)"; exit 2 ;;
+  next4)
+    step check_grads 150 python3 benchmarks/gpu_check_regression.py --only "fp32 grads" \
+      --out "$out/$part/check_grads.json"
+    step bench_regression 330 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2,falcon-3,BTHD" \
+      --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
