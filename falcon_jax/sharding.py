@@ -62,7 +62,7 @@ class KernelSharding:
 
 _CURRENT: contextvars.ContextVar[KernelSharding | None] = contextvars.ContextVar("falcon_kernel_sharding",
                                                                                default=None)
-_warned: set[tuple] = set()
+_warned: set = set()  # warnings given once: (shape key) tuples and "gpu"
 
 
 def mesh_platforms(mesh: Mesh) -> set[str]:
