@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.common import write_json  # noqa: E402
 
 OP_CASES = ("op-plain", "op-shard_map", "op-shard_map-head-major", "op-shard_map-one-piece", "op-shard_map-xla",
             "op-shard_map-trivial-pallas")
@@ -133,8 +133,12 @@ def main() -> int:
     if args.one:
         print("RESULT", run_op_case(args.one) if args.one.startswith("op-") else run_lm_case(args.one), flush=True)
         return 0
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in OP_CASES + LM_CASES]
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; choose from {', '.join(OP_CASES + LM_CASES)}")
     results = {}
-    for case in args.cases.split(","):
+    for case in cases:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--one", case], cwd=ROOT,
@@ -149,9 +153,8 @@ def main() -> int:
             status = f"TIMEOUT after {args.limit:.0f}s"
         results[case] = dict(status=status, seconds=round(time.perf_counter() - t0, 1))
         print(f"{case:24s} {status}  [{results[case]['seconds']} s]", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+        if args.out:  # after every case: a call cut off by its time limit keeps what it found
+            write_json(args.out, results)
     return 0
 
 
