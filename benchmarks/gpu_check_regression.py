@@ -55,6 +55,11 @@ def to32(tree):
     return jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.float64 else a, tree)
 
 
+# the check groups, in the order they run (names for --skip / --only)
+GROUPS = ("fp32 values", "falcon-2 values", "falcon-3 values", "bf16", "long bf16", "extreme op", "segments",
+          "fp32 grads")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -66,6 +71,9 @@ def main() -> int:
     args = parser.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if (skip | only) - set(GROUPS):  # a misspelt --only would otherwise run nothing and report ALL PASS
+        parser.error(f"--skip/--only: unknown group(s) {sorted((skip | only) - set(GROUPS))}; "
+                     f"choose from {', '.join(GROUPS)}")
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
     if args.smoke:
@@ -109,10 +117,9 @@ def main() -> int:
         check(f"fp32 T={T} final state rel err", rel(state32.S, ref_state.S), 1e-4)
 
     def fp32_grads():
-        # the first Tg steps: the float64 XLA reference's gradient at T = 8192 compiled for over 2 minutes on
-        # the H200 ("Very slow compile"), longer than a lease's step
-        # The float64 reference runs on the host CPU: on the H200 its XLA compile alone outlasted a 200 s step
-        # even at T = 2048 (fifth run; "Very slow compile"), while the CPU compiles it in seconds.
+        # The first Tg steps, and the float64 reference on the host CPU: on the H200 its XLA compile ("Very slow
+        # compile") outlasted a lease's step at T = 8192 and then a 200 s step at T = 2048 (fifth run), while the
+        # CPU compiles it in seconds.
         xs64, xs32 = [a[:, :Tg] for a in x64], [a[:, :Tg] for a in x32]
         ct = jnp.asarray(rng.normal(size=(B, Tg, H, d)))
         host = jax.devices("cpu")[0]
@@ -201,9 +208,8 @@ def main() -> int:
         check(f"falcon-3 W=4 fp32 T={T} output rel err", rel(got, want), 1e-4)
         check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
 
-    for name, fn in [("fp32 values", fp32_values), ("falcon-2 values", falcon2_values),
-                     ("falcon-3 values", falcon3_values), ("bf16", bf16), ("long bf16", long_bf16),
-                     ("extreme op", extreme_op), ("segments", segments), ("fp32 grads", fp32_grads)]:
+    for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon3_values, bf16, long_bf16, extreme_op, segments,
+                                 fp32_grads)):
         if name in skip or (only and name not in only):
             continue
         if name == "bf16" and "out" not in ref:
