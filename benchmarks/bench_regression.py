@@ -101,6 +101,10 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
 VARIANTS = {
     "kernel only C=32": dict(chunk_size=32),
     "kernel only C=64, 8 warps": dict(config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8, grad_warps=8)),
+    "kernel only C=32, 8 warps": dict(chunk_size=32, config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8,
+                                                                         grad_warps=8)),
+    "kernel only C=64, 64 value columns": dict(config=KernelConfig(block_v=64)),  # the default until the sixth run
+    "kernel only C=64, 16 value columns": dict(config=KernelConfig(block_v=16)),
 }
 
 
@@ -174,6 +178,8 @@ def main() -> int:
         if not args.smoke:  # peers (GPU only)
             for kind in ("gated_deltanet", "deltanet"):
                 measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
+        fla_rows = ("fla 0.6.0 chunk_gated_delta_rule", "fla 0.6.0 chunk_delta_rule")
+        if not args.smoke and not all(any(s in r for s in skip) for r in fla_rows):  # --skip fla: not imported
             try:
                 import torch
                 from fla.ops.delta_rule import chunk_delta_rule
