@@ -5,10 +5,11 @@
 Checks (exit 1 if any fails):
   * fp32: falcon(variant="1", impl="pallas") vs the float64 XLA chunk form at T = 8192
     (B1 H4 d128: the sequence is cut into pieces), outputs, final state and gradients w.r.t.
-    q, k, v, β, λ and the initial state, rel. error <= 1e-4;
+    q, k, v, β, λ and the initial state (T = 2048, d = 64), rel. error <= 1e-4;
   * the op alone (``decayed_delta_rule``) with β·‖x‖² near 2 and γ at its clamp, vs the same
     float64 reference, rel. error <= 1e-4;
-  * bf16: the kernel's error vs the float64 reference within 2x the XLA chunk form's bf16 error;
+  * bf16: the kernel's error vs the float64 reference within 2x the XLA chunk form's bf16 error, for the
+    outputs (T = 8192) and the gradients (T = 2048, the XLA form's bf16 gradient on the host CPU);
   * packed segments + continuation, read-after-write and read-before-write;
   * T = 65536 bf16: forward and backward finite;
   * Falcon-2 (per-column gains, the per-column kernel): fp32 outputs and final state at T = 8192 vs
@@ -57,7 +58,7 @@ def to32(tree):
 
 # the check groups, in the order they run (names for --skip / --only)
 GROUPS = ("fp32 values", "falcon-2 values", "falcon-3 values", "bf16", "long bf16", "extreme op", "segments",
-          "fp32 grads")
+          "bf16 grads", "fp32 grads")
 
 
 def main() -> int:
@@ -77,9 +78,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
     if args.smoke:
-        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg = 1, 200, 2, 16, 96, 300, 2, 16, 100
+        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg, dg32 = 1, 200, 2, 16, 96, 300, 2, 16, 100, 16
     else:
-        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg = 1, 8192, 4, 128, 3000, 65536, 2, 128, 2048
+        B, T, H, d, Ts, Tlong, Hlong, dlong, Tg, dg32 = 1, 8192, 4, 128, 3000, 65536, 2, 128, 2048, 64
     t_start = time.time()
 
     def check(name, value, bound):
@@ -116,29 +117,59 @@ def main() -> int:
         check(f"fp32 T={T} output rel err", rel(out32, ref_out), 1e-4)
         check(f"fp32 T={T} final state rel err", rel(state32.S, ref_state.S), 1e-4)
 
-    def fp32_grads():
-        # The first Tg steps, and the float64 reference on the host CPU: on the H200 its XLA compile ("Very slow
-        # compile") outlasted a lease's step at T = 8192 and then a 200 s step at T = 2048 (fifth run), while the
-        # CPU compiles it in seconds.
-        xs64, xs32 = [a[:, :Tg] for a in x64], [a[:, :Tg] for a in x32]
-        ct = jnp.asarray(rng.normal(size=(B, Tg, H, d)))
-        host = jax.devices("cpu")[0]
+    host, gpu = jax.devices("cpu")[0], jax.devices()[0]
 
-        def grads(impl, xs, state, ct):
-            def loss(*a):
-                out = falcon(*a[:5], impl=impl, initial_state=dataclasses.replace(state, S=a[5]), variant="1")
-                return jnp.sum(out * a[6].astype(a[0].dtype))
-            return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, state.S, ct))
+    def grads(impl, xs, s0, ct):
+        """d(Σ out · ct)/d(q, k, v, β, λ, S0) of Falcon-1 from the initial state ``s0``, on the inputs' device."""
+        def loss(*a):
+            out = falcon(*a[:5], impl=impl, initial_state=dataclasses.replace(s0, S=a[5]), variant="1")
+            return jnp.sum(out.astype(a[6].dtype) * a[6])
+        return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*xs, s0.S, ct))
 
+    def grad_reference(d_grad):
+        """Inputs [B, Tg, H, d_grad], a state from a previous call, a cotangent, and the float64 XLA gradient, all
+        on the host CPU: on the H200 the float64 compile ("Very slow compile") outlasted a lease's step at
+        T = 8192 and then a 200 s step at T = 2048 (fifth run); the CPU compiles it in seconds."""
+        xs64 = jax.device_put(inputs(rng, B, Tg, H, d_grad, jnp.float64), host)
+        _, s0 = jax.jit(lambda *a: falcon(*a, impl="xla", **kw))(*[a[:, :64] for a in xs64])
+        ct = jax.device_put(jnp.asarray(rng.normal(size=(B, Tg, H, d_grad))), host)
         t0 = time.time()
-        g_ref = grads("xla", jax.device_put(xs64, host), jax.device_put(s_init, host), jax.device_put(ct, host))
-        t1 = time.time()
-        g32 = grads("pallas", xs32, to32(s_init), ct.astype(jnp.float32))
-        print(f"  float64 reference gradient on the host CPU {t1 - t0:.0f} s, kernel gradient {time.time() - t1:.0f} s",
-              flush=True)
-        g_ref = jax.device_put(g_ref, jax.devices()[0])
+        g_ref = grads("xla", xs64, s0, ct)
+        print(f"  float64 reference gradient (d={d_grad}) on the host CPU: {time.time() - t0:.0f} s", flush=True)
+        return xs64, s0, ct, g_ref
+
+    def fp32_grads():
+        # d = dg32 (64 on the GPU): at d = 128 the kernels' fp32 backward (every dot at HIGHEST, no tensor
+        # cores) compiled on the H200 for the whole 150 s step (sixth run) and was never reached
+        xs64, s0, ct, g_ref = grad_reference(dg32)
+        t0 = time.time()
+        g32 = grads("pallas", jax.device_put([a.astype(jnp.float32) for a in xs64], gpu),
+                    jax.device_put(to32(s0), gpu), jax.device_put(ct.astype(jnp.float32), gpu))
+        print(f"  fp32 kernel gradient on {gpu.platform}: {time.time() - t0:.0f} s (compile included)", flush=True)
         for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
-            check(f"fp32 T={Tg} grad {name} rel err", rel(a, b), 1e-4)
+            check(f"fp32 B{B} T={Tg} H{H} d{dg32} grad {name} rel err", rel(a, b), 1e-4)
+
+    def bf16_grads():
+        """bf16 q, k, v (fp32 gates and state): the kernel's gradient error vs the float64 reference within 2x
+        that of the XLA chunk form on the same bf16 inputs (computed on the host CPU)."""
+        xs64, s0, ct, g_ref = grad_reference(d)
+
+        def as_bf16(xs):
+            return [a.astype(jnp.bfloat16) for a in xs[:3]] + [a.astype(jnp.float32) for a in xs[3:]]
+
+        s32, ct32 = to32(s0), ct.astype(jnp.float32)
+        t0 = time.time()
+        g_pal = grads("pallas", jax.device_put(as_bf16(xs64), gpu), jax.device_put(s32, gpu), jax.device_put(ct32, gpu))
+        print(f"  bf16 kernel gradient on {gpu.platform}: {time.time() - t0:.0f} s (compile included)", flush=True)
+        g_xla = grads("xla", as_bf16(xs64), s32, ct32)
+        errors = {}
+        for name, a, b, r in zip("q k v beta lam S0".split(), g_pal, g_xla, g_ref):
+            errors[name] = {"pallas": rel(a, r), "xla": rel(b, r)}
+            print(f"      bf16 grad {name}: rel err pallas {errors[name]['pallas']:.3e}, XLA chunk form "
+                  f"{errors[name]['xla']:.3e}", flush=True)
+            check(f"bf16 T={Tg} d{d} grad {name} error / XLA-form error", errors[name]["pallas"] / errors[name]["xla"],
+                  2.0)
+        results["bf16 grad errors"] = errors
 
     def extreme_op():
         """The op alone: β = η‖x‖² = 1.99, γ at the clamp on 10% of steps, against the fp64 XLA chunk form
@@ -209,7 +240,7 @@ def main() -> int:
         check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
 
     for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon3_values, bf16, long_bf16, extreme_op, segments,
-                                 fp32_grads)):
+                                 bf16_grads, fp32_grads)):
         if name in skip or (only and name not in only):
             continue
         if name == "bf16" and "out" not in ref:

@@ -10,12 +10,14 @@
 #   bash benchmarks/h200_run.sh next3       # the regression GPU gradients (cut twice), then every shape timed
 #   bash benchmarks/h200_run.sh next4       # the regression GPU gradients (reference now on the host CPU), then
 #                                           # the delta rule's launch variants (C=32, 8 warps) never reached so far
+#   bash benchmarks/h200_run.sh next5       # the regression gradients again (bf16 at d128; fp32 at d64, whose
+#                                           # d128 compile outlasted its step), then value-column blocks 16 / 32 / 64
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -78,9 +80,15 @@ case $part in
   next4)
     step check_grads 150 python3 benchmarks/gpu_check_regression.py --only "fp32 grads" \
       --out "$out/$part/check_grads.json"
-    step bench_regression 330 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2,falcon-3,BTHD" \
+    step bench_regression 420 python3 benchmarks/bench_regression.py --quick --skip "xla,falcon-2,falcon-3,BTHD" \
       --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4)"; exit 2 ;;
+  next5)
+    step check_grads 250 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads" \
+      --out "$out/$part/check_grads.json"
+    step bench_regression 150 python3 benchmarks/bench_regression.py --quick \
+      --skip "xla,falcon-2,falcon-3,BTHD,jla,fla,C=32,8 warps" --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
