@@ -45,6 +45,7 @@ class KernelSharding:
     mesh: Mesh
     batch_axes: tuple[str, ...]  # mesh axes that split the batch (only those of size > 1)
     head_axis: str | None  # mesh axis that splits the heads (None: heads whole on every device)
+    shard_kernels: bool = True  # False: only the activation constraints (GPU meshes, see the module docstring)
 
     @property
     def batch_shards(self) -> int:
@@ -86,15 +87,17 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
     if not any(a in mesh.shape for a in named):
         raise ValueError(f"kernel_sharding: none of the axes {named} is in the mesh "
                          f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch and heads.")
+    shard_kernels = True
     if (batch or head) and "gpu" in mesh_platforms(mesh) and not allow_gpu:
         if "gpu" not in _warned:
             _warned.add("gpu")
-            warnings.warn("kernel_sharding: not applied on GPU devices (XLA's GPU compiler crashed compiling "
-                          "per-shard Pallas kernels with jax 0.11.2); the kernels run where the partitioner "
-                          "puts them (correct; under FSDP on the whole batch). Pass allow_gpu=True to try it.",
+            warnings.warn("kernel_sharding: per-shard kernels not applied on GPU devices (XLA's GPU compiler "
+                          "crashed compiling the Falcon Pallas kernels inside shard_map with jax 0.11.2); the "
+                          "activations are still pinned to the batch axes, and the kernels run where the "
+                          "partitioner puts them (correct; on the whole batch). Pass allow_gpu=True to try it.",
                           stacklevel=3)
-        batch, head = (), None
-    token = _CURRENT.set(KernelSharding(mesh, batch, head) if (batch or head) else None)
+        shard_kernels = False
+    token = _CURRENT.set(KernelSharding(mesh, batch, head, shard_kernels) if (batch or head) else None)
     try:
         yield
     finally:
@@ -136,7 +139,7 @@ def per_shard(fn, *, batch: int, heads: int, head_dim: int):
     ``[B, H, T, d]``); inputs share it, ``resets`` is ``[B, T]``, the state's fields are
     ``[B, H, ...]`` (``has_key``, ``tail_valid``: ``[B, ...]``)."""
     ks = current()
-    if ks is None:
+    if ks is None or not ks.shard_kernels:
         return fn
     if batch % ks.batch_shards or heads % ks.head_shards:
         key = (batch, heads, ks.batch_shards, ks.head_shards)

@@ -107,29 +107,36 @@ def test_kernel_sharding_argument_errors():
         assert current() is None
 
 
-def test_kernel_sharding_is_a_noop_on_gpu_meshes_unless_allowed(monkeypatch):
-    """On GPU devices the context only warns (XLA's GPU compiler crashed on per-shard kernels)."""
+def test_kernel_sharding_keeps_kernels_whole_on_gpu_meshes_unless_allowed(monkeypatch):
+    """On GPU devices the context warns and keeps only the activation constraints (XLA's GPU compiler
+    crashed on per-shard kernels)."""
     import warnings
     from jax.sharding import Mesh
     import falcon_jax.sharding as sharding
     mesh = Mesh(np.asarray(jax.devices()[:1] * 2).reshape(2, 1), ("data", "tensor"))  # a 2-way data axis
     monkeypatch.setattr(sharding, "mesh_platforms", lambda m: {"gpu"})
     monkeypatch.setattr(sharding, "_warned", set())
-    with pytest.warns(UserWarning, match="not applied on GPU devices"):
+    def kernel_path(q, k, v, inputs, resets, state):
+        return q, state
+
+    with pytest.warns(UserWarning, match="per-shard kernels not applied on GPU devices"):
         with kernel_sharding(mesh):
-            assert sharding.current() is None
-            x = jax.numpy.ones((4, 3))
-            assert sharding.constrain_batch(x) is x  # no constraint either
+            ks = sharding.current()
+            assert ks is not None and not ks.shard_kernels and ks.batch_shards == 2
+            assert sharding.per_shard(kernel_path, batch=4, heads=2, head_dim=2) is kernel_path
+            jaxpr = jax.make_jaxpr(sharding.constrain_batch)(jax.numpy.ones((4, 3)))
+            assert "sharding_constraint" in str(jaxpr)  # the activation constraint stays
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only
         with kernel_sharding(mesh):
-            assert sharding.current() is None
+            assert not sharding.current().shard_kernels
         with kernel_sharding(mesh, allow_gpu=True):
             ks = sharding.current()
-            assert ks is not None and ks.batch_axes == ("data",) and ks.batch_shards == 2
+            assert ks.shard_kernels and ks.batch_axes == ("data",) and ks.batch_shards == 2
+            assert sharding.per_shard(kernel_path, batch=4, heads=2, head_dim=2) is not kernel_path
     monkeypatch.setattr(sharding, "mesh_platforms", lambda m: {"cpu"})
     with kernel_sharding(mesh):
-        assert sharding.current() is not None
+        assert sharding.current().shard_kernels
 
 
 FSDP_SCRIPT = textwrap.dedent(r"""
