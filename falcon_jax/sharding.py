@@ -16,14 +16,15 @@ back to the un-wrapped path (correct, but the kernel runs replicated) with a one
 Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 
-**Not on GPUs (yet).** With jax 0.11.2 on two H200s, XLA's GPU compiler crashed (SIGSEGV while
-compiling) on every step that put the Falcon Pallas kernels inside ``shard_map``: one
-``falcon(..., impl="pallas")`` forward+backward and the LM training step alike, while the same
-kernels under a batch-sharded ``jit`` without the context compile and train
-(``benchmarks/gpu_check_sharding.py`` has these cases and the next ones to isolate it; whether the
-activation constraints alone are safe there is not yet known).  So on a mesh of GPU devices the
-context does nothing but warn once, and the partitioner places the kernels as before (correct;
-under FSDP it runs each kernel on the whole batch).  ``allow_gpu=True`` enters it anyway.
+**Per-shard kernels not on GPUs (yet).** With jax 0.11.2 on two H200s, XLA's GPU compiler
+crashed (SIGSEGV while compiling) on every program that put the Falcon Pallas kernels inside
+``shard_map`` (one ``falcon(..., impl="pallas")`` forward+backward, also with the sequence in one
+piece, and the LM training step), while a one-line Pallas kernel and the XLA chunk form inside
+``shard_map`` compiled, and so did the LM step with the activation constraints alone
+(``benchmarks/gpu_check_sharding.py``).  So on a mesh of GPU devices the context keeps the
+constraints (``shard_kernels=False``: the FSDP step no longer gathers activations) and leaves the
+kernels to the partitioner (correct; each device runs them on the whole batch), with a one-time
+warning.  ``allow_gpu=True`` applies the per-shard kernels anyway.
 """
 
 from __future__ import annotations
