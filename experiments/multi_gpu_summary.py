@@ -26,6 +26,13 @@ RUNS = {"g1": "1 GPU", "g2-fsdp": "2 GPUs, 1 process, data=1 x fsdp=2", "g2-data
         "g2-proc": "2 GPUs, 2 processes (jax.distributed), data=2", "g2to1": "g2-fsdp restored on 1 GPU"}
 
 
+def last_process(records: list[dict]) -> list[dict]:
+    """The records a resumed run's process wrote: they follow those of the run it was copied from, from
+    the last point where the step number goes back (all of them if it never does)."""
+    starts = [i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]]
+    return records[starts[-1] if starts else 0:]
+
+
 def loss_noise(losses: np.ndarray, width: int = 11) -> float:
     tail = losses[len(losses) // 3:]
     if len(tail) < 2 * width:
@@ -43,8 +50,8 @@ def summarize(base: str, resume_from: int) -> dict:
             continue
         train, evals = read_metrics(d)
         sp = metric_records(d, "speed")
-        if name == "g2to1":  # only the intervals this (resumed) process ran
-            sp = [r for r in sp if r["step"] > resume_from]
+        if name == "g2to1":  # only the intervals the resumed process ran
+            sp = [r for r in last_process(sp) if r["step"] > resume_from]
         timed = sp[1:] if len(sp) > 1 else sp
         res[name] = {
             "label": RUNS[name],
@@ -73,8 +80,9 @@ def summarize(base: str, resume_from: int) -> dict:
                 r["scaling_efficiency"] = r["tokens_per_s_per_device"] / res["g1"]["tokens_per_s"]
     if "g2to1" in res and "g2-fsdp" in res:
         src = dict(zip(res["g2-fsdp"]["steps"], res["g2-fsdp"]["loss"]))
-        # the resumed process's own records: after the restore point, and (read_metrics) the last of each step
-        train = {s: r["loss"] for s, r in read_metrics(os.path.join(base, "g2to1"))[0].items() if s > resume_from}
+        # the resumed process's own records (the folder also holds the copied run's, up to its last step)
+        train = {r["step"]: r["loss"] for r in last_process(metric_records(os.path.join(base, "g2to1"), "train"))
+                 if r["step"] > resume_from}
         diff = np.asarray([train[s] - src[s] for s in sorted(train) if s in src])
         res["g2to1"]["vs_g2_fsdp_after_restore"] = {
             "steps": len(diff), "max_abs_diff": float(np.max(np.abs(diff))) if len(diff) else None,
