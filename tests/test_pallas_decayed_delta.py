@@ -61,27 +61,32 @@ def reference(q, x, y, eta, log_gamma, run, s0):
     return decayed_delta_rule_reference(*(jnp.asarray(a) for a in (q, x, y, eta, log_gamma)), run, jnp.asarray(s0))
 
 
-@pytest.mark.parametrize("T,chunk,pieces,segments,implementation", [
-    (1, 16, 1, False, "pallas_gpu"), (50, 16, 1, True, "pallas_gpu"), (50, 32, 1, True, "pallas_gpu"),
-    (100, 16, 4, True, "pallas_gpu"), (40, 16, 1, True, "pallas_tpu"),
+@pytest.mark.parametrize("T,chunk,pieces,segments,implementation,outputs", [
+    (1, 16, 1, False, "pallas_gpu", "pallas"), (50, 16, 1, True, "pallas_gpu", "pallas"),
+    (50, 32, 1, True, "pallas_gpu", "pallas"), (100, 16, 4, True, "pallas_gpu", "pallas"),
+    (40, 16, 1, True, "pallas_tpu", "pallas"), (50, 32, 1, True, "pallas_gpu", "xla"),
+    (100, 16, 4, True, "pallas_gpu", "xla"),
 ])
-def test_forward_matches_reference(T, chunk, pieces, segments, implementation, rng):
+def test_forward_matches_reference(T, chunk, pieces, segments, implementation, outputs, rng):
+    """Outputs and final state; ``outputs="xla"``: the walk carries the state only and the outputs come from
+    the chunk start states in a parallel XLA pass."""
     H = 1 if implementation == "pallas_tpu" else 2  # TPU interpret mode is slow
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, segments=segments)
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
-                      implementation=implementation)
+                      implementation=implementation, config=KernelConfig(outputs=outputs))
     o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
     assert o.shape == o_ref.shape and final.shape == final_ref.shape
     assert rel_err(o, o_ref) < FP32_TOL
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("chunk,pieces,block_v,implementation", [
-    (32, 1, 16, "pallas_gpu"), (16, 2, 32, "pallas_gpu"),
-    pytest.param(16, 1, 32, "pallas_tpu", marks=pytest.mark.slow),
+@pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads", [
+    (32, 1, 16, "pallas_gpu", "pallas"), (16, 2, 32, "pallas_gpu", "pallas"), (16, 2, 32, "pallas_gpu", "xla"),
+    pytest.param(16, 1, 32, "pallas_tpu", "pallas", marks=pytest.mark.slow),
 ])
-def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
-    """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks."""
+def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, rng):
+    """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks;
+    the per-chunk gradient pass as a kernel and as batched XLA matmuls."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -93,7 +98,8 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
         return f
 
     argnums = tuple(range(6))
-    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=KernelConfig(block_v=block_v),
+    config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads)
+    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
                                           implementation=implementation)), argnums=argnums)(
         *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
     want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
@@ -103,12 +109,13 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, rng):
         assert rel_err(g, w) < 5e-5, name
 
 
-@pytest.mark.parametrize("T,pieces,per_column,implementation", [
-    (53, 1, False, "pallas_gpu"), (100, 4, False, "pallas_gpu"), (41, 1, True, "pallas_gpu"),
-    (41, 1, False, "xla")])
-def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, rng):
+@pytest.mark.parametrize("T,pieces,per_column,implementation,chunk_grads", [
+    (53, 1, False, "pallas_gpu", "pallas"), (100, 4, False, "pallas_gpu", "pallas"), (41, 1, True, "pallas_gpu", "pallas"),
+    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla")])
+def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, chunk_grads, rng):
     """``layout="BTHD"``: the scalar-gate Triton kernels read [B, T, H, d] in place (per-column gates and
-    other implementations transpose); values, state and gradients equal the float64 reference."""
+    other implementations transpose); values, state and gradients equal the float64 reference.
+    ``chunk_grads="xla"``: also the outputs and the per-chunk gradients as batched XLA passes."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=3, T=T, dv=32, segments=True)
     if per_column:
         eta = eta[..., None] * rng.uniform(0.5, 1.0, size=y.shape)
@@ -120,7 +127,8 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
         if implementation == "xla":
             o, s = decayed_delta_rule(*a[:5], time_major(run), a[5], implementation="xla", layout="BTHD")
         else:
-            o, s = kernel(*a[:5], time_major(run), a[5], pieces=pieces, layout="BTHD")
+            o, s = kernel(*a[:5], time_major(run), a[5], pieces=pieces, layout="BTHD",
+                          config=KernelConfig(chunk_grads=chunk_grads, outputs=chunk_grads))
         assert o.shape == (2, T, 3, 32)
         return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
 
@@ -253,6 +261,43 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
     err_kernel = rel_err(falcon(*bf, variant="1", impl="pallas", chunk_size=16), exact)
     err_xla = rel_err(falcon(*bf, variant="1", impl="xla", chunk_size=16), exact)
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
+
+
+def test_xla_passes_in_bf16_match_the_kernels_error(rng):
+    """bf16 q, x, y with ``KernelConfig(outputs="xla", chunk_grads="xla")`` (the outputs read the chunk
+    states the walk stores in bf16): outputs and gradients against the float64 reference, within twice
+    the error of the all-kernel path on the same inputs."""
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=64, dv=32, segments=True)
+    ct = jnp.asarray(rng.normal(size=y.shape))
+
+    def out_and_grads(fn, dtype):
+        def loss(q_, x_, y_):
+            o, _ = fn(q_, x_, y_)
+            return jnp.sum(o.astype(ct.dtype) * ct), o
+        (_, o), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            *(jnp.asarray(a).astype(jnp.bfloat16).astype(dtype) for a in (q, x, y)))
+        return [o, *g]
+
+    gates = [jnp.asarray(a, jnp.float32) for a in (eta, log_gamma)]
+    exact = out_and_grads(lambda *a: reference(*a, eta, log_gamma, run, s0), jnp.float64)
+
+    def op(config):
+        return lambda *a: decayed_delta_rule(*a, *gates, run, jnp.asarray(s0, jnp.float32), chunk_size=16,
+                                             implementation="pallas_gpu", config=config)
+
+    with poisoned_outputs():
+        split = out_and_grads(op(KernelConfig(outputs="xla", chunk_grads="xla")), jnp.bfloat16)
+        fused = out_and_grads(op(KernelConfig()), jnp.bfloat16)
+    for name, a, b, e in zip(["o", "q", "x", "y"], split, fused, exact):
+        assert np.all(np.isfinite(np.asarray(a, np.float64))), name
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-3, (name, rel_err(a, e), rel_err(b, e))
+
+
+def test_kernel_config_refuses_unknown_pass_choices():
+    with pytest.raises(ValueError, match="chunk_grads must be 'pallas' or 'xla'"):
+        KernelConfig(chunk_grads="triton")
+    with pytest.raises(ValueError, match="outputs must be"):
+        KernelConfig(outputs="XLA")
 
 
 @pytest.mark.parametrize("variant", ["1", pytest.param("3", marks=pytest.mark.slow)])
@@ -630,11 +675,12 @@ def test_windowed_forward_matches_reference(W, T, chunk, pieces, implementation,
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("W,pieces,implementation", [
-    (2, 1, "pallas_gpu"), (4, 2, "pallas_gpu"),
-    pytest.param(3, 1, "pallas_gpu", marks=pytest.mark.slow), pytest.param(4, 1, "pallas_tpu", marks=pytest.mark.slow),
+@pytest.mark.parametrize("W,pieces,implementation,chunk_grads", [
+    (2, 1, "pallas_gpu", "pallas"), (4, 2, "pallas_gpu", "pallas"), (4, 1, "pallas_gpu", "xla"),
+    pytest.param(3, 1, "pallas_gpu", "pallas", marks=pytest.mark.slow),
+    pytest.param(4, 1, "pallas_tpu", "pallas", marks=pytest.mark.slow),
 ])
-def test_windowed_gradients_match_reference(W, pieces, implementation, rng):
+def test_windowed_gradients_match_reference(W, pieces, implementation, chunk_grads, rng):
     """Gradients w.r.t. q, the window pairs x and y (each pair recurs in W steps' rows), the per-slot weights,
     log γ and S0; segments inside chunks; dv = 32 in two value blocks."""
     q, x, y, w, log_gamma, run, s0 = window_inputs(rng, W, T=29, dv=32)
@@ -649,8 +695,9 @@ def test_windowed_gradients_match_reference(W, pieces, implementation, rng):
 
     kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
     argnums = tuple(range(6))
-    got = jax.grad(loss(lambda *a: window_kernel(*a, config=KernelConfig(block_v=16), implementation=implementation,
-                                                 **kw)), argnums=argnums)(
+    config = KernelConfig(block_v=16, chunk_grads=chunk_grads)
+    got = jax.grad(loss(lambda *a: window_kernel(*a, config=config, implementation=implementation, **kw)),
+                   argnums=argnums)(
         *(jnp.asarray(a, jnp.float32) for a in (q, x, y, w, log_gamma, s0)))
     want = jax.grad(loss(windowed_delta_rule_reference), argnums=argnums)(
         *(jnp.asarray(a) for a in (q, x, y, w, log_gamma, s0)))

@@ -50,6 +50,8 @@ from pallas_kernels.common import (check_layout, chunk_local, flatten_pad, inter
                                    swap_time_heads, token_dims, unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
+from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
+from pallas_kernels.decayed_delta_rule.xla import outputs as xla_outputs
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference)
 
@@ -75,8 +77,17 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
+    # not yet timed on the GPU: the per-chunk gradient pass and the forward's outputs as "pallas" (one program per
+    # chunk; outputs inside the walk) or "xla" (batched matmuls from the chunk states, xla.py)
+    chunk_grads: str = "pallas"
+    outputs: str = "pallas"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("chunk_grads", "outputs"):
+            if getattr(self, name) not in ("pallas", "xla"):
+                raise ValueError(f"KernelConfig: {name} must be 'pallas' or 'xla', got {getattr(self, name)!r}.")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
@@ -140,7 +151,11 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         starts, _ = _piece_starts(M, E, s0)
     else:
         starts = s0[:, None]
-    o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False, **kw)
+    if config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
+        h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
+        o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
+    else:
+        o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False, **kw)
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts)
 
 
@@ -175,9 +190,13 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         ds_ends = ds_final[:, None]
     dh, ds_start = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
-        q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
-        num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
+    if config.chunk_grads == "xla":
+        dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
+                                                    group=group, heads=heads)
+    else:
+        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
+            q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
+            num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
     return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
