@@ -105,6 +105,10 @@ VARIANTS = {
                                                                          grad_warps=8)),
     "kernel only C=64, 64 value columns": dict(config=KernelConfig(block_v=64)),  # the default until the sixth run
     "kernel only C=64, 16 value columns": dict(config=KernelConfig(block_v=16)),
+    # the parallel passes as batched XLA matmuls (xla.py): outputs from the chunk states, per-chunk gradients
+    "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
+    "kernel only, chunk gradients in XLA": dict(config=KernelConfig(chunk_grads="xla")),
+    "kernel only, outputs + chunk gradients in XLA": dict(config=KernelConfig(outputs="xla", chunk_grads="xla")),
 }
 
 

@@ -12,12 +12,14 @@
 #                                           # the delta rule's launch variants (C=32, 8 warps) never reached so far
 #   bash benchmarks/h200_run.sh next5       # the regression gradients again (bf16 at d128; fp32 at d64, whose
 #                                           # d128 compile outlasted its step), then value-column blocks 16 / 32 / 64
+#   bash benchmarks/h200_run.sh next6       # the delta rule's outputs / chunk gradients as batched XLA passes
+#                                           # (KernelConfig(outputs="xla", chunk_grads="xla")) against the kernels
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -89,6 +91,11 @@ case $part in
     step bench_regression 150 python3 benchmarks/bench_regression.py --quick \
       --skip "xla,falcon-2,falcon-3,BTHD,jla,fla,C=32,8 warps" --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5)"; exit 2 ;;
+  next6)
+    step bench_regression 330 python3 benchmarks/bench_regression.py --quick \
+      --skip "xla chunk,falcon-2,falcon-3,BTHD,jla 0.1.0 deltanet,fla,C=32,8 warps,value columns" \
+      --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
