@@ -109,6 +109,10 @@ VARIANTS = {
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, chunk gradients in XLA": dict(config=KernelConfig(chunk_grads="xla")),
     "kernel only, outputs + chunk gradients in XLA": dict(config=KernelConfig(outputs="xla", chunk_grads="xla")),
+    # the walks' dots on bf16 operands (the state stays fp32), alone and with the XLA passes
+    "kernel only, bf16 walk operands": dict(config=KernelConfig(walk_operands="input")),
+    "kernel only, bf16 walk operands + XLA passes": dict(config=KernelConfig(walk_operands="input", outputs="xla",
+                                                                             chunk_grads="xla")),
 }
 
 

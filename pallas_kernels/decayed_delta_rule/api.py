@@ -81,6 +81,9 @@ class KernelConfig:
     # chunk; outputs inside the walk) or "xla" (batched matmuls from the chunk states, xla.py)
     chunk_grads: str = "pallas"
     outputs: str = "pallas"
+    # the walks' dots with the fp32 state, P, dS or dR: "fp32" (TF32 for bf16 inputs) or "input" (both operands
+    # rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; fp32 inputs unaffected; GPU only)
+    walk_operands: str = "fp32"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -88,6 +91,12 @@ class KernelConfig:
         for name in ("chunk_grads", "outputs"):
             if getattr(self, name) not in ("pallas", "xla"):
                 raise ValueError(f"KernelConfig: {name} must be 'pallas' or 'xla', got {getattr(self, name)!r}.")
+        if self.walk_operands not in ("fp32", "input"):
+            raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
+
+    def walk_operand_dtype(self, dtype):
+        """The dtype the walks round their state-sized operands to for inputs of ``dtype`` (None: fp32)."""
+        return None if self.walk_operands == "fp32" or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
@@ -123,7 +132,8 @@ def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
     y_aug = jnp.concatenate([jnp.zeros((*y.shape[:-1], dk), y.dtype), y], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
     s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
-    kw = dict(kw, block_v=min(kw["block_v"], dk))  # divides dk + dv (both powers of two)
+    # block_v divides dk + dv (both powers of two); the maps' walk keeps fp32 operands (M is a transition)
+    kw = dict(kw, block_v=min(kw["block_v"], dk), walk_operands=None)
     (ends,) = kernels.forward_pass(q, x, y_aug, eta, g, gp, rl, tinv, s_aug, write_o=False, write_h=False, **kw)
     return ends[..., :dk], ends[..., dk:]
 
@@ -145,7 +155,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
                                     num_warps=config.tri_warps, group=group, **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
-              num_warps=config.fwd_warps, num_stages=config.fwd_stages, **_layout_kw(heads))
+              num_warps=config.fwd_warps, num_stages=config.fwd_stages,
+              walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     if pieces > 1:
         M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
         starts, _ = _piece_starts(M, E, s0)
@@ -169,7 +180,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
-    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, **_layout_kw(heads))
+    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
+              walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
     state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
     do = do.astype(y.dtype)

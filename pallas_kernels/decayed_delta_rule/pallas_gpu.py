@@ -112,6 +112,15 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
             t_ref[blk[i], blk[k]] = T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)
 
 
+def _sdot(a, b, p32, lo):
+    """A walk's dot with an fp32 state-sized operand (S, P, dS, dR): at ``p32`` (TF32 for bf16 inputs), or,
+    with ``lo`` a dtype (``KernelConfig(walk_operands="input")``), both operands rounded to it first — the
+    bf16 MMA the peers use; S and dS themselves stay fp32."""
+    if lo is None:
+        return dot(a.astype(F32), b, p32)
+    return dot(a.astype(lo), b.astype(lo), None)
+
+
 def _chunk_rows(refs, c, chunk):
     """Rows of chunk ``c``: (rows slice, eta, g, gp, rl, g at the last row, rl at the last row)."""
     eta_ref, g_ref, gp_ref, rl_ref = refs
@@ -122,7 +131,7 @@ def _chunk_rows(refs, c, chunk):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
-                    n_chunks, write_o, write_h, precision):
+                    n_chunks, write_o, write_h, precision, lo=None):
     refs = list(out_refs)
     o_ref = refs.pop(0) if write_o else None
     h_ref = refs.pop(0) if write_h else None
@@ -136,20 +145,20 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
         xf = x.astype(F32)
         if write_h:
             h_ref[c, :, :] = S.astype(h_ref.dtype)
-        resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * dot(xf, S, p32))
+        resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
         P = dot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
         if write_o:
             q = q_ref[rows, :]
             scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-            o = dot(scores, P, p32) + cont[:, None] * dot(q.astype(F32), S, p32)
+            o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, S, p32, lo)
             o_ref[rows, :] = o.astype(o_ref.dtype)
-        return a_last * S + dot((xf * w_last[:, None]).T, P, p32)
+        return a_last * S + _sdot((xf * w_last[:, None]).T, P, p32, lo)
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
 def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
-                       chunk, n_chunks, write_dh, precision):
+                       chunk, n_chunks, write_dh, precision, lo=None):
     refs = list(out_refs)
     dh_ref = refs.pop(0) if write_dh else None
     (ds_start_ref,) = refs
@@ -165,10 +174,10 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         xf = x.astype(F32)
         do = do_ref[rows, :].astype(F32)
         scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-        dP = dot(scores.T, do, p32) + w_last[:, None] * dot(xf, dS, p32)
+        dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
         dR = dot(t_ref[rows, :].T, dP, p32)
-        return (a_last * dS + dot((q.astype(F32) * cont[:, None]).T, do, p32)
-                - dot((xf * (eta * cont_p)[:, None]).T, dR, p32))
+        return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
+                - _sdot((xf * (eta * cont_p)[:, None]).T, dR, p32, lo))
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
@@ -265,8 +274,10 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2, heads=None):
+                 num_warps=4, num_stages=2, heads=None, walk_operands=None):
     """Chunk walk for every (batch·head, piece, value block).
+
+    ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
 
     s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
@@ -287,14 +298,14 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     out_shape.append(shapes.piece_states)
     out_specs.append(specs.piece_state)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype))
+                               precision=precision_for(q.dtype), lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2, heads=None):
+                    num_warps=4, num_stages=2, heads=None, walk_operands=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
     Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
@@ -312,7 +323,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     out_shape.append(shapes.piece_states)
     out_specs.append(specs.piece_state)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
-                               precision=precision_for(q.dtype))
+                               precision=precision_for(q.dtype), lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,

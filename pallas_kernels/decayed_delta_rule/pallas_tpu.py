@@ -153,9 +153,10 @@ def _forward_kernel(q_ref, x_ref, y_ref, *refs, chunk, write_o, write_h):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=None, num_stages=None):
-    """See :func:`pallas_gpu.forward_pass` (``pieces`` must be 1; block_v is the whole dv)."""
-    del block_v, num_warps, num_stages
+                 num_warps=None, num_stages=None, walk_operands=None):
+    """See :func:`pallas_gpu.forward_pass` (``pieces`` must be 1; block_v is the whole dv; the walk's operands
+    stay fp32: ``walk_operands`` is a GPU choice)."""
+    del block_v, num_warps, num_stages, walk_operands
     if pieces != 1:
         raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
@@ -215,9 +216,9 @@ def _state_grad_kernel(q_ref, x_ref, *refs, chunk, write_dh):
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=None, num_stages=None):
+                    num_warps=None, num_stages=None, walk_operands=None):
     """See :func:`pallas_gpu.state_grad_pass` (reverse walk: grid step i visits chunk n-1-i)."""
-    del block_v, num_warps, num_stages
+    del block_v, num_warps, num_stages, walk_operands
     if pieces != 1:
         raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
