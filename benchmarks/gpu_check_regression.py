@@ -15,7 +15,9 @@ Checks (exit 1 if any fails):
   * Falcon-2 (per-column gains, the per-column kernel): fp32 outputs and final state at T = 8192 vs
     the float64 XLA chunk form, rel. error <= 1e-4;
   * Falcon-3 (window 4, the windowed kernel), continuing from a state with a window tail: fp32 outputs
-    and final state at T = 8192 vs the float64 XLA chunk form, rel. error <= 1e-4.
+    and final state at T = 8192 vs the float64 XLA chunk form, rel. error <= 1e-4;
+  * the op's opt-in pass choices (``KernelConfig``): outputs and chunk gradients as XLA passes, fp32 values
+    and gradients <= 1e-4; the walks' bf16 operands, bf16 output error within 2x the default's + 2^-8.
 Prints one PASS/FAIL line per check.  ``--smoke``: tiny shapes, the kernels in interpret mode
 (any machine; a crash test of the script, not a check of the GPU lowering).
 """
@@ -36,6 +38,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
+from pallas_kernels.decayed_delta_rule.api import KernelConfig  # noqa: E402
 
 
 def inputs(rng, B, T, H, d, dtype):
@@ -58,7 +61,7 @@ def to32(tree):
 
 # the check groups, in the order they run (names for --skip / --only)
 GROUPS = ("fp32 values", "falcon-2 values", "falcon-3 values", "bf16", "long bf16", "extreme op", "segments",
-          "bf16 grads", "fp32 grads")
+          "bf16 grads", "fp32 grads", "pass choices")
 
 
 def main() -> int:
@@ -239,8 +242,51 @@ def main() -> int:
         check(f"falcon-3 W=4 fp32 T={T} output rel err", rel(got, want), 1e-4)
         check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
 
+    def pass_choices():
+        """The op (``decayed_delta_rule``, raw timing, same-step pairs) with the opt-in pass choices: fp32 values
+        and gradients with the outputs and chunk gradients as XLA passes against the float64 reference (host
+        CPU); bf16 outputs with the walks' bf16 operands within 2x the default path's error + one bf16 unit."""
+        dg = dg32
+        xs = [a.swapaxes(1, 2) for a in inputs(rng, B, Tg, H, dg, jnp.float64)[:3]]  # [B, H, T, d]
+        eta = jnp.asarray(rng.uniform(0.1, 1.9, size=xs[0].shape[:3])) / jnp.sum(xs[1] ** 2, axis=-1)
+        lg = -jnp.asarray(rng.uniform(0.0, 0.05, size=eta.shape))
+        run = jnp.zeros(eta.shape, jnp.int32)
+        s0 = jnp.asarray(rng.normal(size=(B, H, dg, dg))) / 4
+        ct = jnp.asarray(rng.normal(size=xs[2].shape))
+        args64 = jax.device_put([*xs, eta, lg, s0], host)
+
+        def loss_and_grads(impl, config, args, device):
+            """(Σ o·ct, o) and its gradients w.r.t. q, x, y, η, log γ, S0, on ``device``."""
+            def loss(q, x, y, e, l, s, run_, ct_):
+                o, _ = decayed_delta_rule(q, x, y, e, l, run_, s, implementation=impl, config=config)
+                return jnp.sum(o.astype(ct_.dtype) * ct_), o
+            grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
+            dtype = jnp.float64 if args[0].dtype == jnp.float64 else jnp.float32
+            return grad(*args, *jax.device_put([run, ct.astype(dtype)], device))
+
+        (_, o_ref), g_ref = loss_and_grads("xla", None, args64, host)
+        split = KernelConfig(outputs="xla", chunk_grads="xla")
+        (_, o32), g32 = loss_and_grads("pallas_gpu", split,
+                                       jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
+        check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+        for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
+            check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
+        bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
+                            gpu)
+        exact = jax.device_put(o_ref, gpu)
+        errs = {}
+        for label, config in (("default", KernelConfig()), ("bf16 walk operands", KernelConfig(walk_operands="input")),
+                              ("bf16 walk operands + XLA passes",
+                               KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"))):
+            (_, o), _ = loss_and_grads("pallas_gpu", config, bf, gpu)
+            errs[label] = rel(o, exact)
+            print(f"      bf16 output rel err, {label}: {errs[label]:.3e}", flush=True)
+        results["bf16 pass-choice errors"] = errs
+        for label in ("bf16 walk operands", "bf16 walk operands + XLA passes"):
+            check(f"bf16 {label}: error - 2 x default's (<= one bf16 unit)", errs[label] - 2 * errs["default"], 2.0**-8)
+
     for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon3_values, bf16, long_bf16, extreme_op, segments,
-                                 bf16_grads, fp32_grads)):
+                                 bf16_grads, fp32_grads, pass_choices)):
         if name in skip or (only and name not in only):
             continue
         if name == "bf16" and "out" not in ref:

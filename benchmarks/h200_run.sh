@@ -12,8 +12,8 @@
 #                                           # the delta rule's launch variants (C=32, 8 warps) never reached so far
 #   bash benchmarks/h200_run.sh next5       # the regression gradients again (bf16 at d128; fp32 at d64, whose
 #                                           # d128 compile outlasted its step), then value-column blocks 16 / 32 / 64
-#   bash benchmarks/h200_run.sh next6       # the delta rule's outputs / chunk gradients as batched XLA passes
-#                                           # (KernelConfig(outputs="xla", chunk_grads="xla")) against the kernels
+#   bash benchmarks/h200_run.sh next6       # the delta rule's opt-in pass choices (KernelConfig: outputs /
+#                                           # chunk gradients as XLA passes, bf16 walk operands): checked, then timed
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
@@ -92,6 +92,8 @@ case $part in
       --skip "xla,falcon-2,falcon-3,BTHD,jla,fla,C=32,8 warps" --out "$out/$part/bench_regression.json"
     ;;
   next6)
+    step check_pass_choices 120 python3 benchmarks/gpu_check_regression.py --only "pass choices" \
+      --out "$out/$part/check_pass_choices.json"
     step bench_regression 330 python3 benchmarks/bench_regression.py --quick \
       --skip "xla chunk,falcon-2,falcon-3,BTHD,jla 0.1.0 deltanet,fla,C=32,8 warps,value columns" \
       --out "$out/$part/bench_regression.json"
