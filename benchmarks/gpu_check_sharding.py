@@ -16,7 +16,8 @@ GPU compiler: jax-ml/jax#18384).  Controls: the XLA chunk form inside the contex
 no Pallas call) and a one-line Pallas kernel under ``shard_map``.  ``lm-*`` are ``python -m
 train`` on the lm-130m preset cut to 2 layers, 3 steps, mesh data=2: no context (as before the
 change), the context with the kernels left whole (``constrain_batch`` only), the context with
-``shard_map`` only, and both (today's trainer).  The context's GPU gate is lifted in every case.
+``shard_map`` only, and both (the trainer on CPU meshes; on GPU meshes the trainer now runs the
+constrain-only path).  The context's GPU gate is lifted in every case.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
                     allow_gpu: bool = False):
     """Within this block, ``falcon``'s Pallas kernel path runs per shard of ``mesh``: batch
     rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring).  On a
-    mesh of GPU devices it is a no-op with a one-time warning unless ``allow_gpu`` (XLA's GPU
-    compiler crashed on it with jax 0.11.2)."""
+    mesh of GPU devices only the activation constraints apply, with a one-time warning, unless
+    ``allow_gpu`` (XLA's GPU compiler crashed on the per-shard kernels with jax 0.11.2)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)

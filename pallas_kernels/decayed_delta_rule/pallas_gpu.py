@@ -52,17 +52,18 @@ def _masks(g_row, g_col, rl_row, rl_col, strict, group=1):
     (None: a block of rows wholly after the columns' block), within one segment; else 0.
 
     ``group`` (a power of two ≤ 16): rows come in groups of ``group`` (the virtual writes of one step of a
-    windowed rule); strict=True then means *an earlier group* (``s // group < t // group``)."""
-    n_r, n_c = g_row.shape[0], g_col.shape[0]
+    windowed rule); strict=True then means *an earlier group* (``s // group < t // group``).
+    Leading batch axes are allowed (``xla.py`` calls it on ``[BH, n, C]`` rows); the kernels pass vectors."""
+    n_r, n_c = g_row.shape[-1], g_col.shape[-1]
     rows = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n_r, n_c), 1)
-    mask = rl_row[:, None] == rl_col[None, :]
+    mask = rl_row[..., :, None] == rl_col[..., None, :]
     if strict and group > 1:
         shift = jnp.int32(group.bit_length() - 1)
         mask &= lax.shift_right_logical(rows, shift) > lax.shift_right_logical(cols, shift)
     elif strict is not None:
         mask &= (rows > cols) if strict else (rows >= cols)
-    return jnp.exp(jnp.where(mask, g_row[:, None] - g_col[None, :], -jnp.inf))
+    return jnp.exp(jnp.where(mask, g_row[..., :, None] - g_col[..., None, :], -jnp.inf))
 
 
 def _gates(eta, g, gp, rl, g_last, rl_last):

@@ -19,11 +19,12 @@ with fp32 operands (states, ``T``, ``P``) at HIGHEST for fp32 inputs, the backen
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import precision_for
+from pallas_kernels.decayed_delta_rule.pallas_gpu import _gates as _kernel_gates
+from pallas_kernels.decayed_delta_rule.pallas_gpu import _masks
 
 F32 = jnp.float32
 
@@ -47,27 +48,10 @@ def _unchunked(a, heads, like):
     return jnp.swapaxes(a.reshape(B, heads, n * C, d), 1, 2)
 
 
-def _masks(g_row, g_col, rl_row, rl_col, strict, group=1):
-    """Batched ``pallas_gpu._masks``: ``exp(g_row[t] − g_col[s])`` on the causal support, within a segment."""
-    C = g_row.shape[-1]
-    rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    if strict and group > 1:
-        causal = rows // group > cols // group
-    else:
-        causal = rows > cols if strict else rows >= cols
-    mask = causal & (rl_row[..., :, None] == rl_col[..., None, :])
-    return jnp.exp(jnp.where(mask, g_row[..., :, None] - g_col[..., None, :], -jnp.inf))
-
-
 def _gates(g, gp, rl):
-    """``pallas_gpu._gates`` for ``[BH, n, C]`` rows: (c, c⁻, w, a) — a is ``[BH, n]``."""
-    g_last, rl_last = g[..., -1:], rl[..., -1:]
-    cont = jnp.where(rl == 0, jnp.exp(g), 0.0)
-    cont_p = jnp.where(rl == 0, jnp.exp(gp), 0.0)
-    w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
-    a_last = jnp.where(rl_last[..., 0] == 0, jnp.exp(g_last[..., 0]), 0.0)
-    return cont, cont_p, w_last, a_last
+    """``pallas_gpu._gates`` for ``[BH, n, C]`` rows: (c, c⁻, w, a), a of shape ``[BH, n]``."""
+    cont, cont_p, w_last, a_last = _kernel_gates(None, g, gp, rl, g[..., -1:], rl[..., -1:])
+    return cont, cont_p, w_last, a_last[..., 0]
 
 
 def _precisions(dtype):
