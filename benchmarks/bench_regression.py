@@ -96,23 +96,21 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
                               chunk_size=chunk_size, config=config, layout="BTHD")[0]
 
 
-# launch variants timed alongside the default (untuned: the chunk-gradient program's [C, C] and [C, d] fp32
-# tiles may favour a smaller chunk or more warps)
+# launch and pass variants timed alongside the default (bf16 walk operands, XLA chunk gradients since the
+# seventh H200 run; the warp and stage counts were untuned until then)
 VARIANTS = {
-    "kernel only C=32": dict(chunk_size=32),
-    "kernel only C=64, 8 warps": dict(config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8, grad_warps=8)),
-    "kernel only C=32, 8 warps": dict(chunk_size=32, config=KernelConfig(tri_warps=8, fwd_warps=8, state_warps=8,
-                                                                         grad_warps=8)),
-    "kernel only C=64, 64 value columns": dict(config=KernelConfig(block_v=64)),  # the default until the sixth run
-    "kernel only C=64, 16 value columns": dict(config=KernelConfig(block_v=16)),
-    # the parallel passes as batched XLA matmuls (xla.py): outputs from the chunk states, per-chunk gradients
+    "kernel only, sixth-run default (fp32 walk operands, Pallas chunk gradients)":
+        dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
+    "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
+    "kernel only, Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
-    "kernel only, chunk gradients in XLA": dict(config=KernelConfig(chunk_grads="xla")),
-    "kernel only, outputs + chunk gradients in XLA": dict(config=KernelConfig(outputs="xla", chunk_grads="xla")),
-    # the walks' dots on bf16 operands (the state stays fp32), alone and with the XLA passes
-    "kernel only, bf16 walk operands": dict(config=KernelConfig(walk_operands="input")),
-    "kernel only, bf16 walk operands + XLA passes": dict(config=KernelConfig(walk_operands="input", outputs="xla",
-                                                                             chunk_grads="xla")),
+    "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
+    "kernel only, C=32": dict(chunk_size=32),
+    "kernel only, triangular inverse 1 warp": dict(config=KernelConfig(tri_warps=1)),
+    "kernel only, triangular inverse 2 warps": dict(config=KernelConfig(tri_warps=2)),
+    "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
+    "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
+    "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),
 }
 
 
@@ -235,6 +233,9 @@ def main() -> int:
         for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
                              ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
                              ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
+                             ("kernel only, Pallas chunk gradients",
+                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas")),
+                              (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:
                 _, b = fwd_and_bwd(op, len(a))

@@ -14,12 +14,15 @@
 #                                           # d128 compile outlasted its step), then value-column blocks 16 / 32 / 64
 #   bash benchmarks/h200_run.sh next6       # the delta rule's opt-in pass choices (KernelConfig: outputs /
 #                                           # chunk gradients as XLA passes, bf16 walk operands): checked, then timed
+#   bash benchmarks/h200_run.sh next7       # the new defaults (bf16 walk operands, XLA chunk gradients): gradient
+#                                           # checks, per-pass split, launch variants at 8x2048
+#   bash benchmarks/h200_run.sh next8       # the new defaults at every shape, memory, Falcon-2/3, peers
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -98,6 +101,17 @@ case $part in
       --skip "xla chunk,falcon-2,falcon-3,BTHD,jla 0.1.0 deltanet,fla,C=32,8 warps,value columns" \
       --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6)"; exit 2 ;;
+  next7)
+    step check_regression 200 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values,falcon-3 values" \
+      --out "$out/$part/check_regression.json"
+    step split_delta 80 python3 benchmarks/split_passes.py --ops delta --out "$out/$part/split_delta.json"
+    step bench_variants 250 python3 benchmarks/bench_regression.py --quick \
+      --skip "xla chunk,falcon-2,falcon-3,BTHD,jla 0.1.0 deltanet,fla" --out "$out/$part/bench_variants.json"
+    ;;
+  next8)
+    step bench_regression 560 python3 benchmarks/bench_regression.py --skip "xla chunk,kernel only," \
+      --out "$out/$part/bench_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -33,6 +33,7 @@ from pallas_kernels.decayed_attention import api as attn_api
 from pallas_kernels.decayed_attention import pallas_gpu as attn_gpu
 from pallas_kernels.decayed_delta_rule import api as delta_api
 from pallas_kernels.decayed_delta_rule import pallas_gpu as delta_gpu
+from pallas_kernels.decayed_delta_rule import xla as delta_xla
 
 
 def inputs(BH, T, d, dtype, seed=0):
@@ -56,6 +57,7 @@ def split_attention(shape, interpret, rows):
     g, rl = chunk_local(log_decay, run, C)
     s0 = jnp.zeros((BH, P, d, d), jnp.float32)
     kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
+    kw["walk_operands"] = cfg.walk_operand_dtype(q.dtype)
     fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.fwd_stages)
     name = f"{B}x{T}x{H}x{d}"
@@ -107,6 +109,7 @@ def split_delta(shape, interpret, rows):
     g, gp, rl = delta_api._gates(log_decay, run, C)
     s0 = jnp.zeros((BH, P, d, d), jnp.float32)
     kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
+    kw["walk_operands"] = cfg.walk_operand_dtype(q.dtype)
     fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.fwd_stages)
     name = f"{B}x{T}x{H}x{d}"
@@ -124,7 +127,9 @@ def split_delta(shape, interpret, rows):
                ("fwd walk (o)", fwd, (q, x, y, eta, g, gp, rl, tinv, s0)),
                ("recompute walk (h)", rec, (q, x, y, eta, g, gp, rl, tinv, s0)),
                ("state-gradient walk (dh)", sgr, (q, x, eta, g, gp, rl, tinv, do, s0)),
-               ("chunk gradients", cgr, (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
+               ("chunk gradients (Pallas)", cgr, (q, x, y, eta, g, gp, rl, tinv, do, h, dh)),
+               ("chunk gradients (XLA, the GPU default)", jax.jit(functools.partial(delta_xla.chunk_grads, chunk=C)),
+                (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
     op_in = [a.reshape(B, H, T, -1) for a in (q, x, y)] + [eta.reshape(B, H, T), log_decay.reshape(B, H, T),
                                                           run.reshape(B, H, T), jnp.zeros((B, H, d, d), jnp.float32)]
 
@@ -145,11 +150,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="split_passes.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)")
+    ap.add_argument("--ops", default="attention,delta", help="comma-separated: attention, delta")
     args = ap.parse_args()
+    ops = {"attention": split_attention, "delta": split_delta}
+    unknown = set(args.ops.split(",")) - set(ops)
+    if unknown:
+        ap.error(f"--ops: unknown {sorted(unknown)}; choose from {sorted(ops)}")
     interpret = args.smoke or jax.default_backend() != "gpu"
     shapes = [(1, 256, 2, 16)] if args.smoke else [(8, 2048, 16, 128), (1, 32768, 16, 128)]
     rows, errors = [], {}
-    for split in (split_attention, split_delta):
+    for split in (ops[name] for name in args.ops.split(",")):
         for shape in shapes:
             try:
                 split(shape, interpret, rows)

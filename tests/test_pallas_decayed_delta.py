@@ -149,12 +149,14 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
     assert rel_err(got[5], want[5]) < 5e-5
 
 
-@pytest.mark.parametrize("dtype,pieces,walk_operands", [(jnp.bfloat16, 2, "fp32"), (jnp.float32, 1, "fp32"),
-                                                       (jnp.bfloat16, 2, "input")])
-def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands):
+@pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads", [
+    (jnp.bfloat16, 2, "fp32", "pallas"), (jnp.float32, 1, "fp32", "pallas"), (jnp.bfloat16, 2, "input", "pallas"),
+    (jnp.bfloat16, 2, "input", "auto")])
+def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
-    H = 3): the kernels read the model's layout, and no [B, T, H, d] array is transposed around them;
-    also with the walks' dots on bf16 operands."""
+    H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
+    is transposed around them; also with the walks' dots on bf16 operands.  The default (XLA chunk
+    gradients on the GPU) lowers its three kernels; its batched matmuls do transpose."""
     B, T, H, D = 2, 512, 3, 128
     q = jnp.zeros((B, T, H, D), dtype)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -163,13 +165,18 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands):
 
     def loss(q, x, y, eta, log_gamma, s0):
         o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
-                                  pieces=pieces, layout="BTHD", config=KernelConfig(walk_operands=walk_operands))
+                                  pieces=pieces, layout="BTHD",
+                                  config=KernelConfig(walk_operands=walk_operands, chunk_grads=chunk_grads))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
         lowering_platforms=("cuda",)).as_text()
-    for name in ("tri_inverse", "fwd", "dstate", "chunk_grads"):
+    kernels = ("tri_inverse", "fwd", "dstate") + (("chunk_grads",) if chunk_grads == "pallas" else ())
+    for name in kernels:
         assert f"falcon_delta_{name}" in text, name
+    if chunk_grads != "pallas":
+        assert "falcon_delta_chunk_grads" not in text
+        return
     assert all(f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
 
 
@@ -265,14 +272,19 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(outputs="xla", chunk_grads="xla"), KernelConfig(walk_operands="input"),
-                                    KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla")],
-                         ids=["xla-passes", "bf16-walk-operands", "both"])
+FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas")
+
+
+@pytest.mark.parametrize("config", [KernelConfig(walk_operands="fp32", outputs="xla", chunk_grads="xla"),
+                                    KernelConfig(walk_operands="input", chunk_grads="pallas"),
+                                    KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"),
+                                    KernelConfig()],
+                         ids=["xla-passes", "bf16-walk-operands", "both", "default"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
-    """bf16 q, x, y with the opt-in pass choices — the outputs and chunk gradients as XLA passes (reading
-    the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16 —:
-    outputs and gradients against the float64 reference, within twice the error of the default path on
-    the same inputs plus one bf16 unit (2⁻⁸ of the largest value: rounding S and P to bf16 for a dot
+    """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
+    the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, and the
+    default (bf16 walk operands, XLA chunk gradients) —: outputs and gradients against the float64
+    reference, within twice the error of the fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value: rounding S and P to bf16 for a dot
     costs about that; measured 1–3.7× the default's error), with pieces, so the piece maps run too."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=64, dv=32, segments=True)
     ct = jnp.asarray(rng.normal(size=y.shape))
@@ -294,14 +306,21 @@ def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
 
     with poisoned_outputs():
         split = out_and_grads(op(config), jnp.bfloat16)
-        fused = out_and_grads(op(KernelConfig()), jnp.bfloat16)
+        fused = out_and_grads(op(FP32_WALK_PALLAS_PASSES), jnp.bfloat16)
     for name, a, b, e in zip(["o", "q", "x", "y"], split, fused, exact):
         assert np.all(np.isfinite(np.asarray(a, np.float64))), name
         assert rel_err(a, e) <= 2 * rel_err(b, e) + 2.0**-8, (name, rel_err(a, e), rel_err(b, e))
 
 
+def test_kernel_config_auto_chunk_grads_per_backend():
+    """The default picks the XLA chunk gradients on the GPU (faster on the H200) and keeps the TPU's Pallas kernel."""
+    assert KernelConfig().chunk_grads_for("pallas_gpu") == "xla"
+    assert KernelConfig().chunk_grads_for("pallas_tpu") == "pallas"
+    assert KernelConfig(chunk_grads="pallas").chunk_grads_for("pallas_gpu") == "pallas"
+
+
 def test_kernel_config_refuses_unknown_pass_choices():
-    with pytest.raises(ValueError, match="chunk_grads must be 'pallas' or 'xla'"):
+    with pytest.raises(ValueError, match="chunk_grads must be 'auto' or 'pallas' or 'xla'"):
         KernelConfig(chunk_grads="triton")
     with pytest.raises(ValueError, match="outputs must be"):
         KernelConfig(outputs="XLA")
@@ -313,7 +332,7 @@ def test_bf16_walk_operands_leave_fp32_inputs_alone(rng):
     """``walk_operands="input"`` rounds operands only for bf16/fp16 inputs: fp32 runs are bit-identical."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=40)
     a = kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(walk_operands="input"))
-    b = kernel(q, x, y, eta, log_gamma, run, s0)
+    b = kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(walk_operands="fp32"))
     for u, v in zip(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
@@ -351,7 +370,8 @@ def test_rules_without_kernel_raise_or_fall_back(rng):
 def test_kernels_lower_for_the_accelerator(implementation, platform, dtype, pieces):
     """Cross-lower forward + backward for the real accelerator on CPU (no device needed): every
     ``pallas_call`` goes through the Triton (or Mosaic TPU) lowering rules, d = 128, chunk 64.
-    Catches unsupported ops in the kernels; compiling the lowered kernels needs the device."""
+    Catches unsupported ops in the kernels; compiling the lowered kernels needs the device.  The Pallas
+    chunk-gradient kernel is asked for explicitly (the GPU default computes those gradients in XLA)."""
     B, H, T, D = 1, 2, 512, 128
     q = jnp.zeros((B, H, T, D), dtype)
     gate = jnp.zeros((B, H, T), jnp.float32)
@@ -360,7 +380,7 @@ def test_kernels_lower_for_the_accelerator(implementation, platform, dtype, piec
 
     def loss(q, x, y, eta, log_gamma, s0):
         o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation=implementation, interpret=False,
-                                  pieces=pieces)
+                                  pieces=pieces, config=KernelConfig(chunk_grads="pallas"))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     lowered = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
@@ -817,7 +837,7 @@ def test_windowed_kernel_lowers_for_the_accelerator(implementation, platform, dt
     def loss(q, x, y, w, log_gamma, s0):
         kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
         o, s = windowed_delta_rule(q, x, y, w, log_gamma, run, s0, implementation=implementation, interpret=False,
-                                   **kw)
+                                   config=KernelConfig(chunk_grads="pallas"), **kw)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, xy, xy, w, gate, s0).lower(

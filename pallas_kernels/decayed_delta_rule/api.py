@@ -67,7 +67,8 @@ def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of the GPU kernels (block_v from the sixth H200 run; the rest untuned)."""
+    """Launch parameters and pass choices of the kernels (block_v, chunk_grads and walk_operands from the
+    sixth and seventh H200 runs, docs/kernels.md; the warp and stage counts untuned)."""
 
     block_v: int = 32  # value columns per program of the walks and per step of the chunk gradients (H200: 32 beat 64)
     tri_warps: int = 4
@@ -77,26 +78,35 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     target_programs: int = 264  # cut the sequence into pieces until this many programs run
-    # not yet timed on the GPU: the per-chunk gradient pass and the forward's outputs as "pallas" (one program per
-    # chunk; outputs inside the walk) or "xla" (batched matmuls from the chunk states, xla.py)
-    chunk_grads: str = "pallas"
+    # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py) or
+    # "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), the Pallas kernel on the TPU
+    chunk_grads: str = "auto"
+    # the forward's outputs: "pallas" (inside the walk) or "xla" (the walk stores chunk states; slower on the H200)
     outputs: str = "pallas"
-    # the walks' dots with the fp32 state, P, dS or dR: "fp32" (TF32 for bf16 inputs) or "input" (both operands
-    # rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; fp32 inputs unaffected; GPU only)
-    walk_operands: str = "fp32"
+    # the walks' dots with the fp32 state, P, dS or dR: "input" (both operands rounded to the bf16/fp16 inputs'
+    # dtype: bf16 MMA, as the peers do; H200 forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for
+    # bf16 inputs).  fp32 inputs are unaffected either way; the TPU kernels ignore it (fp32 operands).
+    walk_operands: str = "input"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
     def __post_init__(self):
-        for name in ("chunk_grads", "outputs"):
-            if getattr(self, name) not in ("pallas", "xla"):
-                raise ValueError(f"KernelConfig: {name} must be 'pallas' or 'xla', got {getattr(self, name)!r}.")
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla"))):
+            if getattr(self, name) not in allowed:
+                choices = " or ".join(repr(a) for a in allowed)
+                raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
 
     def walk_operand_dtype(self, dtype):
         """The dtype the walks round their state-sized operands to for inputs of ``dtype`` (None: fp32)."""
         return None if self.walk_operands == "fp32" or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+
+    def chunk_grads_for(self, backend: str) -> str:
+        """``chunk_grads`` with "auto" resolved for ``backend`` ("pallas_gpu" or "pallas_tpu")."""
+        if self.chunk_grads != "auto":
+            return self.chunk_grads
+        return "xla" if backend == "pallas_gpu" else "pallas"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
@@ -202,7 +212,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         ds_ends = ds_final[:, None]
     dh, ds_start = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    if config.chunk_grads == "xla":
+    if config.chunk_grads_for(backend) == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads)
     else:
