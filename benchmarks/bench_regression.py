@@ -97,7 +97,7 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
 
 
 # launch and pass variants timed alongside the default (bf16 walk operands, XLA chunk gradients since the
-# seventh H200 run; the warp and stage counts were untuned until then)
+# seventh H200 run, and one warp for the triangular inverse)
 VARIANTS = {
     "kernel only, sixth-run default (fp32 walk operands, Pallas chunk gradients)":
         dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
@@ -106,8 +106,12 @@ VARIANTS = {
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
-    "kernel only, triangular inverse 1 warp": dict(config=KernelConfig(tri_warps=1)),
+    "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7
     "kernel only, triangular inverse 2 warps": dict(config=KernelConfig(tri_warps=2)),
+    "kernel only, Pallas chunk gradients 8 warps": dict(config=KernelConfig(chunk_grads="pallas", grad_warps=8)),
+    "kernel only, state walk 8 warps": dict(config=KernelConfig(state_warps=8)),
+    "kernel only, state walk 2 warps": dict(config=KernelConfig(state_warps=2)),
+    "kernel only, forward walk 2 warps": dict(config=KernelConfig(fwd_warps=2)),
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
     "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
     "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),

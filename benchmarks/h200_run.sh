@@ -109,7 +109,10 @@ case $part in
       --skip "xla chunk,falcon-2,falcon-3,BTHD,jla 0.1.0 deltanet,fla" --out "$out/$part/bench_variants.json"
     ;;
   next8)
-    step bench_regression 560 python3 benchmarks/bench_regression.py --skip "xla chunk,kernel only," \
+    step bench_variants 130 python3 benchmarks/bench_regression.py --quick --skip "sixth-run,fp32 walk,outputs in XLA,\
+64 value,C=32,triangular inverse 2,walks 1 stage,walks 3 stages,walks 8 warps,BTHD,jla,fla,falcon-2,falcon-3,xla chunk" \
+      --out "$out/$part/bench_variants.json"
+    step bench_regression 420 python3 benchmarks/bench_regression.py --skip "xla chunk,kernel only," \
       --out "$out/$part/bench_regression.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8)"; exit 2 ;;

@@ -67,11 +67,11 @@ def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters and pass choices of the kernels (block_v, chunk_grads and walk_operands from the
-    sixth and seventh H200 runs, docs/kernels.md; the warp and stage counts untuned)."""
+    """Launch parameters and pass choices of the kernels (block_v, tri_warps, chunk_grads and walk_operands
+    from the sixth and seventh H200 runs, docs/kernels.md)."""
 
     block_v: int = 32  # value columns per program of the walks and per step of the chunk gradients (H200: 32 beat 64)
-    tri_warps: int = 4
+    tri_warps: int = 1  # the triangular inverse's 16-row substitution is serial: one warp (H200: 0.66 vs 0.90 ms fwd)
     fwd_warps: int = 4
     fwd_stages: int = 2
     state_warps: int = 4
