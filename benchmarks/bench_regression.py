@@ -112,6 +112,10 @@ VARIANTS = {
     "kernel only, state walk 8 warps": dict(config=KernelConfig(state_warps=8)),
     "kernel only, state walk 2 warps": dict(config=KernelConfig(state_warps=2)),
     "kernel only, forward walk 2 warps": dict(config=KernelConfig(fwd_warps=2)),
+    # how far to cut the sequence into pieces when batch·heads·value blocks leave the GPU idle
+    "kernel only, no pieces": dict(config=KernelConfig(target_programs=1)),
+    "kernel only, pieces to 128 programs": dict(config=KernelConfig(target_programs=128)),
+    "kernel only, pieces to 256 programs": dict(config=KernelConfig(target_programs=256)),
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
     "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
     "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),
@@ -136,12 +140,27 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
     parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
                         "not measured (e.g. 'xla,C=32')")
+    parser.add_argument("--shapes", default=None, help="comma-separated BxTxHxD timing shapes (default: all; "
+                        "'' for none)")
+    parser.add_argument("--memory-shapes", default=None, help="comma-separated BxTxHxD memory shapes (default: "
+                        "1x32768x16x128,1x131072x16x128; '' for none)")
     args = parser.parse_args()
+
+    def shape_list(text, flag):
+        try:
+            return [tuple(int(n) for n in item.split("x")) for item in text.split(",") if item.strip()]
+        except ValueError:
+            parser.error(f"{flag}: expected comma-separated BxTxHxD shapes such as 2x8192x16x128, got {text!r}")
+
     t_start = time.time()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows, errors, memory = [], {}, []
     shapes = SMOKE_SHAPES if args.smoke else SHAPES[:1] if args.quick else SHAPES
     memory_shapes = SMOKE_MEMORY_SHAPES if args.smoke else [] if args.quick else MEMORY_SHAPES
+    if args.shapes is not None:
+        shapes = shape_list(args.shapes, "--shapes")
+    if args.memory_shapes is not None:
+        memory_shapes = shape_list(args.memory_shapes, "--memory-shapes")
     timing = dict(calls=1, repeats=1) if args.smoke else {}
     slow_timing = dict(calls=1, repeats=1) if args.smoke else dict(calls=3, repeats=3)
 
@@ -224,7 +243,7 @@ def main() -> int:
                 print(row, f"[{time.time() - t_start:.0f} s]", flush=True)
             except Exception as e:  # noqa: BLE001
                 record_error(f"fla {shape}", e)
-        if shape == shapes[0]:  # Falcon-2 (per-column gains): first shape only
+        if shape == (SMOKE_SHAPES if args.smoke else SHAPES)[0]:  # Falcon-2 (per-column gains): 8x2048 only
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))

@@ -17,12 +17,13 @@
 #   bash benchmarks/h200_run.sh next7       # the new defaults (bf16 walk operands, XLA chunk gradients): gradient
 #                                           # checks, per-pass split, launch variants at 8x2048
 #   bash benchmarks/h200_run.sh next8       # the new defaults at every shape, memory, Falcon-2/3, peers
+#   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -115,6 +116,13 @@ case $part in
     step bench_regression 420 python3 benchmarks/bench_regression.py --skip "xla chunk,kernel only," \
       --out "$out/$part/bench_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8)"; exit 2 ;;
+  next9)
+    step bench_pieces 300 python3 benchmarks/bench_regression.py --shapes 2x8192x16x128,1x32768x16x128 \
+      --memory-shapes "" --skip "xla chunk,sixth-run,walk operands,chunk gradients,outputs in XLA,64 value,C=32,\
+triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
+    step memory 200 python3 benchmarks/bench_regression.py --shapes "" --memory-shapes 1x131072x16x128 \
+      --out "$out/$part/memory.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
