@@ -18,12 +18,13 @@
 #                                           # checks, per-pass split, launch variants at 8x2048
 #   bash benchmarks/h200_run.sh next8       # the new defaults at every shape, memory, Falcon-2/3, peers
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
+#   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -123,6 +124,10 @@ triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
     step memory 200 python3 benchmarks/bench_regression.py --shapes "" --memory-shapes 1x131072x16x128 \
       --out "$out/$part/memory.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9)"; exit 2 ;;
+  next10)
+    step bench_defaults 200 python3 benchmarks/bench_regression.py --memory-shapes "" \
+      --skip "xla chunk,kernel only,jla,fla,falcon-2" --out "$out/$part/bench_defaults.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -67,8 +67,8 @@ def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters and pass choices of the kernels (block_v, tri_warps, chunk_grads and walk_operands
-    from the sixth and seventh H200 runs, docs/kernels.md)."""
+    """Launch parameters and pass choices of the kernels (block_v, tri_warps, target_programs, chunk_grads and
+    walk_operands from the sixth and seventh H200 runs, docs/kernels.md)."""
 
     block_v: int = 32  # value columns per program of the walks and per step of the chunk gradients (H200: 32 beat 64)
     tri_warps: int = 1  # the triangular inverse's 16-row substitution is serial: one warp (H200: 0.66 vs 0.90 ms fwd)
@@ -77,7 +77,9 @@ class KernelConfig:
     state_warps: int = 4
     grad_warps: int = 4
     grad_stages: int = 1
-    target_programs: int = 264  # cut the sequence into pieces until this many programs run
+    # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
+    # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
+    target_programs: int = 64
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py) or
     # "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), the Pallas kernel on the TPU
     chunk_grads: str = "auto"
