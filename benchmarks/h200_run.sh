@@ -19,12 +19,13 @@
 #   bash benchmarks/h200_run.sh next8       # the new defaults at every shape, memory, Falcon-2/3, peers
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
+#   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -128,6 +129,12 @@ triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
     step bench_defaults 200 python3 benchmarks/bench_regression.py --memory-shapes "" \
       --skip "xla chunk,kernel only,jla,fla,falcon-2" --out "$out/$part/bench_defaults.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10)"; exit 2 ;;
+  next11)
+    step check_grads 120 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,pass choices" \
+      --out "$out/$part/check_grads.json"
+    step bench 100 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,sixth-run,Pallas chunk,\
+outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,jla,fla,falcon-2,falcon-3" --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

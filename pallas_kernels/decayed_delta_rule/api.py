@@ -85,9 +85,10 @@ class KernelConfig:
     chunk_grads: str = "auto"
     # the forward's outputs: "pallas" (inside the walk) or "xla" (the walk stores chunk states; slower on the H200)
     outputs: str = "pallas"
-    # the walks' dots with the fp32 state, P, dS or dR: "input" (both operands rounded to the bf16/fp16 inputs'
-    # dtype: bf16 MMA, as the peers do; H200 forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for
-    # bf16 inputs).  fp32 inputs are unaffected either way; the TPU kernels ignore it (fp32 operands).
+    # the walks' dots with the fp32 state, P, dS or dR (and the XLA chunk gradients' dots with computed fp32
+    # operands): "input" (both operands rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; H200
+    # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
+    # either way; the TPU kernels ignore it (fp32 operands).
     walk_operands: str = "input"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
@@ -216,7 +217,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     # 3) per-chunk gradients
     if config.chunk_grads_for(backend) == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
-                                                    group=group, heads=heads)
+                                                    group=group, heads=heads,
+                                                    operands=config.walk_operand_dtype(q.dtype))
     else:
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,

@@ -84,41 +84,60 @@ def outputs(q, x, y, eta, g, gp, rl, tinv, h, *, chunk, heads=None):
     return _unchunked(o, heads, y)
 
 
-def chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, group=1, heads=None):
+def chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, group=1, heads=None, operands=None):
     """Per-chunk gradients, as ``pallas_gpu.chunk_grad_pass`` returns them.
 
     q, x ``[BH, L, dk]``, y, do ``[BH, L, dv]`` (or ``[B, L, H, d]`` with ``heads=H``); eta, g, gp, rl
     ``[BH, L]``; tinv ``[BH, L, C]``; h, dh ``[BH, n, dk, dv]`` (chunk start states, end-state
     gradients).  Returns dq, dx, dy in the layouts of q, x, y and fp32 ``[BH, L]`` dη, dg, dgp.
+
+    Dots whose operands are all held in the inputs' dtype (q, x, dO and the stored h, dh) run on it
+    (exact: a bf16 value is a TF32 value).  ``operands`` (None, or the bf16/fp16 inputs' dtype, as
+    ``KernelConfig(walk_operands="input")`` gives it): the computed fp32 operands (scores, P, dR and
+    the score and Gram gradients) are rounded to it for their dots too, as the walks do; dots with
+    ``T`` keep fp32 operands (its entries can be far from 1).
     """
     prec_in, p32 = _precisions(q.dtype)
 
-    def mm(spec, a, b, precision=p32):
-        return jnp.einsum(spec, a, b, preferred_element_type=F32, precision=precision)
+    def mm(spec, a, b):  # a computed fp32 operand: at p32, or rounded for a bf16 MMA as in the walks
+        if operands is not None:
+            return jnp.einsum(spec, a.astype(operands), b.astype(operands), preferred_element_type=F32)
+        return jnp.einsum(spec, a, b, preferred_element_type=F32, precision=p32)
+
+    def mm_in(spec, a, b):  # both operands held in the inputs' dtype: no rounding
+        return jnp.einsum(spec, a, b, preferred_element_type=F32, precision=prec_in)
+
+    def mm_t(spec, a, b):  # with T: fp32 operands
+        return jnp.einsum(spec, a, b, preferred_element_type=F32, precision=p32)
 
     qc, xc = _chunked(q, heads, chunk), _chunked(x, heads, chunk)
-    yc, doc = _chunked(y, heads, chunk).astype(F32), _chunked(do, heads, chunk).astype(F32)
+    do_in = _chunked(do, heads, chunk)
+    yc, doc = _chunked(y, heads, chunk).astype(F32), do_in.astype(F32)
     BH, n, C, dk = qc.shape
     eta, g, gp, rl = (a.reshape(BH, n, C) for a in (eta, g, gp, rl))
     tinv = tinv.reshape(BH, n, C, C)
+    # the kernels store h, dh in the inputs' dtype for bf16/fp16 inputs: those dots take them as they are
+    h_in, dh_in = (a if a.dtype == qc.dtype else a.astype(F32) for a in (h, dh))
     h, dh = h.astype(F32), dh.astype(F32)
     qf, xf = qc.astype(F32), xc.astype(F32)
+    x_for_h = xc if h_in.dtype == xc.dtype else xf
+    do_for_h = do_in if h_in.dtype == do_in.dtype else doc
     cont, cont_p, w_last, a_last = _gates(g, gp, rl)
 
     decay = _masks(g, g, rl, rl, strict=False)
-    scores = mm("bnsk,bntk->bnst", qc, xc, prec_in) * decay
-    gram = mm("bnsk,bntk->bnst", xc, xc, prec_in)
+    scores = mm_in("bnsk,bntk->bnst", qc, xc) * decay
+    gram = mm_in("bnsk,bntk->bnst", xc, xc)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
 
-    xh = mm("bnck,bnkv->bncv", xf, h)
+    xh = mm_in("bnck,bnkv->bncv", x_for_h, h_in)
     target = yc - cont_p[..., None] * xh
-    P = mm("bnst,bntv->bnsv", tinv, eta[..., None] * target)
-    xdh = mm("bnck,bnkv->bncv", xf, dh)
+    P = mm_t("bnst,bntv->bnsv", tinv, eta[..., None] * target)
+    xdh = mm_in("bnck,bnkv->bncv", x_for_h, dh_in)
     dP = mm("bnts,bntv->bnsv", scores, doc) + w_last[..., None] * xdh
-    dR = mm("bnts,bntv->bnsv", tinv, dP)
+    dR = mm_t("bnts,bntv->bnsv", tinv, dP)
     d_a = -mm("bnsv,bntv->bnst", dR, P)
     d_op = mm("bnsv,bntv->bnst", doc, P)
-    do_h = mm("bncv,bnkv->bnck", doc, h)
+    do_h = mm_in("bncv,bnkv->bnck", do_for_h, h_in)
     dr_h = mm("bncv,bnkv->bnck", dR, h)
     p_dh = mm("bncv,bnkv->bnck", P, dh)
     dy = eta[..., None] * dR
