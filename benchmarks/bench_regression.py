@@ -122,6 +122,15 @@ VARIANTS = {
 }
 
 
+# the per-column kernel (Falcon-2) on per-column gains, kernel only, with its launch parameters varied
+COLUMN_VARIANTS = {
+    "per-column op, default (4 warps, 32 columns)": KernelConfig(),
+    "per-column op, 1 warp": KernelConfig(column_warps=1),
+    "per-column op, 2 warps": KernelConfig(column_warps=2),
+    "per-column op, 16 columns": KernelConfig(column_block_v=16),
+}
+
+
 def jla_op(kind):
     def op(q, k, v, beta, log_decay):
         import jla.ops
@@ -247,6 +256,8 @@ def main() -> int:
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
+            for label, cfg in COLUMN_VARIANTS.items():
+                measure(label, shape, functools.partial(kernel_only, config=cfg), 5, (q, k, v, beta_col, log_decay))
         for label, kw in VARIANTS.items():
             measure(label, shape, functools.partial(kernel_only, **kw), 5, (q, k, v, beta, log_decay))
         measure("falcon-1 xla chunk (ours)", shape, ours_xla, 5, (q, k, v, beta, lam), slow=True)

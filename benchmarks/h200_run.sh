@@ -20,12 +20,13 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next12      # the per-column kernel's (Falcon-2) warps and columns
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -135,6 +136,10 @@ triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
     step bench 100 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,sixth-run,Pallas chunk,\
 outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,jla,fla,falcon-2,falcon-3" --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11)"; exit 2 ;;
+  next12)
+    step bench_columns 140 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
+falcon-2,falcon-3,jla,fla" --out "$out/$part/bench_columns.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
