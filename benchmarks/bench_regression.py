@@ -104,6 +104,7 @@ VARIANTS = {
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
+    "kernel only, split forward (W/U, state-only walk, output kernel)": dict(config=KernelConfig(outputs="split")),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7

@@ -271,6 +271,10 @@ def main() -> int:
         check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
             check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
+        (_, o32), _ = loss_and_grads("pallas_gpu", KernelConfig(outputs="split"),
+                                     jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
+        check(f"op, split forward (W/U, state-only walk, output kernel), fp32 T={Tg} d{dg} output rel err",
+              rel(o32, o_ref), 1e-4)
         bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
                             gpu)
         exact = jax.device_put(o_ref, gpu)
@@ -280,7 +284,8 @@ def main() -> int:
                               ("bf16 walk operands", KernelConfig(walk_operands="input", chunk_grads="pallas")),
                               ("bf16 walk operands + XLA passes",
                                KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla")),
-                              ("default (bf16 walk operands, XLA chunk gradients)", KernelConfig())):
+                              ("default (bf16 walk operands, XLA chunk gradients)", KernelConfig()),
+                              ("split forward", KernelConfig(outputs="split"))):
             (_, o), _ = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             print(f"      bf16 output rel err, {label}: {errs[label]:.3e}", flush=True)

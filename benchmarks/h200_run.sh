@@ -20,7 +20,8 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next12      # the per-column kernel's (Falcon-2) warps and columns
+#   bash benchmarks/h200_run.sh next12      # the split forward (outputs="split"): checked, then timed at every
+#                                           # shape; the per-column kernel's (Falcon-2) warps and columns
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
@@ -137,6 +138,11 @@ triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
 outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,jla,fla,falcon-2,falcon-3" --out "$out/$part/bench.json"
     ;;
   next12)
+    step check_split 100 python3 benchmarks/gpu_check_regression.py --only "pass choices" \
+      --out "$out/$part/check_split.json"
+    step bench_split 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
+walk operands,chunk gradients,outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,0.1.0 deltanet,fla,\
+falcon-2,falcon-3,per-column" --out "$out/$part/bench_split.json"
     step bench_columns 140 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
 falcon-2,falcon-3,jla,fla" --out "$out/$part/bench_columns.json"
     ;;

@@ -65,11 +65,13 @@ def reference(q, x, y, eta, log_gamma, run, s0):
     (1, 16, 1, False, "pallas_gpu", "pallas"), (50, 16, 1, True, "pallas_gpu", "pallas"),
     (50, 32, 1, True, "pallas_gpu", "pallas"), (100, 16, 4, True, "pallas_gpu", "pallas"),
     (40, 16, 1, True, "pallas_tpu", "pallas"), (50, 32, 1, True, "pallas_gpu", "xla"),
-    (100, 16, 4, True, "pallas_gpu", "xla"),
+    (100, 16, 4, True, "pallas_gpu", "xla"), (50, 32, 1, True, "pallas_gpu", "split"),
+    (100, 16, 4, True, "pallas_gpu", "split"), (37, 16, 1, False, "pallas_gpu", "split"),
 ])
 def test_forward_matches_reference(T, chunk, pieces, segments, implementation, outputs, rng):
     """Outputs and final state; ``outputs="xla"``: the walk carries the state only and the outputs come from
-    the chunk start states in a parallel XLA pass."""
+    the chunk start states in a parallel XLA pass; ``"split"``: W, U per chunk, a state-only walk and an
+    output kernel."""
     H = 1 if implementation == "pallas_tpu" else 2  # TPU interpret mode is slow
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, segments=segments)
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
@@ -111,11 +113,12 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
 
 @pytest.mark.parametrize("T,pieces,per_column,implementation,chunk_grads", [
     (53, 1, False, "pallas_gpu", "pallas"), (100, 4, False, "pallas_gpu", "pallas"), (41, 1, True, "pallas_gpu", "pallas"),
-    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla")])
+    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla"), (53, 2, False, "pallas_gpu", "split")])
 def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, chunk_grads, rng):
     """``layout="BTHD"``: the scalar-gate Triton kernels read [B, T, H, d] in place (per-column gates and
     other implementations transpose); values, state and gradients equal the float64 reference.
-    ``chunk_grads="xla"``: also the outputs and the per-chunk gradients as batched XLA passes."""
+    ``"xla"``: also the outputs and the per-chunk gradients as batched XLA passes; ``"split"``: the split
+    forward (outputs="split") with the default chunk gradients."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=3, T=T, dv=32, segments=True)
     if per_column:
         eta = eta[..., None] * rng.uniform(0.5, 1.0, size=y.shape)
@@ -128,7 +131,8 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
             o, s = decayed_delta_rule(*a[:5], time_major(run), a[5], implementation="xla", layout="BTHD")
         else:
             o, s = kernel(*a[:5], time_major(run), a[5], pieces=pieces, layout="BTHD",
-                          config=KernelConfig(chunk_grads=chunk_grads, outputs=chunk_grads))
+                          config=KernelConfig(chunk_grads="auto" if chunk_grads == "split" else chunk_grads,
+                                              outputs=chunk_grads))
         assert o.shape == (2, T, 3, 32)
         return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
 
@@ -278,8 +282,8 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
 @pytest.mark.parametrize("config", [KernelConfig(walk_operands="fp32", outputs="xla", chunk_grads="xla"),
                                     KernelConfig(walk_operands="input", chunk_grads="pallas"),
                                     KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"),
-                                    KernelConfig()],
-                         ids=["xla-passes", "bf16-walk-operands", "both", "default"])
+                                    KernelConfig(), KernelConfig(outputs="split")],
+                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-forward"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, and the
@@ -310,6 +314,34 @@ def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     for name, a, b, e in zip(["o", "q", "x", "y"], split, fused, exact):
         assert np.all(np.isfinite(np.asarray(a, np.float64))), name
         assert rel_err(a, e) <= 2 * rel_err(b, e) + 2.0**-8, (name, rel_err(a, e), rel_err(b, e))
+
+
+@pytest.mark.parametrize("dtype,pieces,heads", [(jnp.bfloat16, 1, True), (jnp.bfloat16, 2, False),
+                                               (jnp.float32, 1, False)])
+def test_split_forward_lowers_for_triton(dtype, pieces, heads):
+    """``outputs="split"``: its three kernels (W/U, the state-only walk, the outputs) cross-lower through the
+    Triton rules at d = 128, chunk 64, in place ([B, T, H, d]) and head-major, with pieces."""
+    B, T, H, D = 1, 512, 2, 128
+    shape = (B, T, H, D) if heads else (B, H, T, D)
+    q = jnp.zeros(shape, dtype)
+    gate = jnp.zeros(shape[:3], jnp.float32)
+    run = jnp.zeros(shape[:3], jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def fwd(q, x, y, eta, log_gamma, s0):
+        return decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
+                                  pieces=pieces, layout="BTHD" if heads else "BHTD",
+                                  config=KernelConfig(outputs="split"))
+
+    text = jax.jit(fwd).trace(q, q, q, gate, gate, s0).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("tri_inverse", "prepare_wu", "state_walk", "outputs"):
+        assert f"falcon_delta_{name}" in text, name
+
+
+def test_split_forward_is_gpu_only(rng):
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
+    with pytest.raises(NotImplementedError, match="outputs='split'"):
+        kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(outputs="split"))
 
 
 def test_kernel_config_auto_chunk_grads_per_backend():

@@ -83,7 +83,8 @@ class KernelConfig:
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py) or
     # "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), the Pallas kernel on the TPU
     chunk_grads: str = "auto"
-    # the forward's outputs: "pallas" (inside the walk) or "xla" (the walk stores chunk states; slower on the H200)
+    # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200) or
+    # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split; not yet timed)
     outputs: str = "pallas"
     # the walks' dots with the fp32 state, P, dS or dR (and the XLA chunk gradients' dots with computed fp32
     # operands): "input" (both operands rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; H200
@@ -94,7 +95,7 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla"))):
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla", "split"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
@@ -175,7 +176,11 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         starts, _ = _piece_starts(M, E, s0)
     else:
         starts = s0[:, None]
-    if config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
+    if config.outputs == "split":
+        if backend != "pallas_gpu":
+            raise NotImplementedError(f"{backend}: KernelConfig(outputs='split') is a GPU kernel; use 'pallas' or 'xla'")
+        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, **kw)
+    elif config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:

@@ -252,6 +252,47 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
+def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
+    """One chunk's ``W = T (η c⁻ ⊙ X)`` and ``U = T (η ⊙ Y)``, so that ``P = U − W S_0`` (the split forward)."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    tinv = t_ref[...]
+    w_ref[...] = dot(tinv, (eta * cont_p)[:, None] * x_ref[...].astype(F32), p32).astype(w_ref.dtype)
+    u_ref[...] = dot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
+
+
+def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_ref, *, chunk, n_chunks, precision,
+                       lo=None):
+    """The split forward's walk: only the state, two dots per chunk (``P = U − W S``, ``S ← a S + (w ⊙ X)ᵀ P``);
+    stores every chunk's start state for the output pass."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+
+    def body(c, S):
+        start = pl.multiple_of(c * chunk, chunk)
+        rows = pl.ds(start, chunk)
+        g, rl, g_last, rl_last = g_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], rl_ref[start + chunk - 1]
+        w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
+        a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+        h_ref[c, :, :] = S.astype(h_ref.dtype)
+        P = u_ref[rows, :].astype(F32) - _sdot(w_ref[rows, :], S, p32, lo)
+        return a_last * S + _sdot((x_ref[rows, :].astype(F32) * w_last[:, None]).T, P, p32, lo)
+
+    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
+
+
+def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, precision, lo=None):
+    """One chunk's outputs from its start state h: ``o = c ⊙ Q h + (Q Xᵀ ⊙ D)(U − W h)``."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    q, x, g, rl = q_ref[...], x_ref[...], g_ref[...], rl_ref[...]
+    h = h_ref[...].astype(F32)  # stored in the inputs' dtype for bf16 inputs
+    cont = jnp.where(rl == 0, jnp.exp(g), 0.0)
+    P = u_ref[...].astype(F32) - _sdot(w_ref[...], h, p32, lo)
+    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, h, p32, lo)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
 def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
@@ -303,6 +344,58 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
+
+
+def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, interpret, num_warps=4,
+                  num_stages=2, heads=None, walk_operands=None):
+    """The forward split as the peers split it: ``W, U`` per chunk (parallel), a walk that carries only the state
+    (two dots per chunk, storing the chunk start states), then the outputs of every chunk (parallel).
+
+    ``W [BH, L, dk]`` is stored in ``walk_operands`` (the dtype the walks round it to for their dots anyway) or
+    fp32, ``U [BH, L, dv]`` in fp32 (it enters ``P`` by a subtraction: rounding it would add to P's error).  Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype,
+    s_end [BH, P, dk, dv]); s0 as :func:`forward_pass`."""
+    BH, L, dk = token_dims(q, heads)
+    dv = y.shape[-1]
+    n = L // chunk
+    precision = precision_for(q.dtype)
+    w_dtype = walk_operands or F32
+    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
+    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
+    flat_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
+    flat_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    w, u = call(functools.partial(_prepare_kernel, chunk=chunk, precision=precision), grid=(BH, n),
+                in_specs=[row_k, row_v, row, row, row, row, t_spec], out_specs=[flat_k, flat_v],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dk), w_dtype), jax.ShapeDtypeStruct((BH, L, dv), F32)],
+                args=(x, y, eta, g, gp, rl, tinv), compiler_params=_params(interpret, num_warps, 1),
+                interpret=interpret, name="falcon_delta_prepare_wu")
+
+    grid, n_piece, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
+    Lp = n_piece * chunk
+    w_rows = pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0))
+    u_rows = pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v))
+    h, s_end = call(functools.partial(_state_walk_kernel, chunk=chunk, n_chunks=n_piece, precision=precision,
+                                      lo=walk_operands),
+                    grid=grid, in_specs=[specs.rows_k, w_rows, u_rows, specs.gate, specs.gate, specs.piece_state],
+                    out_specs=[specs.chunk_states, specs.piece_state],
+                    out_shape=[shapes.chunk_states, shapes.piece_states], args=(x, w, u, g, rl, s0),
+                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                    name="falcon_delta_state_walk")
+
+    nv = dv // block_v
+    row_kv = row_block(heads, chunk, dk, lambda b, c, v: (b, c, 0))
+    out_v = row_block(heads, chunk, block_v, lambda b, c, v: (b, c, v))
+    (o,) = call(functools.partial(_output_kernel, precision=precision, lo=walk_operands), grid=(BH, n, nv),
+                in_specs=[row_kv, row_kv, pl.BlockSpec((None, chunk, dk), lambda b, c, v: (b, c, 0)),
+                          pl.BlockSpec((None, chunk, block_v), lambda b, c, v: (b, c, v)),
+                          pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
+                          pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
+                          pl.BlockSpec((None, None, dk, block_v), lambda b, c, v: (b, c, 0, v))],
+                out_specs=[out_v], out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype)],
+                args=(q, x, w, u, g, rl, h), compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
+                name="falcon_delta_outputs")
+    return o, h, s_end
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
