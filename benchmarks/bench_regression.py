@@ -105,6 +105,8 @@ VARIANTS = {
     "kernel only, Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward (W/U, state-only walk, output kernel)": dict(config=KernelConfig(outputs="split")),
+    "kernel only, split state-gradient walk (V/B, three-dot walk)": dict(config=KernelConfig(state_grads="split")),
+    "kernel only, split walks (both)": dict(config=KernelConfig(outputs="split", state_grads="split")),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7

@@ -271,10 +271,11 @@ def main() -> int:
         check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
             check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
-        (_, o32), _ = loss_and_grads("pallas_gpu", KernelConfig(outputs="split"),
-                                     jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
-        check(f"op, split forward (W/U, state-only walk, output kernel), fp32 T={Tg} d{dg} output rel err",
-              rel(o32, o_ref), 1e-4)
+        (_, o32), g32 = loss_and_grads("pallas_gpu", KernelConfig(outputs="split", state_grads="split"),
+                                       jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
+        check(f"op, split walks, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+        for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
+            check(f"op, split walks, fp32 grad {name} rel err", rel(a, b), 1e-4)
         bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
                             gpu)
         exact = jax.device_put(o_ref, gpu)
@@ -285,7 +286,7 @@ def main() -> int:
                               ("bf16 walk operands + XLA passes",
                                KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla")),
                               ("default (bf16 walk operands, XLA chunk gradients)", KernelConfig()),
-                              ("split forward", KernelConfig(outputs="split"))):
+                              ("split walks", KernelConfig(outputs="split", state_grads="split"))):
             (_, o), _ = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             print(f"      bf16 output rel err, {label}: {errs[label]:.3e}", flush=True)

@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next12      # the split forward (outputs="split"): checked, then timed at every
+#   bash benchmarks/h200_run.sh next12      # the split walks (outputs/state_grads="split"): checked, timed at every
 #                                           # shape; the per-column kernel's (Falcon-2) warps and columns
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first

@@ -82,13 +82,16 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads", [
-    (32, 1, 16, "pallas_gpu", "pallas"), (16, 2, 32, "pallas_gpu", "pallas"), (16, 2, 32, "pallas_gpu", "xla"),
-    pytest.param(16, 1, 32, "pallas_tpu", "pallas", marks=pytest.mark.slow),
+@pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads", [
+    (32, 1, 16, "pallas_gpu", "pallas", "pallas"), (16, 2, 32, "pallas_gpu", "pallas", "pallas"),
+    (16, 2, 32, "pallas_gpu", "xla", "pallas"), (32, 1, 16, "pallas_gpu", "xla", "split"),
+    (16, 2, 32, "pallas_gpu", "pallas", "split"),
+    pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", marks=pytest.mark.slow),
 ])
-def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, rng):
+def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, rng):
     """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks;
-    the per-chunk gradient pass as a kernel and as batched XLA matmuls."""
+    the per-chunk gradient pass as a kernel and as batched XLA matmuls; the state-gradient walk fused and
+    split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -100,7 +103,7 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
         return f
 
     argnums = tuple(range(6))
-    config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads)
+    config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads, state_grads=state_grads)
     got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
                                           implementation=implementation)), argnums=argnums)(
         *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
@@ -282,8 +285,8 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
 @pytest.mark.parametrize("config", [KernelConfig(walk_operands="fp32", outputs="xla", chunk_grads="xla"),
                                     KernelConfig(walk_operands="input", chunk_grads="pallas"),
                                     KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"),
-                                    KernelConfig(), KernelConfig(outputs="split")],
-                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-forward"])
+                                    KernelConfig(), KernelConfig(outputs="split", state_grads="split")],
+                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-walks"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, and the
@@ -318,9 +321,10 @@ def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
 
 @pytest.mark.parametrize("dtype,pieces,heads", [(jnp.bfloat16, 1, True), (jnp.bfloat16, 2, False),
                                                (jnp.float32, 1, False)])
-def test_split_forward_lowers_for_triton(dtype, pieces, heads):
-    """``outputs="split"``: its three kernels (W/U, the state-only walk, the outputs) cross-lower through the
-    Triton rules at d = 128, chunk 64, in place ([B, T, H, d]) and head-major, with pieces."""
+def test_split_walks_lower_for_triton(dtype, pieces, heads):
+    """``outputs="split"`` and ``state_grads="split"``: their kernels (W/U, the state-only walk, the outputs; V/B
+    and the three-dot reverse walk) cross-lower through the Triton rules at d = 128, chunk 64, forward and
+    backward, in place ([B, T, H, d]) and head-major, with pieces."""
     B, T, H, D = 1, 512, 2, 128
     shape = (B, T, H, D) if heads else (B, H, T, D)
     q = jnp.zeros(shape, dtype)
@@ -328,20 +332,23 @@ def test_split_forward_lowers_for_triton(dtype, pieces, heads):
     run = jnp.zeros(shape[:3], jnp.int32)
     s0 = jnp.zeros((B, H, D, D), jnp.float32)
 
-    def fwd(q, x, y, eta, log_gamma, s0):
-        return decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
                                   pieces=pieces, layout="BTHD" if heads else "BHTD",
-                                  config=KernelConfig(outputs="split"))
+                                  config=KernelConfig(outputs="split", state_grads="split"))
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-    text = jax.jit(fwd).trace(q, q, q, gate, gate, s0).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("tri_inverse", "prepare_wu", "state_walk", "outputs"):
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for name in ("tri_inverse", "prepare_wu", "state_walk", "outputs", "dstate_prepare", "dstate_walk"):
         assert f"falcon_delta_{name}" in text, name
 
 
-def test_split_forward_is_gpu_only(rng):
+@pytest.mark.parametrize("name", ["outputs", "state_grads"])
+def test_split_walks_are_gpu_only(name, rng):
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
-    with pytest.raises(NotImplementedError, match="outputs='split'"):
-        kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(outputs="split"))
+    with pytest.raises(NotImplementedError, match=f"{name}='split'"):
+        kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(**{name: "split"}))
 
 
 def test_kernel_config_auto_chunk_grads_per_backend():

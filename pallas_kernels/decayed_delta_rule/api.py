@@ -22,8 +22,14 @@ output walk runs from those (exact).
 
 Backward (``jax.custom_vjp``, no differentiation through ``pallas_call``):
 ``T`` and the chunk start states recomputed, a reverse walk for the state
-gradients (pieces likewise, with ``Mᵀ``), then one program per chunk for
-dq, dx, dy, dη and the log-decay gradients.
+gradients (pieces likewise, with ``Mᵀ``), then every chunk's dq, dx, dy, dη
+and log-decay gradients (batched XLA matmuls on the GPU by default, ``xla.py``;
+one Pallas program per chunk with ``chunk_grads="pallas"`` and on the TPU).
+
+``KernelConfig(outputs="split", state_grads="split")`` (GPU, opt-in): the walks split as fla and
+jax-linear-attention split them — per chunk in parallel ``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)`` (forward)
+and ``V = Tᵀ(QXᵀ ⊙ D)ᵀ dO``, ``B = Tᵀ(w ⊙ X)`` (backward), so the sequential walks carry only the state
+(``P = U − W S``; ``dR = V + B dS``) and the outputs come from the stored chunk states in parallel.
 
 Per-column gates (Falcon-2: ``η``, ``log γ`` of shape ``[B, H, T, dv]``) go through
 ``pallas_gpu_columns.py``: one program per (batch·head, value block) walks the chunks
@@ -86,6 +92,9 @@ class KernelConfig:
     # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200) or
     # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split; not yet timed)
     outputs: str = "pallas"
+    # the backward's state-gradient walk: "pallas" (recomputes the scores and applies Tᵀ in the walk) or "split"
+    # (GPU: V = Tᵀ(QXᵀ⊙D)ᵀdO and B = Tᵀ(w⊙X) per chunk in parallel, a walk of three dots per chunk; not yet timed)
+    state_grads: str = "pallas"
     # the walks' dots with the fp32 state, P, dS or dR (and the XLA chunk gradients' dots with computed fp32
     # operands): "input" (both operands rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; H200
     # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
@@ -95,7 +104,8 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla", "split"))):
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla", "split")),
+                              ("state_grads", ("pallas", "split"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
@@ -163,7 +173,15 @@ def _piece_starts(M, E, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
+def _check_split(config, backend):
+    for name in ("outputs", "state_grads"):
+        if getattr(config, name) == "split" and backend != "pallas_gpu":
+            raise NotImplementedError(f"{backend}: KernelConfig({name}='split') is a GPU kernel; leave it at "
+                                      "its default for this backend")
+
+
 def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
+    _check_split(config, backend)
     kernels = _BACKENDS[backend]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
@@ -177,8 +195,6 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     else:
         starts = s0[:, None]
     if config.outputs == "split":
-        if backend != "pallas_gpu":
-            raise NotImplementedError(f"{backend}: KernelConfig(outputs='split') is a GPU kernel; use 'pallas' or 'xla'")
         o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, **kw)
     elif config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
@@ -195,6 +211,7 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
     kernels = _BACKENDS[backend]
     q, x, y, eta, g, gp, rl, starts = res
+    state_grad_pass = kernels.state_grad_split_pass if config.state_grads == "split" else kernels.state_grad_pass
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
@@ -212,13 +229,13 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
-        (local,) = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
+        (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
         M, _ = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, fwd_kw)
         ends_rev, _ = _piece_starts(jnp.swapaxes(M, -1, -2)[:, ::-1], local[:, ::-1], ds_final)
         ds_ends = ends_rev[:, ::-1]
     else:
         ds_ends = ds_final[:, None]
-    dh, ds_start = kernels.state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
+    dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
     if config.chunk_grads_for(backend) == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,

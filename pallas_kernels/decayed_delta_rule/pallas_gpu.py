@@ -293,6 +293,43 @@ def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, p
     o_ref[...] = o.astype(o_ref.dtype)
 
 
+def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, b_ref, *, chunk,
+                               precision):
+    """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` and ``B = Tᵀ (w ⊙ X)``, so that the reverse walk's
+    ``dR = V + B dS`` (the split state-gradient walk)."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    _, _, w_last, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    q, x = q_ref[...], x_ref[...]
+    tinv_t = t_ref[...].T
+    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    v_ref[...] = dot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32)
+    b_ref[...] = dot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
+
+
+def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
+                             chunk, n_chunks, write_dh, precision, lo=None):
+    """The split reverse walk: ``dR = V + B dS``, ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR`` — three dots per
+    chunk (the fused walk's six include recomputing the scores and applying Tᵀ)."""
+    refs = list(out_refs)
+    dh_ref = refs.pop(0) if write_dh else None
+    (ds_start_ref,) = refs
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+
+    def body(i, dS):
+        c = n_chunks - 1 - i
+        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
+        cont, cont_p, _, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+        if write_dh:
+            dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
+        dR = v_ref[rows, :] + _sdot(b_ref[rows, :], dS, p32, lo)
+        return (a_last * dS + _sdot((q_ref[rows, :].astype(F32) * cont[:, None]).T, do_ref[rows, :].astype(F32),
+                                    p32, lo)
+                - _sdot((x_ref[rows, :].astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
+
+    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
+
+
 def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
@@ -422,6 +459,47 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
                 args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate")
+
+
+def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
+                          num_warps=4, num_stages=2, heads=None, walk_operands=None):
+    """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V [BH, L, dv]`` (fp32) and
+    ``B [BH, L, dk]`` (walk-operand dtype) per chunk in parallel, then a reverse walk of three dots per chunk.
+    Same arguments and returns as :func:`state_grad_pass`."""
+    BH, L, dk = token_dims(q, heads)
+    dv = do.shape[-1]
+    n = L // chunk
+    precision = precision_for(q.dtype)
+    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
+    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    v, b = call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision), grid=(BH, n),
+                in_specs=[row_k, row_k, row, row, row, row, t_spec, row_v],
+                out_specs=[pl.BlockSpec((None, chunk, dv), lambda i, c: (i, c, 0)),
+                           pl.BlockSpec((None, chunk, dk), lambda i, c: (i, c, 0))],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), F32),
+                           jax.ShapeDtypeStruct((BH, L, dk), walk_operands or F32)],
+                args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
+                interpret=interpret, name="falcon_delta_dstate_prepare")
+
+    grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
+    Lp = n_piece * chunk
+    in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
+                pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
+                pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
+    out_shape, out_specs = [], []
+    if write_dh:
+        out_shape.append(shapes.chunk_states)
+        out_specs.append(specs.chunk_states)
+    out_shape.append(shapes.piece_states)
+    out_specs.append(specs.piece_state)
+    kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
+                               precision=precision, lo=walk_operands)
+    return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                args=(q, x, eta, g, gp, rl, v, b, do, ds_end),
+                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                name="falcon_delta_dstate_walk")
 
 
 def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
