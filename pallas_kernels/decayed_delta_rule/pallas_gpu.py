@@ -389,8 +389,9 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
     (two dots per chunk, storing the chunk start states), then the outputs of every chunk (parallel).
 
     ``W [BH, L, dk]`` is stored in ``walk_operands`` (the dtype the walks round it to for their dots anyway) or
-    fp32, ``U [BH, L, dv]`` in fp32 (it enters ``P`` by a subtraction: rounding it would add to P's error).  Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype,
-    s_end [BH, P, dk, dv]); s0 as :func:`forward_pass`."""
+    fp32, ``U [BH, L, dv]`` in fp32 (it enters ``P`` by a subtraction: rounding it would add to P's error).
+    Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype, s_end [BH, P, dk, dv]); s0 as
+    :func:`forward_pass`."""
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
     n = L // chunk
