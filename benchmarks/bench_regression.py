@@ -107,6 +107,9 @@ VARIANTS = {
     "kernel only, split forward (W/U, state-only walk, output kernel)": dict(config=KernelConfig(outputs="split")),
     "kernel only, split state-gradient walk (V/B, three-dot walk)": dict(config=KernelConfig(state_grads="split")),
     "kernel only, split walks (both)": dict(config=KernelConfig(outputs="split", state_grads="split")),
+    "kernel only, two-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas_split")),
+    "kernel only, split walks + two-program chunk gradients": dict(
+        config=KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7

@@ -271,28 +271,35 @@ def main() -> int:
         check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
             check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
-        (_, o32), g32 = loss_and_grads("pallas_gpu", KernelConfig(outputs="split", state_grads="split"),
+        all_split = KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")
+        (_, o32), g32 = loss_and_grads("pallas_gpu", all_split,
                                        jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
-        check(f"op, split walks, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+        check(f"op, split walks + two-program chunk grads, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
-            check(f"op, split walks, fp32 grad {name} rel err", rel(a, b), 1e-4)
+            check(f"op, split walks + two-program chunk grads, fp32 grad {name} rel err", rel(a, b), 1e-4)
         bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
                             gpu)
         exact = jax.device_put(o_ref, gpu)
-        errs = {}
+        errs, grad_errs = {}, {}
         base = "fp32 walk operands, Pallas passes"  # the default until the seventh run
         for label, config in ((base, KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
                               ("bf16 walk operands", KernelConfig(walk_operands="input", chunk_grads="pallas")),
                               ("bf16 walk operands + XLA passes",
                                KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla")),
                               ("default (bf16 walk operands, XLA chunk gradients)", KernelConfig()),
-                              ("split walks", KernelConfig(outputs="split", state_grads="split"))):
-            (_, o), _ = loss_and_grads("pallas_gpu", config, bf, gpu)
+                              ("split walks + two-program chunk grads", all_split)):
+            (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
-            print(f"      bf16 output rel err, {label}: {errs[label]:.3e}", flush=True)
+            grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]
+            print(f"      bf16 output rel err, {label}: {errs[label]:.3e}; gradients (q x y eta log_gamma S0): "
+                  + " ".join(f"{e:.2e}" for e in grad_errs[label]), flush=True)
         results["bf16 pass-choice errors"] = errs
+        results["bf16 pass-choice gradient errors"] = grad_errs
         for label in list(errs)[1:]:
             check(f"bf16 {label}: error - 2 x fp32-operand path's (<= one bf16 unit)", errs[label] - 2 * errs[base],
+                  2.0**-8)
+            worst = max(e - 2 * b for e, b in zip(grad_errs[label], grad_errs[base]))
+            check(f"bf16 {label}: gradient error - 2 x fp32-operand path's, worst (<= one bf16 unit)", worst,
                   2.0**-8)
 
     for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon3_values, bf16, long_bf16, extreme_op, segments,

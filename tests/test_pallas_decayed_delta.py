@@ -85,7 +85,8 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
 @pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads", [
     (32, 1, 16, "pallas_gpu", "pallas", "pallas"), (16, 2, 32, "pallas_gpu", "pallas", "pallas"),
     (16, 2, 32, "pallas_gpu", "xla", "pallas"), (32, 1, 16, "pallas_gpu", "xla", "split"),
-    (16, 2, 32, "pallas_gpu", "pallas", "split"),
+    (16, 2, 32, "pallas_gpu", "pallas", "split"), (16, 2, 32, "pallas_gpu", "pallas_split", "split"),
+    (32, 1, 16, "pallas_gpu", "pallas_split", "pallas"),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", marks=pytest.mark.slow),
 ])
 def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, rng):
@@ -114,14 +115,21 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
         assert rel_err(g, w) < 5e-5, name
 
 
+PASSES = {"pallas": KernelConfig(chunk_grads="pallas"), "xla": KernelConfig(chunk_grads="xla", outputs="xla"),
+          "split": KernelConfig(outputs="split"),
+          "all-split": KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")}
+
+
 @pytest.mark.parametrize("T,pieces,per_column,implementation,chunk_grads", [
     (53, 1, False, "pallas_gpu", "pallas"), (100, 4, False, "pallas_gpu", "pallas"), (41, 1, True, "pallas_gpu", "pallas"),
-    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla"), (53, 2, False, "pallas_gpu", "split")])
+    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla"), (53, 2, False, "pallas_gpu", "split"),
+    (53, 2, False, "pallas_gpu", "all-split")])
 def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, chunk_grads, rng):
     """``layout="BTHD"``: the scalar-gate Triton kernels read [B, T, H, d] in place (per-column gates and
     other implementations transpose); values, state and gradients equal the float64 reference.
     ``"xla"``: also the outputs and the per-chunk gradients as batched XLA passes; ``"split"``: the split
-    forward (outputs="split") with the default chunk gradients."""
+    forward (outputs="split") with the default chunk gradients; ``"all-split"``: the split walks and the
+    two-program chunk gradients."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=3, T=T, dv=32, segments=True)
     if per_column:
         eta = eta[..., None] * rng.uniform(0.5, 1.0, size=y.shape)
@@ -134,8 +142,7 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
             o, s = decayed_delta_rule(*a[:5], time_major(run), a[5], implementation="xla", layout="BTHD")
         else:
             o, s = kernel(*a[:5], time_major(run), a[5], pieces=pieces, layout="BTHD",
-                          config=KernelConfig(chunk_grads="auto" if chunk_grads == "split" else chunk_grads,
-                                              outputs=chunk_grads))
+                          config=PASSES[chunk_grads])
         assert o.shape == (2, T, 3, 32)
         return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
 
@@ -158,7 +165,7 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 
 @pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads", [
     (jnp.bfloat16, 2, "fp32", "pallas"), (jnp.float32, 1, "fp32", "pallas"), (jnp.bfloat16, 2, "input", "pallas"),
-    (jnp.bfloat16, 2, "input", "auto")])
+    (jnp.bfloat16, 2, "input", "auto"), (jnp.bfloat16, 2, "input", "pallas_split")])
 def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
@@ -178,10 +185,11 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
         lowering_platforms=("cuda",)).as_text()
-    kernels = ("tri_inverse", "fwd", "dstate") + (("chunk_grads",) if chunk_grads == "pallas" else ())
+    kernels = ("tri_inverse", "fwd", "dstate") + {"pallas": ("chunk_grads",), "auto": (),
+                                                   "pallas_split": ("chunk_grads_values", "chunk_grads_keys")}[chunk_grads]
     for name in kernels:
         assert f"falcon_delta_{name}" in text, name
-    if chunk_grads != "pallas":
+    if chunk_grads == "auto":
         assert "falcon_delta_chunk_grads" not in text
         return
     assert all(f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
@@ -285,8 +293,9 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
 @pytest.mark.parametrize("config", [KernelConfig(walk_operands="fp32", outputs="xla", chunk_grads="xla"),
                                     KernelConfig(walk_operands="input", chunk_grads="pallas"),
                                     KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"),
-                                    KernelConfig(), KernelConfig(outputs="split", state_grads="split")],
-                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-walks"])
+                                    KernelConfig(), KernelConfig(outputs="split", state_grads="split"),
+                                    KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")],
+                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-walks", "all-split"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, and the
@@ -344,11 +353,11 @@ def test_split_walks_lower_for_triton(dtype, pieces, heads):
         assert f"falcon_delta_{name}" in text, name
 
 
-@pytest.mark.parametrize("name", ["outputs", "state_grads"])
-def test_split_walks_are_gpu_only(name, rng):
+@pytest.mark.parametrize("name,value", [("outputs", "split"), ("state_grads", "split"), ("chunk_grads", "pallas_split")])
+def test_split_passes_are_gpu_only(name, value, rng):
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
-    with pytest.raises(NotImplementedError, match=f"{name}='split'"):
-        kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(**{name: "split"}))
+    with pytest.raises(NotImplementedError, match=f"{name}='{value}'"):
+        kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(**{name: value}))
 
 
 def test_kernel_config_auto_chunk_grads_per_backend():
@@ -359,7 +368,7 @@ def test_kernel_config_auto_chunk_grads_per_backend():
 
 
 def test_kernel_config_refuses_unknown_pass_choices():
-    with pytest.raises(ValueError, match="chunk_grads must be 'auto' or 'pallas' or 'xla'"):
+    with pytest.raises(ValueError, match="chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"):
         KernelConfig(chunk_grads="triton")
     with pytest.raises(ValueError, match="outputs must be"):
         KernelConfig(outputs="XLA")
@@ -754,7 +763,7 @@ def test_windowed_forward_matches_reference(W, T, chunk, pieces, implementation,
 
 @pytest.mark.parametrize("W,pieces,implementation,chunk_grads", [
     (2, 1, "pallas_gpu", "pallas"), (4, 2, "pallas_gpu", "pallas"), (4, 1, "pallas_gpu", "xla"),
-    pytest.param(3, 1, "pallas_gpu", "pallas", marks=pytest.mark.slow),
+    (4, 1, "pallas_gpu", "pallas_split"), pytest.param(3, 1, "pallas_gpu", "pallas", marks=pytest.mark.slow),
     pytest.param(4, 1, "pallas_tpu", "pallas", marks=pytest.mark.slow),
 ])
 def test_windowed_gradients_match_reference(W, pieces, implementation, chunk_grads, rng):

@@ -86,8 +86,9 @@ class KernelConfig:
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
-    # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py) or
-    # "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), the Pallas kernel on the TPU
+    # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py),
+    # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators; not yet
+    # timed) or "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), Pallas on the TPU
     chunk_grads: str = "auto"
     # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200) or
     # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split; not yet timed)
@@ -104,7 +105,7 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla")), ("outputs", ("pallas", "xla", "split")),
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split")), ("outputs", ("pallas", "xla", "split")),
                               ("state_grads", ("pallas", "split"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
@@ -174,10 +175,10 @@ def _piece_starts(M, E, s0):
 
 
 def _check_split(config, backend):
-    for name in ("outputs", "state_grads"):
-        if getattr(config, name) == "split" and backend != "pallas_gpu":
-            raise NotImplementedError(f"{backend}: KernelConfig({name}='split') is a GPU kernel; leave it at "
-                                      "its default for this backend")
+    for name in ("outputs", "state_grads", "chunk_grads"):
+        if getattr(config, name) in ("split", "pallas_split") and backend != "pallas_gpu":
+            raise NotImplementedError(f"{backend}: KernelConfig({name}={getattr(config, name)!r}) is a GPU kernel; "
+                                      "leave it at its default for this backend")
 
 
 def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
@@ -241,6 +242,11 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,
                                                     operands=config.walk_operand_dtype(q.dtype))
+    elif config.chunk_grads == "pallas_split":
+        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_split_pass(
+            q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
+            num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
+            walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     else:
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,

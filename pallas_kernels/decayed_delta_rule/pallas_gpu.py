@@ -252,6 +252,106 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
+def _in_dot(a, b, precision, p32):
+    """``a @ b`` for an input-dtype ``a`` and a stored state ``b``: on the inputs' dtype when b is stored in it
+    (exact), else in fp32 at ``p32``."""
+    if a.dtype == b.dtype:
+        return dot(a, b, precision)
+    return dot(a.astype(F32), b.astype(F32), p32)
+
+
+def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
+                              dy_ref, p_ref, dr_ref, da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref, *, chunk,
+                              block_v, precision, lo=None):
+    """First half of the split chunk gradients: everything summed over the value columns, which are visited in
+    blocks of ``block_v`` — ``dy``, ``P`` and ``dR`` (stored for the second half), ``dA = −dR Pᵀ`` and
+    ``dO Pᵀ`` (``[C, C]``), and the row sums of dη, dc⁻, dw and ⟨h, dh⟩ (at the last row).  Four ``[C, C]``
+    fp32 tiles live (scores, T and the two sums), none ``[C, dk]``."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    q, x = q_ref[...], x_ref[...]
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    del cont, a_last
+    tinv = t_ref[...]
+    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    dv = y_ref.shape[-1]
+    d_a = jnp.zeros((chunk, chunk), F32)
+    d_op = jnp.zeros((chunk, chunk), F32)
+    d_eta = jnp.zeros((chunk,), F32)
+    d_cp = jnp.zeros((chunk,), F32)
+    d_wl = jnp.zeros((chunk,), F32)
+    h_dh = jnp.zeros((), F32)
+    for j in range(dv // block_v):  # static: a few blocks
+        cols = pl.ds(j * block_v, block_v)
+        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
+        xh = _in_dot(x, h, precision, p32)
+        target = y - cont_p[:, None] * xh
+        P = dot(tinv, eta[:, None] * target, p32)
+        xdh = _in_dot(x, dh, precision, p32)
+        dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
+        dR = dot(tinv.T, dP, p32)
+        d_a -= _sdot(dR, P.T, p32, lo)
+        d_op += _sdot(do, P.T, p32, lo)
+        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
+        p_ref[:, cols] = P.astype(p_ref.dtype)
+        dr_ref[:, cols] = dR.astype(dr_ref.dtype)
+        d_eta += jnp.sum(dR * target, axis=1)
+        d_cp -= jnp.sum(dR * xh, axis=1)
+        d_wl += jnp.sum(xdh * P, axis=1)
+        h_dh += jnp.sum(h.astype(F32) * dh.astype(F32))
+    da_ref[...] = d_a
+    dop_ref[...] = d_op
+    deta_ref[...] = d_eta
+    dcp_ref[...] = d_cp
+    dwl_ref[...] = d_wl
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    hdh_ref[...] = jnp.where(last, h_dh, 0.0)
+
+
+def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
+                            dop_ref, deta_in_ref, dcp_ref, dwl_ref, hdh_ref, dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref,
+                            *, chunk, block_k, precision, group, lo=None):
+    """Second half: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and Gram
+    gradients), and dη, dg, dgp from the first half's sums."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    q, x = q_ref[...], x_ref[...]
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    d_a, d_op = da_ref[...], dop_ref[...]
+    decay = _masks(g, g, rl, rl, strict=False)
+    gram = dot(x, x.T, precision)
+    gamma = _masks(gp, g, rl, rl, strict=True, group=group)
+    d_k = d_a * eta[:, None] * gamma  # gradient w.r.t. the Gram (zero off A's support)
+    a_grad = d_k * gram
+    d_decay = d_op * dot(q, x.T, precision) * decay
+    d_wl = w_last * dwl_ref[...]
+    end = jnp.sum(d_wl) + a_last * jnp.sum(hdh_ref[...])
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    deta_ref[...] = deta_in_ref[...] + jnp.sum(d_a * gram * gamma, axis=1)
+    dgp_ref[...] = eta * cont_p * dcp_ref[...] + jnp.sum(a_grad, axis=1)
+    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0) - d_wl
+          + jnp.where(last, end, 0.0))
+    d_scores = d_op * decay
+    d_sym = d_k + d_k.T
+    do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
+    q_do_h = jnp.zeros((chunk,), F32)
+    for j in range(q.shape[-1] // block_k):  # static: a few blocks
+        cols = pl.ds(j * block_k, block_k)
+        h_t, dh_t = h_ref[cols, :].T, dh_ref[cols, :].T  # [dv, block_k]
+        q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
+        do_h = _in_dot(do, h_t, precision, p32)
+        dr_h = _sdot(dR, h_t, p32, lo)
+        p_dh = _sdot(P, dh_t, p32, lo)
+        q_do_h += jnp.sum(do_h * q_j, axis=1)
+        dq = cont[:, None] * do_h + _sdot(d_scores, x_j, p32, lo)
+        dx = (_sdot(d_scores.T, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
+              + _sdot(d_sym, x_j, p32, lo))
+        dq_ref[:, cols] = dq.astype(dq_ref.dtype)
+        dx_ref[:, cols] = dx.astype(dx_ref.dtype)
+    dg_ref[...] = dg + cont * q_do_h
+
+
 def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
     """One chunk's ``W = T (η c⁻ ⊙ X)`` and ``U = T (η ⊙ Y)``, so that ``P = U − W S_0`` (the split forward)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -529,3 +629,46 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
                 args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_chunk_grads")
+
+
+def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
+                          num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+    """:func:`chunk_grad_pass` as two programs per chunk, so that neither holds ``[C, dk]`` fp32 accumulators
+    next to its ``[C, C]`` tiles: the value half (``dy``, ``P``, ``dR``, ``−dR Pᵀ``, ``dO Pᵀ`` and row sums, over
+    value blocks of ``block_v``), then the key half (dq, dx over key blocks of ``block_k``; dη, dg, dgp).  ``P``
+    and ``dR`` pass between them in ``walk_operands`` (the dtype their dots round them to) or fp32.
+    Same arguments and returns as :func:`chunk_grad_pass`."""
+    BH, L, dk = token_dims(q, heads)
+    dv = y.shape[-1]
+    n = L // chunk
+    precision = precision_for(q.dtype)
+    pr_dtype = walk_operands or F32
+    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
+    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
+    flat_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
+    square = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
+    pr = jax.ShapeDtypeStruct((BH, L, dv), pr_dtype)
+    values = functools.partial(_chunk_grad_values_kernel, chunk=chunk, block_v=block_v, precision=precision,
+                               lo=walk_operands)
+    dy, P, dR, d_a, d_op, d_eta, d_cp, d_wl, h_dh = call(
+        values, grid=(BH, n), in_specs=[row_k, row_k, row_v, row, row, row, row, square, row_v, state, state],
+        out_specs=[row_v, flat_v, flat_v, square, square, row, row, row, row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), pr, pr, sq, sq, vec, vec, vec, vec],
+        args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="falcon_delta_chunk_grads_values")
+    keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk), precision=precision,
+                             group=group, lo=walk_operands)
+    dq, dx, deta, dg, dgp = call(
+        keys, grid=(BH, n),
+        in_specs=[row_k, row_k, row, row, row, row, row_v, state, state, flat_v, flat_v, square, square, row, row,
+                  row, row],
+        out_specs=[row_k, row_k, row, row, row],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
+        args=(q, x, eta, g, gp, rl, do, h, dh, P, dR, d_a, d_op, d_eta, d_cp, d_wl, h_dh),
+        compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+        name="falcon_delta_chunk_grads_keys")
+    return dq, dx, dy, deta, dg, dgp
