@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next12      # the split walks (outputs/state_grads="split"): checked, timed at every
+#   bash benchmarks/h200_run.sh next12      # the split walks and two-program chunk gradients: checked, timed at every
 #                                           # shape; the per-column kernel's (Falcon-2) warps and columns
 #
 # Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
@@ -138,12 +138,12 @@ triangular,warps,stage,BTHD,jla,fla" --out "$out/$part/bench_pieces.json"
 outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,jla,fla,falcon-2,falcon-3" --out "$out/$part/bench.json"
     ;;
   next12)
-    step check_split 100 python3 benchmarks/gpu_check_regression.py --only "pass choices" \
+    step check_split 110 python3 benchmarks/gpu_check_regression.py --only "pass choices" \
       --out "$out/$part/check_split.json"
-    step bench_split 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
-walk operands,chunk gradients,outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,0.1.0 deltanet,fla,\
+    step bench_split 290 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
+walk operands,only, Pallas chunk,outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,0.1.0 deltanet,fla,\
 falcon-2,falcon-3,per-column" --out "$out/$part/bench_split.json"
-    step bench_columns 140 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
+    step bench_columns 120 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
 falcon-2,falcon-3,jla,fla" --out "$out/$part/bench_columns.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12)"; exit 2 ;;
