@@ -102,7 +102,7 @@ VARIANTS = {
     "kernel only, sixth-run default (fp32 walk operands, Pallas chunk gradients)":
         dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
-    "kernel only, Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
+    "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward (W/U, state-only walk, output kernel)": dict(config=KernelConfig(outputs="split")),
     "kernel only, split state-gradient walk (V/B, three-dot walk)": dict(config=KernelConfig(state_grads="split")),

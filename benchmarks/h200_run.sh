@@ -141,7 +141,7 @@ outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,jla,fla,falcon-2
     step check_split 110 python3 benchmarks/gpu_check_regression.py --only "pass choices" \
       --out "$out/$part/check_split.json"
     step bench_split 290 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
-walk operands,only, Pallas chunk,outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,0.1.0 deltanet,fla,\
+walk operands,one-program,outputs in XLA,64 value,C=32,triangular,warps,stage,pieces,BTHD,0.1.0 deltanet,fla,\
 falcon-2,falcon-3,per-column" --out "$out/$part/bench_split.json"
     step bench_columns 120 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
 falcon-2,falcon-3,jla,fla" --out "$out/$part/bench_columns.json"
