@@ -185,8 +185,8 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
         lowering_platforms=("cuda",)).as_text()
-    kernels = ("tri_inverse", "fwd", "dstate") + {"pallas": ("chunk_grads",), "auto": (),
-                                                   "pallas_split": ("chunk_grads_values", "chunk_grads_keys")}[chunk_grads]
+    chunk_kernels = {"pallas": ("chunk_grads",), "auto": (), "pallas_split": ("chunk_grads_values", "chunk_grads_keys")}
+    kernels = ("tri_inverse", "fwd", "dstate") + chunk_kernels[chunk_grads]
     for name in kernels:
         assert f"falcon_delta_{name}" in text, name
     if chunk_grads == "auto":
@@ -298,10 +298,12 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
                          ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-walks", "all-split"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
-    the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, and the
-    default (bf16 walk operands, XLA chunk gradients) —: outputs and gradients against the float64
-    reference, within twice the error of the fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value: rounding S and P to bf16 for a dot
-    costs about that; measured 1–3.7× the default's error), with pieces, so the piece maps run too."""
+    the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
+    default (bf16 walk operands, XLA chunk gradients), the split walks and the two-program chunk
+    gradients —: outputs and gradients against the float64 reference, within twice the error of the
+    fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
+    rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
+    pieces, so the piece maps run too."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=64, dv=32, segments=True)
     ct = jnp.asarray(rng.normal(size=y.shape))
 
@@ -353,7 +355,8 @@ def test_split_walks_lower_for_triton(dtype, pieces, heads):
         assert f"falcon_delta_{name}" in text, name
 
 
-@pytest.mark.parametrize("name,value", [("outputs", "split"), ("state_grads", "split"), ("chunk_grads", "pallas_split")])
+@pytest.mark.parametrize("name,value", [("outputs", "split"), ("state_grads", "split"),
+                                        ("chunk_grads", "pallas_split")])
 def test_split_passes_are_gpu_only(name, value, rng):
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
     with pytest.raises(NotImplementedError, match=f"{name}='{value}'"):

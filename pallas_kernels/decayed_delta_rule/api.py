@@ -105,8 +105,8 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split")), ("outputs", ("pallas", "xla", "split")),
-                              ("state_grads", ("pallas", "split"))):
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split")),
+                              ("outputs", ("pallas", "xla", "split")), ("state_grads", ("pallas", "split"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
