@@ -224,6 +224,17 @@ def walk_layout(q, y, chunk, pieces, block_v, heads=None):
     return (BH, pieces, dv // block_v), n, specs, shapes
 
 
+def walk_outputs(specs, shapes, write_states, first=()):
+    """(out_specs, out_shape) of a walk from :func:`walk_layout`: ``first`` — ``(spec, like)`` pairs, an output
+    shaped and typed like ``like`` each —, then the per-chunk states if ``write_states``, then the piece states."""
+    out_specs = [spec for spec, _ in first]
+    out_shape = [jax.ShapeDtypeStruct(like.shape, like.dtype) for _, like in first]
+    if write_states:
+        out_specs.append(specs.chunk_states)
+        out_shape.append(shapes.chunk_states)
+    return out_specs + [specs.piece_state], out_shape + [shapes.piece_states]
+
+
 def interpret_tpu(interpret: bool):
     from jax.experimental.pallas import tpu as pltpu
 

@@ -35,6 +35,7 @@ from pallas_kernels.common import row_block as _row_block
 from pallas_kernels.common import token_dims as _token_dims
 from pallas_kernels.common import triton_params as _params
 from pallas_kernels.common import walk_layout as _walk_layout
+from pallas_kernels.common import walk_outputs as _walk_outputs
 
 
 def _chunk_masks(g, rl, chunk):
@@ -153,15 +154,7 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h
     """
     grid, n, specs, shapes = _walk_layout(q, y, chunk, pieces, block_v, heads)
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.piece_state]
-    out_shape, out_specs = [], []
-    if write_o:
-        out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
-        out_specs.append(specs.rows_v)
-    if write_h:
-        out_shape.append(shapes.chunk_states)
-        out_specs.append(specs.chunk_states)
-    out_shape.append(shapes.piece_states)
-    out_specs.append(specs.piece_state)
+    out_specs, out_shape = _walk_outputs(specs, shapes, write_h, first=[(specs.rows_v, y)] if write_o else ())
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=_precision(q.dtype))
     return _call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -178,12 +171,7 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
     """
     grid, n, specs, shapes = _walk_layout(q, do, chunk, pieces, block_v, heads)
     in_specs = [specs.rows_k, specs.gate, specs.gate, specs.rows_v, specs.piece_state]
-    out_shape, out_specs = [], []
-    if write_dh:
-        out_shape.append(shapes.chunk_states)
-        out_specs.append(specs.chunk_states)
-    out_shape.append(shapes.piece_states)
-    out_specs.append(specs.piece_state)
+    out_specs, out_shape = _walk_outputs(specs, shapes, write_dh)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
                                precision=_precision(q.dtype))
     return _call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

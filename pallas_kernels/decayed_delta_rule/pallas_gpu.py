@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call, dot, precision_for, row_block, token_dims, triton_params, walk_layout
+from pallas_kernels.common import (call, dot, precision_for, row_block, token_dims, triton_params, walk_layout,
+                                   walk_outputs)
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
@@ -158,8 +159,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
-def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
-                       chunk, n_chunks, write_dh, precision, lo=None):
+def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
+                  residual_grad):
+    """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
+    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)``, then
+    ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``."""
     refs = list(out_refs)
     dh_ref = refs.pop(0) if write_dh else None
     (ds_start_ref,) = refs
@@ -167,20 +171,31 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
 
     def body(i, dS):
         c = n_chunks - 1 - i
-        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
+        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows(gate_refs, c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
         if write_dh:
             dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         q, x = q_ref[rows, :], x_ref[rows, :]
-        xf = x.astype(F32)
         do = do_ref[rows, :].astype(F32)
-        scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-        dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
-        dR = dot(t_ref[rows, :].T, dP, p32)
+        dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
-                - _sdot((xf * (eta * cont_p)[:, None]).T, dR, p32, lo))
+                - _sdot((x.astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
+
+
+def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
+                       chunk, n_chunks, write_dh, precision, lo=None):
+    """The fused reverse walk: ``dP = (QXᵀ⊙D)ᵀ dO + w ⊙ X dS``, ``dR = Tᵀ dP`` inside the walk."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+
+    def residual_grad(rows, q, x, do, g, rl, w_last, dS):
+        scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+        dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
+        return dot(t_ref[rows, :].T, dP, p32)
+
+    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
+                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
@@ -409,25 +424,15 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
                              chunk, n_chunks, write_dh, precision, lo=None):
-    """The split reverse walk: ``dR = V + B dS``, ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR`` — three dots per
-    chunk (the fused walk's six include recomputing the scores and applying Tᵀ)."""
-    refs = list(out_refs)
-    dh_ref = refs.pop(0) if write_dh else None
-    (ds_start_ref,) = refs
+    """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
+    recomputing the scores and applying Tᵀ)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
-    def body(i, dS):
-        c = n_chunks - 1 - i
-        rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
-        cont, cont_p, _, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
-        if write_dh:
-            dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
-        dR = v_ref[rows, :] + _sdot(b_ref[rows, :], dS, p32, lo)
-        return (a_last * dS + _sdot((q_ref[rows, :].astype(F32) * cont[:, None]).T, do_ref[rows, :].astype(F32),
-                                    p32, lo)
-                - _sdot((x_ref[rows, :].astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
+    def residual_grad(rows, q, x, do, g, rl, w_last, dS):
+        return v_ref[rows, :] + _sdot(b_ref[rows, :], dS, p32, lo)
 
-    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
+    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
+                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad)
 
 
 def _params(interpret, num_warps, num_stages):
@@ -467,15 +472,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
                 specs.piece_state]
-    out_shape, out_specs = [], []
-    if write_o:
-        out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
-        out_specs.append(specs.rows_v)
-    if write_h:
-        out_shape.append(shapes.chunk_states)
-        out_specs.append(specs.chunk_states)
-    out_shape.append(shapes.piece_states)
-    out_specs.append(specs.piece_state)
+    out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=[(specs.rows_v, y)] if write_o else ())
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=precision_for(q.dtype), lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -513,11 +510,11 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
     Lp = n_piece * chunk
     w_rows = pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0))
     u_rows = pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v))
+    state_specs, state_shapes = walk_outputs(specs, shapes, True)
     h, s_end = call(functools.partial(_state_walk_kernel, chunk=chunk, n_chunks=n_piece, precision=precision,
                                       lo=walk_operands),
                     grid=grid, in_specs=[specs.rows_k, w_rows, u_rows, specs.gate, specs.gate, specs.piece_state],
-                    out_specs=[specs.chunk_states, specs.piece_state],
-                    out_shape=[shapes.chunk_states, shapes.piece_states], args=(x, w, u, g, rl, s0),
+                    out_specs=state_specs, out_shape=state_shapes, args=(x, w, u, g, rl, s0),
                     compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                     name="falcon_delta_state_walk")
 
@@ -548,12 +545,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
                 specs.piece_state]
-    out_shape, out_specs = [], []
-    if write_dh:
-        out_shape.append(shapes.chunk_states)
-        out_specs.append(specs.chunk_states)
-    out_shape.append(shapes.piece_states)
-    out_specs.append(specs.piece_state)
+    out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
                                precision=precision_for(q.dtype), lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -589,12 +581,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
                 pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
                 pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
-    out_shape, out_specs = [], []
-    if write_dh:
-        out_shape.append(shapes.chunk_states)
-        out_specs.append(specs.chunk_states)
-    out_shape.append(shapes.piece_states)
-    out_specs.append(specs.piece_state)
+    out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
                                precision=precision, lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
