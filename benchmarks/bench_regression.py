@@ -110,6 +110,8 @@ VARIANTS = {
     "kernel only, two-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas_split")),
     "kernel only, split walks + two-program chunk gradients": dict(
         config=KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")),
+    "kernel only, split state-gradient walk + two-program chunk gradients": dict(
+        config=KernelConfig(state_grads="split", chunk_grads="pallas_split")),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7
@@ -275,6 +277,10 @@ def main() -> int:
                              ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
                              ("kernel only, Pallas chunk gradients",
                               functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas")),
+                              (q, k, v, beta, log_decay)),
+                             ("kernel only, split walks + two-program chunk gradients",
+                              functools.partial(kernel_only, config=KernelConfig(
+                                  outputs="split", state_grads="split", chunk_grads="pallas_split")),
                               (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:

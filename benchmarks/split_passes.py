@@ -146,18 +146,75 @@ def split_delta(shape, interpret, rows):
         print(rows[-1], flush=True)
 
 
+def split_delta_passes(shape, interpret, rows):
+    """The split passes of ``decayed_delta_rule`` (``KernelConfig(outputs="split", state_grads="split",
+    chunk_grads="pallas_split")``) one by one, with their block widths varied, next to the fused ones."""
+    B, T, H, d = shape
+    BH, C = B * H, 64
+    cfg = delta_api.KernelConfig()
+    q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
+    eta = eta / d
+    g, gp, rl = delta_api._gates(log_decay, run, C)
+    s0 = jnp.zeros((BH, 1, d, d), jnp.float32)
+    lo = cfg.walk_operand_dtype(q.dtype)
+    name = f"{B}x{T}x{H}x{d}"
+    widths = [b for b in (16, 32, 64, 128) if b <= d]
+    jit = lambda f, **kw: jax.jit(functools.partial(f, interpret=interpret, **kw))  # noqa: E731
+    walk_kw = dict(chunk=C, pieces=1, walk_operands=lo)
+    tinv = jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps)(x, eta, g, gp, rl)
+    prep = jit(delta_gpu.prepare_wu, chunk=C, w_dtype=lo or jnp.float32)
+    w, u = prep(x, y, eta, g, gp, rl, tinv)
+    h, _ = jit(delta_gpu.state_walk, block_v=cfg.block_v, **walk_kw)(x, w, u, g, rl, s0)
+    vb = jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32)(q, x, eta, g, gp, rl, tinv, do)
+    dh, _ = jit(delta_gpu.state_grad_split_pass, block_v=cfg.block_v, write_dh=True, vb=vb, **walk_kw)(
+        q, x, eta, g, gp, rl, tinv, do, s0)
+    timings = [("triangular inverse", jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps),
+                (x, eta, g, gp, rl)),
+               ("prepare W, U (T given)", prep, (x, y, eta, g, gp, rl, tinv)),
+               ("prepare W, U (T formed inside)", prep, (x, y, eta, g, gp, rl, None)),
+               ("fused fwd walk (o), the default", jit(delta_gpu.forward_pass, block_v=cfg.block_v, write_o=True,
+                                                        write_h=False, **walk_kw),
+                (q, x, y, eta, g, gp, rl, tinv, s0)),
+               ("fused recompute walk (h)", jit(delta_gpu.forward_pass, block_v=cfg.block_v, write_o=False,
+                                                write_h=True, **walk_kw), (q, x, y, eta, g, gp, rl, tinv, s0))]
+    timings += [(f"state walk, {b} columns", jit(delta_gpu.state_walk, block_v=b, **walk_kw), (x, w, u, g, rl, s0))
+                for b in widths]
+    timings += [(f"output kernel, {b} columns", jit(delta_gpu.split_outputs, chunk=C, block_v=b, walk_operands=lo,
+                                                    like=y), (q, x, w, u, g, rl, h)) for b in widths]
+    timings += [("prepare V, B", jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32),
+                 (q, x, eta, g, gp, rl, tinv, do)),
+                ("fused state-gradient walk (dh)", jit(delta_gpu.state_grad_pass, block_v=cfg.block_v, write_dh=True,
+                                                       **walk_kw), (q, x, eta, g, gp, rl, tinv, do, s0))]
+    timings += [(f"split state-gradient walk, {b} columns",
+                 jit(delta_gpu.state_grad_split_pass, block_v=b, write_dh=True, vb=vb, **walk_kw),
+                 (q, x, eta, g, gp, rl, tinv, do, s0)) for b in widths]
+    timings += [("chunk gradients, two programs", jit(delta_gpu.chunk_grad_split_pass, chunk=C, block_v=cfg.block_v,
+                                                       walk_operands=lo),
+                 (q, x, y, eta, g, gp, rl, tinv, do, h, dh)),
+                ("chunk gradients, XLA", jax.jit(functools.partial(delta_xla.chunk_grads, chunk=C, operands=lo)),
+                 (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
+    for label, fn, args in timings:
+        try:
+            ms = time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)
+        except Exception as e:  # noqa: BLE001 - a width a kernel cannot take: record and go on
+            ms, label = None, f"{label} (failed: {type(e).__name__}: {str(e)[:120]})"
+        rows.append({"op": "decayed_delta_rule split", "shape": name, "pieces": 1, "pass": label, "ms": ms})
+        print(rows[-1], flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="split_passes.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)")
-    ap.add_argument("--ops", default="attention,delta", help="comma-separated: attention, delta")
+    ap.add_argument("--ops", default="attention,delta", help="comma-separated: attention, delta, delta_split")
+    ap.add_argument("--shapes", default="8x2048x16x128,1x32768x16x128", help="comma-separated BxTxHxD")
     args = ap.parse_args()
-    ops = {"attention": split_attention, "delta": split_delta}
+    ops = {"attention": split_attention, "delta": split_delta, "delta_split": split_delta_passes}
     unknown = set(args.ops.split(",")) - set(ops)
     if unknown:
         ap.error(f"--ops: unknown {sorted(unknown)}; choose from {sorted(ops)}")
     interpret = args.smoke or jax.default_backend() != "gpu"
-    shapes = [(1, 256, 2, 16)] if args.smoke else [(8, 2048, 16, 128), (1, 32768, 16, 128)]
+    shapes = [(1, 256, 2, 16)] if args.smoke else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows, errors = [], {}
     for split in (ops[name] for name in args.ops.split(",")):
         for shape in shapes:

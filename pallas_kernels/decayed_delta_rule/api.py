@@ -185,8 +185,10 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     _check_split(config, backend)
     kernels = _BACKENDS[backend]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
-    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
+    # the split forward forms T inside its W/U kernel unless the piece maps need it too
+    tinv = None if config.outputs == "split" and pieces == 1 else kernels.tri_inverse_pass(
+        x, eta, g, gp, rl, chunk=chunk, interpret=interpret, num_warps=config.tri_warps, group=group,
+        **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               num_warps=config.fwd_warps, num_stages=config.fwd_stages,
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
@@ -196,7 +198,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     else:
         starts = s0[:, None]
     if config.outputs == "split":
-        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, **kw)
+        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, group=group, **kw)
     elif config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
@@ -225,9 +227,19 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
                                     num_warps=config.tri_warps, group=group, **_layout_kw(heads))
-    h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+    if config.outputs == "split":  # the forward's own walk: W, U per chunk, then the state-only walk
+        w, u = kernels.prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=chunk, interpret=interpret,
+                                  num_warps=config.fwd_warps, group=group, heads=heads,
+                                  w_dtype=fwd_kw["walk_operands"] or jnp.float32)
+        h, _ = kernels.state_walk(x, w, u, g, rl, starts, **fwd_kw)
+    else:
+        h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
+    if config.state_grads == "split":  # V, B once for both walks below
+        state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
+                                            num_warps=config.state_warps, heads=heads,
+                                            b_dtype=state_kw["walk_operands"] or jnp.float32)
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
         (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)

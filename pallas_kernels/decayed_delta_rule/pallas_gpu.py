@@ -90,7 +90,8 @@ def _unit_lower_inverse(a, precision):
     return lax.fori_loop(jnp.int32(1), jnp.int32(n), body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
-def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
+def _inverse_blocks(x_ref, eta_ref, g_ref, gp_ref, rl_ref, *, chunk, precision, group):
+    """The 16-row blocks ``T[i, k]`` (k ≤ i) of one chunk's ``T = (I + A)⁻¹``, by blocked forward substitution."""
     nb = chunk // BLOCK
     blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
     xs = [x_ref[b, :] for b in blk]
@@ -110,8 +111,15 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
             for m in range(k + 1, i):
                 acc += dot(A[m], T[m, k], p32)
             T[i, k] = -dot(T[i, i], acc, p32)
+    return T
+
+
+def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
+    T = _inverse_blocks(x_ref, eta_ref, g_ref, gp_ref, rl_ref, chunk=chunk, precision=precision, group=group)
+    nb = chunk // BLOCK
+    for i in range(nb):
         for k in range(nb):
-            t_ref[blk[i], blk[k]] = T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)
+            t_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(k * BLOCK, BLOCK)] = T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)
 
 
 def _sdot(a, b, p32, lo):
@@ -367,14 +375,30 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
     dg_ref[...] = dg + cont * q_do_h
 
 
-def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
-    """One chunk's ``W = T (η c⁻ ⊙ X)`` and ``U = T (η ⊙ Y)``, so that ``P = U − W S_0`` (the split forward)."""
+def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, *refs, chunk, precision, group, with_t):
+    """One chunk's ``W = T (η c⁻ ⊙ X)`` and ``U = T (η ⊙ Y)``, so that ``P = U − W S_0`` (the split forward).
+    ``with_t``: T comes in (``tri_inverse_pass``); else it is formed here, block by block, and never stored."""
+    t_ref, w_ref, u_ref = refs if with_t else (None, *refs)
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
-    _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
-    tinv = t_ref[...]
-    w_ref[...] = dot(tinv, (eta * cont_p)[:, None] * x_ref[...].astype(F32), p32).astype(w_ref.dtype)
-    u_ref[...] = dot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
+    if with_t:
+        eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+        _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+        tinv = t_ref[...]
+        w_ref[...] = dot(tinv, (eta * cont_p)[:, None] * x_ref[...].astype(F32), p32).astype(w_ref.dtype)
+        u_ref[...] = dot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
+        return
+    T = _inverse_blocks(x_ref, eta_ref, g_ref, gp_ref, rl_ref, chunk=chunk, precision=precision, group=group)
+    rhs = []  # rows of block k of η c⁻ ⊙ X and η ⊙ Y, read from the refs (values cannot be sliced in Triton)
+    for k in range(chunk // BLOCK):
+        blk = pl.ds(k * BLOCK, BLOCK)
+        eta_k = eta_ref[blk]
+        cont_k = jnp.where(rl_ref[blk] == 0, jnp.exp(gp_ref[blk]), 0.0)
+        rhs.append(((eta_k * cont_k)[:, None] * x_ref[blk, :].astype(F32), eta_k[:, None] * y_ref[blk, :].astype(F32)))
+    for i in range(len(rhs)):  # block row i of W and U: Σ_{k ≤ i} T_ik (block k of the right-hand sides)
+        w_i = sum(dot(T[i, k], rhs[k][0], p32) for k in range(i + 1))
+        u_i = sum(dot(T[i, k], rhs[k][1], p32) for k in range(i + 1))
+        w_ref[pl.ds(i * BLOCK, BLOCK), :] = w_i.astype(w_ref.dtype)
+        u_ref[pl.ds(i * BLOCK, BLOCK), :] = u_i.astype(u_ref.dtype)
 
 
 def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_ref, *, chunk, n_chunks, precision,
@@ -480,56 +504,82 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
                 interpret=interpret, name="falcon_delta_fwd")
 
 
-def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, interpret, num_warps=4,
-                  num_stages=2, heads=None, walk_operands=None):
-    """The forward split as the peers split it: ``W, U`` per chunk (parallel), a walk that carries only the state
-    (two dots per chunk, storing the chunk start states), then the outputs of every chunk (parallel).
-
-    ``W [BH, L, dk]`` is stored in ``walk_operands`` (the dtype the walks round it to for their dots anyway) or
-    fp32, ``U [BH, L, dv]`` in fp32 (it enters ``P`` by a subtraction: rounding it would add to P's error).
-    Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype, s_end [BH, P, dk, dv]); s0 as
-    :func:`forward_pass`."""
-    BH, L, dk = token_dims(q, heads)
+def prepare_wu(x, y, eta, g, gp, rl, tinv, *, chunk, interpret, num_warps=4, group=1, heads=None, w_dtype=F32):
+    """Every chunk's ``W = T (η c⁻ ⊙ X)`` ``[BH, L, dk]`` (in ``w_dtype``) and ``U = T (η ⊙ Y)`` ``[BH, L, dv]``
+    (fp32: it enters ``P = U − W S`` by a subtraction, rounding it would add to P's error).
+    ``tinv=None``: T is formed inside the kernel (as ``tri_inverse_pass`` does) and never stored."""
+    BH, L, dk = token_dims(x, heads)
     dv = y.shape[-1]
     n = L // chunk
-    precision = precision_for(q.dtype)
-    w_dtype = walk_operands or F32
     row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
     row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    flat_k = pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0))
-    flat_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
-    w, u = call(functools.partial(_prepare_kernel, chunk=chunk, precision=precision), grid=(BH, n),
-                in_specs=[row_k, row_v, row, row, row, row, t_spec], out_specs=[flat_k, flat_v],
+    with_t = tinv is not None
+    t_specs, t_args = ([pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))], (tinv,)) if with_t else ([], ())
+    kernel = functools.partial(_prepare_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group,
+                               with_t=with_t)
+    return call(kernel, grid=(BH, n), in_specs=[row_k, row_v, row, row, row, row] + t_specs,
+                out_specs=[pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0)),
+                           pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))],
                 out_shape=[jax.ShapeDtypeStruct((BH, L, dk), w_dtype), jax.ShapeDtypeStruct((BH, L, dv), F32)],
-                args=(x, y, eta, g, gp, rl, tinv), compiler_params=_params(interpret, num_warps, 1),
+                args=(x, y, eta, g, gp, rl) + t_args, compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_prepare_wu")
 
-    grid, n_piece, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
+
+def state_walk(x, w, u, g, rl, s0, *, chunk, pieces, block_v, interpret, num_warps=4, num_stages=2, heads=None,
+               walk_operands=None):
+    """The split forward's walk over the chunks of every (batch·head, piece, value block): the state only.
+    Returns (h [BH, n_chunks, dk, dv], each chunk's start state in the chunk-state dtype; s_end [BH, P, dk, dv])."""
+    grid, n_piece, specs, shapes = walk_layout(x, u, chunk, pieces, block_v, heads=heads)
+    dk = w.shape[-1]
     Lp = n_piece * chunk
     w_rows = pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0))
     u_rows = pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, v))
     state_specs, state_shapes = walk_outputs(specs, shapes, True)
-    h, s_end = call(functools.partial(_state_walk_kernel, chunk=chunk, n_chunks=n_piece, precision=precision,
-                                      lo=walk_operands),
-                    grid=grid, in_specs=[specs.rows_k, w_rows, u_rows, specs.gate, specs.gate, specs.piece_state],
-                    out_specs=state_specs, out_shape=state_shapes, args=(x, w, u, g, rl, s0),
-                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                    name="falcon_delta_state_walk")
+    return call(functools.partial(_state_walk_kernel, chunk=chunk, n_chunks=n_piece, precision=precision_for(x.dtype),
+                                  lo=walk_operands),
+                grid=grid, in_specs=[specs.rows_k, w_rows, u_rows, specs.gate, specs.gate, specs.piece_state],
+                out_specs=state_specs, out_shape=state_shapes, args=(x, w, u, g, rl, s0),
+                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                name="falcon_delta_state_walk")
 
-    nv = dv // block_v
+
+def split_outputs(q, x, w, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, heads=None, walk_operands=None,
+                  like=None):
+    """Every chunk's outputs from its start state (parallel over batch·head, chunk and value block):
+    ``o = c ⊙ Q h + (Q Xᵀ ⊙ D)(U − W h)``; o is shaped and typed like ``like`` (y)."""
+    BH, L, dk = token_dims(q, heads)
+    dv = u.shape[-1]
+    n = L // chunk
     row_kv = row_block(heads, chunk, dk, lambda b, c, v: (b, c, 0))
     out_v = row_block(heads, chunk, block_v, lambda b, c, v: (b, c, v))
-    (o,) = call(functools.partial(_output_kernel, precision=precision, lo=walk_operands), grid=(BH, n, nv),
+    row = pl.BlockSpec((None, chunk), lambda b, c, v: (b, c))
+    (o,) = call(functools.partial(_output_kernel, precision=precision_for(q.dtype), lo=walk_operands),
+                grid=(BH, n, dv // block_v),
                 in_specs=[row_kv, row_kv, pl.BlockSpec((None, chunk, dk), lambda b, c, v: (b, c, 0)),
-                          pl.BlockSpec((None, chunk, block_v), lambda b, c, v: (b, c, v)),
-                          pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
-                          pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
+                          pl.BlockSpec((None, chunk, block_v), lambda b, c, v: (b, c, v)), row, row,
                           pl.BlockSpec((None, None, dk, block_v), lambda b, c, v: (b, c, 0, v))],
-                out_specs=[out_v], out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype)],
+                out_specs=[out_v], out_shape=[jax.ShapeDtypeStruct(like.shape, like.dtype)],
                 args=(q, x, w, u, g, rl, h), compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                 name="falcon_delta_outputs")
+    return o
+
+
+def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, interpret, num_warps=4,
+                  num_stages=2, heads=None, walk_operands=None, group=1, output_block_v=None):
+    """The forward split as the peers split it: ``W, U`` per chunk (parallel, :func:`prepare_wu`; ``tinv=None``
+    forms T there), a walk that carries only the state (two dots per chunk, storing the chunk start states,
+    :func:`state_walk`), then the outputs of every chunk (parallel, :func:`split_outputs`, ``output_block_v``
+    value columns per program, default ``block_v``).  ``W`` is stored in ``walk_operands`` (the dtype the walks
+    round it to for their dots anyway) or fp32.
+    Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype, s_end [BH, P, dk, dv]); s0 as
+    :func:`forward_pass`."""
+    w, u = prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=chunk, interpret=interpret, num_warps=num_warps, group=group,
+                      heads=heads, w_dtype=walk_operands or F32)
+    h, s_end = state_walk(x, w, u, g, rl, s0, chunk=chunk, pieces=pieces, block_v=block_v, interpret=interpret,
+                          num_warps=num_warps, num_stages=num_stages, heads=heads, walk_operands=walk_operands)
+    o = split_outputs(q, x, w, u, g, rl, h, chunk=chunk, block_v=output_block_v or block_v, interpret=interpret,
+                      num_warps=num_warps, heads=heads, walk_operands=walk_operands, like=y)
     return o, h, s_end
 
 
@@ -554,28 +604,33 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
                 name="falcon_delta_dstate")
 
 
-def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                          num_warps=4, num_stages=2, heads=None, walk_operands=None):
-    """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V [BH, L, dv]`` (fp32) and
-    ``B [BH, L, dk]`` (walk-operand dtype) per chunk in parallel, then a reverse walk of three dots per chunk.
-    Same arguments and returns as :func:`state_grad_pass`."""
+def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32):
+    """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (fp32) and ``B = Tᵀ (w ⊙ X)`` ``[BH, L, dk]``
+    (in ``b_dtype``): the reverse walk's ``dR = V + B dS``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
     n = L // chunk
-    precision = precision_for(q.dtype)
     row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
     row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
     t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
-    v, b = call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision), grid=(BH, n),
-                in_specs=[row_k, row_k, row, row, row, row, t_spec, row_v],
+    return call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
+                grid=(BH, n), in_specs=[row_k, row_k, row, row, row, row, t_spec, row_v],
                 out_specs=[pl.BlockSpec((None, chunk, dv), lambda i, c: (i, c, 0)),
                            pl.BlockSpec((None, chunk, dk), lambda i, c: (i, c, 0))],
-                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), F32),
-                           jax.ShapeDtypeStruct((BH, L, dk), walk_operands or F32)],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), F32), jax.ShapeDtypeStruct((BH, L, dk), b_dtype)],
                 args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_dstate_prepare")
 
+
+def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
+                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None):
+    """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
+    (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk.
+    Same arguments and returns as :func:`state_grad_pass`."""
+    dk = token_dims(q, heads)[2]
+    v, b = vb if vb is not None else prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
+                                                num_warps=num_warps, heads=heads, b_dtype=walk_operands or F32)
     grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
@@ -583,7 +638,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                 pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
     out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
-                               precision=precision, lo=walk_operands)
+                               precision=precision_for(q.dtype), lo=walk_operands)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, v, b, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
