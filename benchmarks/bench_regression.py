@@ -96,27 +96,28 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
                               chunk_size=chunk_size, config=config, layout="BTHD")[0]
 
 
-# launch and pass variants timed alongside the default (bf16 walk operands, XLA chunk gradients since the
-# seventh H200 run, and one warp for the triangular inverse)
+# launch and pass variants timed alongside the default (since the eighth H200 run: the split state-gradient walk
+# and the two-program chunk gradients on the GPU, the split forward below 128 fused-walk programs; bf16 walk
+# operands and a one-warp triangular inverse since the seventh)
+FUSED = dict(outputs="pallas", state_grads="pallas")
 VARIANTS = {
-    "kernel only, sixth-run default (fp32 walk operands, Pallas chunk gradients)":
-        dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
+    "kernel only, seventh-run default (fused walks, XLA chunk gradients)":
+        dict(config=KernelConfig(chunk_grads="xla", **FUSED)),
+    "kernel only, sixth-run default (fp32 walk operands, fused walks, Pallas chunk gradients)":
+        dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas", **FUSED)),
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
+    "kernel only, XLA chunk gradients": dict(config=KernelConfig(chunk_grads="xla")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
-    "kernel only, split forward (W/U, state-only walk, output kernel)": dict(config=KernelConfig(outputs="split")),
-    "kernel only, split state-gradient walk (V/B, three-dot walk)": dict(config=KernelConfig(state_grads="split")),
-    "kernel only, split walks (both)": dict(config=KernelConfig(outputs="split", state_grads="split")),
-    "kernel only, two-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas_split")),
-    "kernel only, split walks + two-program chunk gradients": dict(
-        config=KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")),
-    "kernel only, split state-gradient walk + two-program chunk gradients": dict(
-        config=KernelConfig(state_grads="split", chunk_grads="pallas_split")),
+    "kernel only, split forward at every shape": dict(config=KernelConfig(outputs="split")),
+    "kernel only, fused forward at every shape": dict(config=KernelConfig(outputs="pallas")),
+    "kernel only, fused state-gradient walk": dict(config=KernelConfig(state_grads="pallas")),
+    "kernel only, split walks 32 columns": dict(config=KernelConfig(split_block_v=32)),
     "kernel only, 64 value columns": dict(config=KernelConfig(block_v=64)),
     "kernel only, C=32": dict(chunk_size=32),
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7
     "kernel only, triangular inverse 2 warps": dict(config=KernelConfig(tri_warps=2)),
-    "kernel only, Pallas chunk gradients 8 warps": dict(config=KernelConfig(chunk_grads="pallas", grad_warps=8)),
+    "kernel only, Pallas chunk gradients 8 warps": dict(config=KernelConfig(grad_warps=8)),
     "kernel only, state walk 8 warps": dict(config=KernelConfig(state_warps=8)),
     "kernel only, state walk 2 warps": dict(config=KernelConfig(state_warps=2)),
     "kernel only, forward walk 2 warps": dict(config=KernelConfig(fwd_warps=2)),
@@ -275,12 +276,11 @@ def main() -> int:
         for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
                              ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
                              ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
-                             ("kernel only, Pallas chunk gradients",
+                             ("kernel only, one-program Pallas chunk gradients",
                               functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas")),
                               (q, k, v, beta, log_decay)),
-                             ("kernel only, split walks + two-program chunk gradients",
-                              functools.partial(kernel_only, config=KernelConfig(
-                                  outputs="split", state_grads="split", chunk_grads="pallas_split")),
+                             ("kernel only, seventh-run default (fused walks, XLA chunk gradients)",
+                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="xla", **FUSED)),
                               (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:

@@ -282,11 +282,15 @@ def main() -> int:
         exact = jax.device_put(o_ref, gpu)
         errs, grad_errs = {}, {}
         base = "fp32 walk operands, Pallas passes"  # the default until the seventh run
-        for label, config in ((base, KernelConfig(walk_operands="fp32", chunk_grads="pallas")),
-                              ("bf16 walk operands", KernelConfig(walk_operands="input", chunk_grads="pallas")),
+        fused = dict(outputs="pallas", state_grads="pallas")
+        for label, config in ((base, KernelConfig(walk_operands="fp32", chunk_grads="pallas", **fused)),
+                              ("bf16 walk operands", KernelConfig(walk_operands="input", chunk_grads="pallas", **fused)),
                               ("bf16 walk operands + XLA passes",
-                               KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla")),
-                              ("default (bf16 walk operands, XLA chunk gradients)", KernelConfig()),
+                               KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas",
+                                            chunk_grads="xla")),
+                              ("seventh-run default (fused walks, XLA chunk gradients)",
+                               KernelConfig(chunk_grads="xla", **fused)),
+                              ("default (split state-gradient walk, two-program chunk gradients)", KernelConfig()),
                               ("split walks + two-program chunk grads", all_split)):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)

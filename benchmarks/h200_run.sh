@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next14      # the eighth run's defaults: timed at every shape, memory, all checks but Falcon-2's
 #   bash benchmarks/h200_run.sh next13      # the split passes one by one (widths varied), split configs whole, memory
 #   bash benchmarks/h200_run.sh next12      # the split walks and two-program chunk gradients: checked, timed at every
 #                                           # shape; the per-column kernel's (Falcon-2) warps and columns
@@ -28,7 +29,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -157,6 +158,14 @@ walk operands,one-program,outputs in XLA,64 value,C=32,triangular,warps,stage,pi
 per-column,split forward,split state-gradient walk (V/B,split walks (both)" --out "$out/$part/bench_split.json"
     step memory 100 python3 benchmarks/bench_regression.py --shapes "" --out "$out/$part/memory.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13)"; exit 2 ;;
+  next14)
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
+walk operands,one-program,only, XLA chunk,outputs in XLA,fused state,32 columns,64 value,C=32,triangular,warps,stage,\
+pieces,BTHD,0.1.0 deltanet,fla,falcon-2,per-column" --out "$out/$part/bench.json"
+    step memory 90 python3 benchmarks/bench_regression.py --shapes "" --out "$out/$part/memory.json"
+    step check_regression 230 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values" \
+      --out "$out/$part/check_regression.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -171,7 +171,6 @@ def split_delta_passes(shape, interpret, rows):
     timings = [("triangular inverse", jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps),
                 (x, eta, g, gp, rl)),
                ("prepare W, U (T given)", prep, (x, y, eta, g, gp, rl, tinv)),
-               ("prepare W, U (T formed inside)", prep, (x, y, eta, g, gp, rl, None)),
                ("fused fwd walk (o), the default", jit(delta_gpu.forward_pass, block_v=cfg.block_v, write_o=True,
                                                         write_h=False, **walk_kw),
                 (q, x, y, eta, g, gp, rl, tinv, s0)),

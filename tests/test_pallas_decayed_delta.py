@@ -169,8 +169,8 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
-    is transposed around them; also with the walks' dots on bf16 operands.  The default (XLA chunk
-    gradients on the GPU) lowers its three kernels; its batched matmuls do transpose."""
+    is transposed around them; also with the walks' dots on bf16 operands and the default (here, with few
+    programs: the split forward, the split state-gradient walk and the two-program chunk gradients)."""
     B, T, H, D = 2, 512, 3, 128
     q = jnp.zeros((B, T, H, D), dtype)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -185,13 +185,12 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
         lowering_platforms=("cuda",)).as_text()
-    chunk_kernels = {"pallas": ("chunk_grads",), "auto": (), "pallas_split": ("chunk_grads_values", "chunk_grads_keys")}
+    split = ("chunk_grads_values", "chunk_grads_keys")
+    chunk_kernels = {"pallas": ("chunk_grads",), "pallas_split": split,
+                     "auto": split + ("prepare_wu", "state_walk", "outputs", "dstate_prepare", "dstate_walk")}
     kernels = ("tri_inverse", "fwd", "dstate") + chunk_kernels[chunk_grads]
     for name in kernels:
         assert f"falcon_delta_{name}" in text, name
-    if chunk_grads == "auto":
-        assert "falcon_delta_chunk_grads" not in text
-        return
     assert all(f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
 
 
@@ -287,20 +286,22 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
 
 
-FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas")
+FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas", state_grads="pallas")
 
 
-@pytest.mark.parametrize("config", [KernelConfig(walk_operands="fp32", outputs="xla", chunk_grads="xla"),
-                                    KernelConfig(walk_operands="input", chunk_grads="pallas"),
-                                    KernelConfig(walk_operands="input", outputs="xla", chunk_grads="xla"),
-                                    KernelConfig(), KernelConfig(outputs="split", state_grads="split"),
-                                    KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")],
-                         ids=["xla-passes", "bf16-walk-operands", "both", "default", "split-walks", "all-split"])
+@pytest.mark.parametrize("config", [
+    KernelConfig(walk_operands="fp32", outputs="xla", state_grads="pallas", chunk_grads="xla"),
+    KernelConfig(walk_operands="input", outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
+    KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas", chunk_grads="xla"),
+    KernelConfig(), KernelConfig(outputs="pallas"), KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"),
+    KernelConfig(split_block_v=16)],
+    ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
-    default (bf16 walk operands, XLA chunk gradients), the split walks and the two-program chunk
-    gradients —: outputs and gradients against the float64 reference, within twice the error of the
+    default (bf16 walk operands, split state-gradient walk, two-program chunk gradients, here the split forward:
+    few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks —:
+    outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
     pieces, so the piece maps run too."""
@@ -363,11 +364,22 @@ def test_split_passes_are_gpu_only(name, value, rng):
         kernel(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", config=KernelConfig(**{name: value}))
 
 
-def test_kernel_config_auto_chunk_grads_per_backend():
-    """The default picks the XLA chunk gradients on the GPU (faster on the H200) and keeps the TPU's Pallas kernel."""
-    assert KernelConfig().chunk_grads_for("pallas_gpu") == "xla"
-    assert KernelConfig().chunk_grads_for("pallas_tpu") == "pallas"
-    assert KernelConfig(chunk_grads="pallas").chunk_grads_for("pallas_gpu") == "pallas"
+def test_kernel_config_auto_choices_per_backend_and_shape():
+    """The defaults pick the split passes on the GPU (faster on the H200) and keep the TPU's fused kernels; the
+    split forward only when the fused walk would run fewer than 128 programs; the split walks' width the widest
+    ≤ 64 that still gives 128 programs."""
+    cfg = KernelConfig()
+    assert cfg.chunk_grads_for("pallas_gpu") == "pallas_split" and cfg.chunk_grads_for("pallas_tpu") == "pallas"
+    assert cfg.state_grads_for("pallas_gpu") == "split" and cfg.state_grads_for("pallas_tpu") == "pallas"
+    assert KernelConfig(chunk_grads="xla").chunk_grads_for("pallas_gpu") == "xla"
+    assert KernelConfig(state_grads="pallas").state_grads_for("pallas_gpu") == "pallas"
+    # 128 value columns in blocks of 32: 4 programs per batch·head
+    assert cfg.outputs_for("pallas_gpu", 16, 128) == "split"  # 1x32768x16x128: 64 programs
+    assert cfg.outputs_for("pallas_gpu", 32, 128) == "pallas"  # 2x8192x16x128: 128
+    assert cfg.outputs_for("pallas_tpu", 16, 128) == "pallas"
+    assert KernelConfig(outputs="xla").outputs_for("pallas_gpu", 16, 128) == "xla"
+    assert [cfg.split_block_v_for(bh, 128) for bh in (128, 32, 16, 1)] == [64, 32, 16, 16]
+    assert cfg.split_block_v_for(128, 32) == 32 and KernelConfig(split_block_v=128).split_block_v_for(4, 64) == 64
 
 
 def test_kernel_config_refuses_unknown_pass_choices():
@@ -377,6 +389,8 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(outputs="XLA")
     with pytest.raises(ValueError, match="walk_operands must be 'fp32' or 'input'"):
         KernelConfig(walk_operands="bf16")
+    with pytest.raises(ValueError, match="split_block_v must be None"):
+        KernelConfig(split_block_v=24)
 
 
 def test_bf16_walk_operands_leave_fp32_inputs_alone(rng):

@@ -23,13 +23,15 @@ output walk runs from those (exact).
 Backward (``jax.custom_vjp``, no differentiation through ``pallas_call``):
 ``T`` and the chunk start states recomputed, a reverse walk for the state
 gradients (pieces likewise, with ``Mᵀ``), then every chunk's dq, dx, dy, dη
-and log-decay gradients (batched XLA matmuls on the GPU by default, ``xla.py``;
-one Pallas program per chunk with ``chunk_grads="pallas"`` and on the TPU).
+and log-decay gradients.
 
-``KernelConfig(outputs="split", state_grads="split")`` (GPU, opt-in): the walks split as fla and
-jax-linear-attention split them — per chunk in parallel ``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)`` (forward)
-and ``V = Tᵀ(QXᵀ ⊙ D)ᵀ dO``, ``B = Tᵀ(w ⊙ X)`` (backward), so the sequential walks carry only the state
-(``P = U − W S``; ``dR = V + B dS``) and the outputs come from the stored chunk states in parallel.
+On the GPU the walks are split as fla and jax-linear-attention split them (``KernelConfig``'s "auto"
+choices, measured on the H200): per chunk in parallel ``V = Tᵀ(QXᵀ ⊙ D)ᵀ dO``, ``B = Tᵀ(w ⊙ X)``, so the
+reverse walk carries only the state (``dR = V + B dS``, three dots per chunk); the per-chunk gradients in
+two programs (value columns, then key columns); and, when batch·heads·value blocks leave fewer than 128
+programs, the forward likewise (``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)``, ``P = U − W S``, a state-only walk,
+then the outputs from the stored chunk states in parallel).  The TPU runs the fused walks and one program
+per chunk.
 
 Per-column gates (Falcon-2: ``η``, ``log γ`` of shape ``[B, H, T, dv]``) go through
 ``pallas_gpu_columns.py``: one program per (batch·head, value block) walks the chunks
@@ -87,15 +89,22 @@ class KernelConfig:
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py),
-    # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators; not yet
-    # timed) or "auto": "xla" on the GPU (H200, 8x2048x16x128 bf16: 5.27 vs 7.63 ms fwd+bwd), Pallas on the TPU
+    # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators) or
+    # "auto": "pallas_split" on the GPU (H200, 8x2048x16x128 bf16: 1.63 ms vs XLA 2.74, one program 4.60),
+    # "pallas" on the TPU
     chunk_grads: str = "auto"
-    # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200) or
-    # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split; not yet timed)
-    outputs: str = "pallas"
-    # the backward's state-gradient walk: "pallas" (recomputes the scores and applies Tᵀ in the walk) or "split"
-    # (GPU: V = Tᵀ(QXᵀ⊙D)ᵀdO and B = Tᵀ(w⊙X) per chunk in parallel, a walk of three dots per chunk; not yet timed)
-    state_grads: str = "pallas"
+    # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200),
+    # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split) or "auto":
+    # "split" on the GPU when the fused walk would run fewer than 128 programs (H200, 1x32768x16x128: 1.89 vs
+    # 2.59 ms; 8x2048: 0.69 vs 0.53), else "pallas"
+    outputs: str = "auto"
+    # the backward's state-gradient walk: "pallas" (recomputes the scores and applies Tᵀ in the walk), "split"
+    # (GPU: V = Tᵀ(QXᵀ⊙D)ᵀdO and B = Tᵀ(w⊙X) per chunk in parallel, a walk of three dots per chunk) or "auto":
+    # "split" on the GPU (H200: 0.29 + 0.31 vs 0.84 ms at 8x2048, 0.55 + 1.74 vs 3.95 at 1x32768), else "pallas"
+    state_grads: str = "auto"
+    # value columns per program of the split walks; None: the widest power of two ≤ 64 that still gives 128
+    # programs, at least 16 (H200: 64 at 8x2048x16, 32 at 2x8192x16, 16 at 1x32768x16 were the fastest)
+    split_block_v: int | None = None
     # the walks' dots with the fp32 state, P, dS or dR (and the XLA chunk gradients' dots with computed fp32
     # operands): "input" (both operands rounded to the bf16/fp16 inputs' dtype: bf16 MMA, as the peers do; H200
     # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
@@ -106,12 +115,16 @@ class KernelConfig:
 
     def __post_init__(self):
         for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split")),
-                              ("outputs", ("pallas", "xla", "split")), ("state_grads", ("pallas", "split"))):
+                              ("outputs", ("auto", "pallas", "xla", "split")),
+                              ("state_grads", ("auto", "pallas", "split"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
+        if self.split_block_v is not None and (self.split_block_v < 16 or self.split_block_v & (self.split_block_v - 1)):
+            raise ValueError(f"KernelConfig: split_block_v must be None (auto) or a power of two >= 16, "
+                             f"got {self.split_block_v!r}.")
 
     def walk_operand_dtype(self, dtype):
         """The dtype the walks round their state-sized operands to for inputs of ``dtype`` (None: fp32)."""
@@ -121,7 +134,29 @@ class KernelConfig:
         """``chunk_grads`` with "auto" resolved for ``backend`` ("pallas_gpu" or "pallas_tpu")."""
         if self.chunk_grads != "auto":
             return self.chunk_grads
-        return "xla" if backend == "pallas_gpu" else "pallas"
+        return "pallas_split" if backend == "pallas_gpu" else "pallas"
+
+    def state_grads_for(self, backend: str) -> str:
+        """``state_grads`` with "auto" resolved for ``backend``."""
+        if self.state_grads != "auto":
+            return self.state_grads
+        return "split" if backend == "pallas_gpu" else "pallas"
+
+    def outputs_for(self, backend: str, bh: int, dv: int) -> str:
+        """``outputs`` with "auto" resolved for ``backend`` and ``bh`` batch·heads of ``dv`` value columns."""
+        if self.outputs != "auto":
+            return self.outputs
+        fused_programs = bh * max(dv // self.block_v, 1)
+        return "split" if backend == "pallas_gpu" and fused_programs < 128 else "pallas"
+
+    def split_block_v_for(self, bh: int, dv: int) -> int:
+        """Value columns per program of the split walks for ``bh`` batch·heads (see ``split_block_v``)."""
+        if self.split_block_v is not None:
+            return min(self.split_block_v, dv)
+        width = min(64, dv)
+        while width > 16 and bh * (dv // width) < 128:
+            width //= 2
+        return width
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
@@ -184,11 +219,10 @@ def _check_split(config, backend):
 def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
     _check_split(config, backend)
     kernels = _BACKENDS[backend]
+    BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
-    # the split forward forms T inside its W/U kernel unless the piece maps need it too
-    tinv = None if config.outputs == "split" and pieces == 1 else kernels.tri_inverse_pass(
-        x, eta, g, gp, rl, chunk=chunk, interpret=interpret, num_warps=config.tri_warps, group=group,
-        **_layout_kw(heads))
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
+                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               num_warps=config.fwd_warps, num_stages=config.fwd_stages,
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
@@ -197,9 +231,11 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         starts, _ = _piece_starts(M, E, s0)
     else:
         starts = s0[:, None]
-    if config.outputs == "split":
-        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, group=group, **kw)
-    elif config.outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
+    outputs = config.outputs_for(backend, BH, dv)
+    if outputs == "split":
+        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts,
+                                            **dict(kw, block_v=config.split_block_v_for(BH * pieces, dv)))
+    elif outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
@@ -214,7 +250,7 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
     kernels = _BACKENDS[backend]
     q, x, y, eta, g, gp, rl, starts = res
-    state_grad_pass = kernels.state_grad_split_pass if config.state_grads == "split" else kernels.state_grad_pass
+    split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
@@ -224,22 +260,21 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
-    # 1) T and the state at every chunk start, recomputed from each piece's true initial state
+    # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
+    #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
                                     num_warps=config.tri_warps, group=group, **_layout_kw(heads))
-    if config.outputs == "split":  # the forward's own walk: W, U per chunk, then the state-only walk
-        w, u = kernels.prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=chunk, interpret=interpret,
-                                  num_warps=config.fwd_warps, group=group, heads=heads,
-                                  w_dtype=fwd_kw["walk_operands"] or jnp.float32)
-        h, _ = kernels.state_walk(x, w, u, g, rl, starts, **fwd_kw)
-    else:
-        h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+    h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
-    if config.state_grads == "split":  # V, B once for both walks below
+    if split_state_grads:  # V, B once for both walks below
+        state_grad_pass = kernels.state_grad_split_pass
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
                                             num_warps=config.state_warps, heads=heads,
                                             b_dtype=state_kw["walk_operands"] or jnp.float32)
+        state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
+    else:
+        state_grad_pass = kernels.state_grad_pass
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
         (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
@@ -250,11 +285,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         ds_ends = ds_final[:, None]
     dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    if config.chunk_grads_for(backend) == "xla":
+    chunk_grads = config.chunk_grads_for(backend)
+    if chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,
                                                     operands=config.walk_operand_dtype(q.dtype))
-    elif config.chunk_grads == "pallas_split":
+    elif chunk_grads == "pallas_split":
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_split_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
