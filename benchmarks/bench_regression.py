@@ -107,7 +107,7 @@ VARIANTS = {
         dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas", **FUSED)),
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
-    "kernel only, XLA chunk gradients": dict(config=KernelConfig(chunk_grads="xla")),
+    "kernel only, chunk gradients as XLA matmuls": dict(config=KernelConfig(chunk_grads="xla")),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward at every shape": dict(config=KernelConfig(outputs="split")),
     "kernel only, fused forward at every shape": dict(config=KernelConfig(outputs="pallas")),

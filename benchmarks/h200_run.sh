@@ -160,7 +160,7 @@ per-column,split forward,split state-gradient walk (V/B,split walks (both)" --ou
     ;;
   next14)
     step bench 240 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
-walk operands,one-program,only, XLA chunk,outputs in XLA,fused state,32 columns,64 value,C=32,triangular,warps,stage,\
+walk operands,one-program,as XLA,outputs in XLA,fused state,32 columns,64 value,C=32,triangular,warps,stage,\
 pieces,BTHD,0.1.0 deltanet,fla,falcon-2,per-column" --out "$out/$part/bench.json"
     step memory 90 python3 benchmarks/bench_regression.py --shapes "" --out "$out/$part/memory.json"
     step check_regression 230 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values" \
