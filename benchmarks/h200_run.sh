@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next15      # the gradient checks (bf16, fp32, pass choices) of the eighth run's defaults
 #   bash benchmarks/h200_run.sh next14      # the eighth run's defaults: timed at every shape, memory, all checks but Falcon-2's
 #   bash benchmarks/h200_run.sh next13      # the split passes one by one (widths varied), split configs whole, memory
 #   bash benchmarks/h200_run.sh next12      # the split walks and two-program chunk gradients: checked, timed at every
@@ -29,7 +30,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -166,6 +167,10 @@ pieces,BTHD,0.1.0 deltanet,fla,falcon-2,per-column" --out "$out/$part/bench.json
     step check_regression 230 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values" \
       --out "$out/$part/check_regression.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14)"; exit 2 ;;
+  next15)  # the gradient checks next14's check step had no time left for
+    step check_grads 200 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,pass choices" \
+      --out "$out/$part/check_grads.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
