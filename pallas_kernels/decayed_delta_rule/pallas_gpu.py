@@ -30,6 +30,15 @@ Kernels:
     ``dR = Tᵀ dP``, ``dS ← a dS + (c⊙Q)ᵀ dO − (η c_p ⊙ X)ᵀ dR``.
   * ``chunk_grad_pass`` — one program per chunk: dq, dx, dy, dη and the gradients
     w.r.t. g and gp from h, dh and T.
+
+The peers' split (the GPU defaults where the H200 measured them faster, ``api.KernelConfig``):
+  * ``split_forward`` = ``prepare_wu`` (``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)`` per chunk) +
+    ``state_walk`` (``P = U − W S``, ``S ← a S + (w ⊙ X)ᵀ P``, stores h) + ``split_outputs``
+    (every chunk's outputs from h in parallel).
+  * ``state_grad_split_pass`` = ``prepare_vb`` (``V = Tᵀ(QXᵀ ⊙ D)ᵀ dO``, ``B = Tᵀ(w ⊙ X)``) + a
+    reverse walk with ``dR = V + B dS``.
+  * ``chunk_grad_split_pass`` — ``chunk_grad_pass`` as two programs per chunk (value columns, then
+    key columns), so that neither holds ``[C, dk]`` fp32 accumulators.
 """
 
 from __future__ import annotations
