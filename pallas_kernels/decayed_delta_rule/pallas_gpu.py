@@ -527,8 +527,8 @@ def state_walk(x, w, u, g, rl, s0, *, chunk, pieces, block_v, interpret, num_war
                 name="falcon_delta_state_walk")
 
 
-def split_outputs(q, x, w, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, heads=None, walk_operands=None,
-                  like=None):
+def split_outputs(q, x, w, u, g, rl, h, *, like, chunk, block_v, interpret, num_warps=4, heads=None,
+                  walk_operands=None):
     """Every chunk's outputs from its start state (parallel over batch·head, chunk and value block):
     ``o = c ⊙ Q h + (Q Xᵀ ⊙ D)(U − W h)``; o is shaped and typed like ``like`` (y)."""
     BH, L, dk = token_dims(q, heads)
@@ -561,9 +561,8 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
                       heads=heads, w_dtype=walk_operands or F32)
     h, s_end = state_walk(x, w, u, g, rl, s0, chunk=chunk, pieces=pieces, block_v=block_v, interpret=interpret,
                           num_warps=num_warps, num_stages=num_stages, heads=heads, walk_operands=walk_operands)
-    o = split_outputs(q, x, w, u, g, rl, h, chunk=chunk, block_v=output_block_v or min(u.shape[-1], 128),
-                      interpret=interpret,
-                      num_warps=num_warps, heads=heads, walk_operands=walk_operands, like=y)
+    o = split_outputs(q, x, w, u, g, rl, h, like=y, chunk=chunk, block_v=output_block_v or min(u.shape[-1], 128),
+                      interpret=interpret, num_warps=num_warps, heads=heads, walk_operands=walk_operands)
     return o, h, s_end
 
 
