@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next16      # not yet run: chunk-gradient halves, memory at 1x131072, Falcon-2 launch variants
 #   bash benchmarks/h200_run.sh next15      # the gradient checks (bf16, fp32, pass choices) of the eighth run's defaults
 #   bash benchmarks/h200_run.sh next14      # the eighth run's defaults: timed at every shape, memory, all checks but Falcon-2's
 #   bash benchmarks/h200_run.sh next13      # the split passes one by one (widths varied), split configs whole, memory
@@ -30,7 +31,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -171,6 +172,14 @@ pieces,BTHD,0.1.0 deltanet,fla,falcon-2,per-column" --out "$out/$part/bench.json
     step check_grads 200 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,pass choices" \
       --out "$out/$part/check_grads.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15)"; exit 2 ;;
+  next16)  # for the ninth run: the chunk-gradient halves, the 131072 memory row, Falcon-2's launch variants
+    step split_passes 280 python3 benchmarks/split_passes.py --ops delta_split \
+      --shapes 8x2048x16x128,2x8192x16x128,1x32768x16x128 --out "$out/$part/split_passes.json"
+    step memory 150 python3 benchmarks/bench_regression.py --shapes "" --memory-shapes 1x131072x16x128 \
+      --out "$out/$part/memory.json"
+    step bench_columns 150 python3 benchmarks/bench_regression.py --quick --skip "xla chunk,kernel only,falcon-1,\
+falcon-2,falcon-3,jla,fla" --out "$out/$part/bench_columns.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

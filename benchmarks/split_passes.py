@@ -157,6 +157,7 @@ def split_delta_passes(shape, interpret, rows):
     g, gp, rl = delta_api._gates(log_decay, run, C)
     s0 = jnp.zeros((BH, 1, d, d), jnp.float32)
     lo = cfg.walk_operand_dtype(q.dtype)
+    bv = min(cfg.block_v, d)  # the fused walks' and chunk gradients' value block (smoke shapes: d = 16)
     name = f"{B}x{T}x{H}x{d}"
     widths = [b for b in (16, 32, 64, 128) if b <= d]
     jit = lambda f, **kw: jax.jit(functools.partial(f, interpret=interpret, **kw))  # noqa: E731
@@ -164,17 +165,17 @@ def split_delta_passes(shape, interpret, rows):
     tinv = jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps)(x, eta, g, gp, rl)
     prep = jit(delta_gpu.prepare_wu, chunk=C, w_dtype=lo or jnp.float32)
     w, u = prep(x, y, eta, g, gp, rl, tinv)
-    h, _ = jit(delta_gpu.state_walk, block_v=cfg.block_v, **walk_kw)(x, w, u, g, rl, s0)
+    h, _ = jit(delta_gpu.state_walk, block_v=bv, **walk_kw)(x, w, u, g, rl, s0)
     vb = jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32)(q, x, eta, g, gp, rl, tinv, do)
-    dh, _ = jit(delta_gpu.state_grad_split_pass, block_v=cfg.block_v, write_dh=True, vb=vb, **walk_kw)(
+    dh, _ = jit(delta_gpu.state_grad_split_pass, block_v=bv, write_dh=True, vb=vb, **walk_kw)(
         q, x, eta, g, gp, rl, tinv, do, s0)
     timings = [("triangular inverse", jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps),
                 (x, eta, g, gp, rl)),
                ("prepare W, U (T given)", prep, (x, y, eta, g, gp, rl, tinv)),
-               ("fused fwd walk (o), the default", jit(delta_gpu.forward_pass, block_v=cfg.block_v, write_o=True,
+               ("fused fwd walk (o), the default", jit(delta_gpu.forward_pass, block_v=bv, write_o=True,
                                                         write_h=False, **walk_kw),
                 (q, x, y, eta, g, gp, rl, tinv, s0)),
-               ("fused recompute walk (h)", jit(delta_gpu.forward_pass, block_v=cfg.block_v, write_o=False,
+               ("fused recompute walk (h)", jit(delta_gpu.forward_pass, block_v=bv, write_o=False,
                                                 write_h=True, **walk_kw), (q, x, y, eta, g, gp, rl, tinv, s0))]
     timings += [(f"state walk, {b} columns", jit(delta_gpu.state_walk, block_v=b, **walk_kw), (x, w, u, g, rl, s0))
                 for b in widths]
@@ -182,14 +183,19 @@ def split_delta_passes(shape, interpret, rows):
                                                     like=y), (q, x, w, u, g, rl, h)) for b in widths]
     timings += [("prepare V, B", jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32),
                  (q, x, eta, g, gp, rl, tinv, do)),
-                ("fused state-gradient walk (dh)", jit(delta_gpu.state_grad_pass, block_v=cfg.block_v, write_dh=True,
+                ("fused state-gradient walk (dh)", jit(delta_gpu.state_grad_pass, block_v=bv, write_dh=True,
                                                        **walk_kw), (q, x, eta, g, gp, rl, tinv, do, s0))]
     timings += [(f"split state-gradient walk, {b} columns",
                  jit(delta_gpu.state_grad_split_pass, block_v=b, write_dh=True, vb=vb, **walk_kw),
                  (q, x, eta, g, gp, rl, tinv, do, s0)) for b in widths]
-    timings += [("chunk gradients, two programs", jit(delta_gpu.chunk_grad_split_pass, chunk=C, block_v=cfg.block_v,
+    values = jit(delta_gpu.chunk_grad_values, chunk=C, block_v=bv, walk_operands=lo)
+    _, sums = values(q, x, y, eta, g, gp, rl, tinv, do, h, dh)
+    timings += [("chunk gradients, two programs", jit(delta_gpu.chunk_grad_split_pass, chunk=C, block_v=bv,
                                                        walk_operands=lo),
                  (q, x, y, eta, g, gp, rl, tinv, do, h, dh)),
+                ("chunk gradients, value half", values, (q, x, y, eta, g, gp, rl, tinv, do, h, dh)),
+                ("chunk gradients, key half", jit(delta_gpu.chunk_grad_keys, chunk=C, walk_operands=lo),
+                 (q, x, eta, g, gp, rl, do, h, dh, sums)),
                 ("chunk gradients, XLA", jax.jit(functools.partial(delta_xla.chunk_grads, chunk=C, operands=lo)),
                  (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
     for label, fn, args in timings:

@@ -286,14 +286,16 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
 
 
-FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas", state_grads="pallas")
+FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas",
+                                       state_grads="pallas")
 
 
 @pytest.mark.parametrize("config", [
     KernelConfig(walk_operands="fp32", outputs="xla", state_grads="pallas", chunk_grads="xla"),
     KernelConfig(walk_operands="input", outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
     KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas", chunk_grads="xla"),
-    KernelConfig(), KernelConfig(outputs="pallas"), KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"),
+    KernelConfig(), KernelConfig(outputs="pallas"),
+    KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"),
     KernelConfig(split_block_v=16)],
     ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):

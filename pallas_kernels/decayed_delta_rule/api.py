@@ -122,7 +122,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
-        if self.split_block_v is not None and (self.split_block_v < 16 or self.split_block_v & (self.split_block_v - 1)):
+        width = self.split_block_v
+        if width is not None and (width < 16 or width & (width - 1)):
             raise ValueError(f"KernelConfig: split_block_v must be None (auto) or a power of two >= 16, "
                              f"got {self.split_block_v!r}.")
 

@@ -44,6 +44,7 @@ The peers' split (the GPU defaults where the H200 measured them faster, ``api.Ke
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -656,44 +657,69 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
                 name="falcon_delta_chunk_grads")
 
 
-def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
-                          num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
-    """:func:`chunk_grad_pass` as two programs per chunk, so that neither holds ``[C, dk]`` fp32 accumulators
-    next to its ``[C, C]`` tiles: the value half (``dy``, ``P``, ``dR``, ``−dR Pᵀ``, ``dO Pᵀ`` and row sums, over
-    value blocks of ``block_v``), then the key half (dq, dx over key blocks of ``block_k``; dη, dg, dgp).  ``P``
-    and ``dR`` pass between them in ``walk_operands`` (the dtype their dots round them to) or fp32.
-    Same arguments and returns as :func:`chunk_grad_pass`."""
-    BH, L, dk = token_dims(q, heads)
+def _chunk_specs(q, dv, chunk, heads):
+    """Block specs of a per-chunk grid (batch·head, chunk): token rows of q/x (``k``) and y/do (``v``) in their
+    layout, flat ``[BH, L, dv]`` rows, gate rows, ``[C, C]`` squares and the chunk's ``[dk, dv]`` state."""
+    dk = token_dims(q, heads)[2]
+    return types.SimpleNamespace(
+        k=row_block(heads, chunk, dk, lambda b, c: (b, c, 0)), v=row_block(heads, chunk, dv, lambda b, c: (b, c, 0)),
+        flat_v=pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0)),
+        row=pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
+        square=pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0)),
+        state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
+
+
+def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
+                      num_stages=1, heads=None, walk_operands=None):
+    """The value half of :func:`chunk_grad_split_pass`: returns ``dy`` (like y) and the sums the key half
+    reads — ``P``, ``dR`` ``[BH, L, dv]`` (in ``walk_operands`` or fp32), ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]``
+    fp32 and the fp32 row sums dη, dc⁻, dw, ⟨h, dh⟩ ``[BH, L]``."""
+    BH, L, _ = token_dims(q, heads)
     dv = y.shape[-1]
-    n = L // chunk
-    precision = precision_for(q.dtype)
-    pr_dtype = walk_operands or F32
-    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    flat_v = pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    square = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
-    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    sp = _chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
-    pr = jax.ShapeDtypeStruct((BH, L, dv), pr_dtype)
-    values = functools.partial(_chunk_grad_values_kernel, chunk=chunk, block_v=block_v, precision=precision,
-                               lo=walk_operands)
-    dy, P, dR, d_a, d_op, d_eta, d_cp, d_wl, h_dh = call(
-        values, grid=(BH, n), in_specs=[row_k, row_k, row_v, row, row, row, row, square, row_v, state, state],
-        out_specs=[row_v, flat_v, flat_v, square, square, row, row, row, row],
+    pr = jax.ShapeDtypeStruct((BH, L, dv), walk_operands or F32)
+    values = functools.partial(_chunk_grad_values_kernel, chunk=chunk, block_v=block_v,
+                               precision=precision_for(q.dtype), lo=walk_operands)
+    dy, *sums = call(
+        values, grid=(BH, L // chunk),
+        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v, sp.state, sp.state],
+        out_specs=[sp.v, sp.flat_v, sp.flat_v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), pr, pr, sq, sq, vec, vec, vec, vec],
         args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_values")
-    keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk), precision=precision,
-                             group=group, lo=walk_operands)
-    dq, dx, deta, dg, dgp = call(
-        keys, grid=(BH, n),
-        in_specs=[row_k, row_k, row, row, row, row, row_v, state, state, flat_v, flat_v, square, square, row, row,
-                  row, row],
-        out_specs=[row_k, row_k, row, row, row],
+    return dy, tuple(sums)
+
+
+def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, num_warps=4, num_stages=1, group=1,
+                    heads=None, walk_operands=None, block_k=32):
+    """The key half of :func:`chunk_grad_split_pass` from the value half's ``sums``: dq, dx (like q, x) by
+    blocks of ``block_k`` key columns, and fp32 dη, dg, dgp ``[BH, L]``."""
+    BH, L, dk = token_dims(q, heads)
+    sp = _chunk_specs(q, do.shape[-1], chunk, heads)
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
+                             precision=precision_for(q.dtype), group=group, lo=walk_operands)
+    return call(
+        keys, grid=(BH, L // chunk),
+        in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v,
+                  sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
+        out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, x, eta, g, gp, rl, do, h, dh, P, dR, d_a, d_op, d_eta, d_cp, d_wl, h_dh),
-        compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-        name="falcon_delta_chunk_grads_keys")
+        args=(q, x, eta, g, gp, rl, do, h, dh, *sums), compiler_params=_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="falcon_delta_chunk_grads_keys")
+
+
+def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
+                          num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+    """:func:`chunk_grad_pass` as two programs per chunk, so that neither holds ``[C, dk]`` fp32 accumulators
+    next to its ``[C, C]`` tiles: the value half (:func:`chunk_grad_values`: ``dy``, ``P``, ``dR``, ``−dR Pᵀ``,
+    ``dO Pᵀ`` and row sums, over value blocks of ``block_v``), then the key half (:func:`chunk_grad_keys`: dq, dx
+    over key blocks of ``block_k``; dη, dg, dgp).  ``P`` and ``dR`` pass between them in ``walk_operands`` (the
+    dtype their dots round them to) or fp32.  Same arguments and returns as :func:`chunk_grad_pass`."""
+    kw = dict(chunk=chunk, interpret=interpret, num_warps=num_warps, num_stages=num_stages, heads=heads,
+              walk_operands=walk_operands)
+    dy, sums = chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, block_v=block_v, **kw)
+    dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, group=group, block_k=block_k, **kw)
     return dq, dx, dy, deta, dg, dgp
