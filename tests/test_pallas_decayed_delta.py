@@ -122,7 +122,8 @@ PASSES = {"pallas": KernelConfig(chunk_grads="pallas"), "xla": KernelConfig(chun
 
 @pytest.mark.parametrize("T,pieces,per_column,implementation,chunk_grads", [
     (53, 1, False, "pallas_gpu", "pallas"), (100, 4, False, "pallas_gpu", "pallas"), (41, 1, True, "pallas_gpu", "pallas"),
-    (41, 1, False, "xla", "pallas"), (53, 2, False, "pallas_gpu", "xla"), (53, 2, False, "pallas_gpu", "split"),
+    (41, 1, False, "xla", "pallas"), pytest.param(53, 2, False, "pallas_gpu", "xla", marks=pytest.mark.slow),
+    (53, 2, False, "pallas_gpu", "split"),
     (53, 2, False, "pallas_gpu", "all-split")])
 def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, chunk_grads, rng):
     """``layout="BTHD"``: the scalar-gate Triton kernels read [B, T, H, d] in place (per-column gates and
@@ -293,9 +294,11 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
 @pytest.mark.parametrize("config", [
     KernelConfig(walk_operands="fp32", outputs="xla", state_grads="pallas", chunk_grads="xla"),
     KernelConfig(walk_operands="input", outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
-    KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas", chunk_grads="xla"),
+    # opt-in combinations of choices tested on their own above: slow (CI time)
+    pytest.param(KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas", chunk_grads="xla"),
+                 marks=pytest.mark.slow),
     KernelConfig(), KernelConfig(outputs="pallas"),
-    KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"),
+    pytest.param(KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"), marks=pytest.mark.slow),
     KernelConfig(split_block_v=16)],
     ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
