@@ -201,6 +201,20 @@ def row_block(heads: int | None, rows: int, cols: int, index_map):
     return pl.BlockSpec((None, rows, None, cols), in_place)
 
 
+def chunk_specs(q, dv, chunk, heads):
+    """Block specs of the GPU per-chunk passes, grid (batch·head, chunk): token rows of q/x (``k``) and y/do
+    (``v``) in their layout (:func:`row_block`), flat ``[BH, L, dk]`` / ``[BH, L, dv]`` rows, gate rows,
+    ``[C, C]`` squares and the chunk's ``[dk, dv]`` state."""
+    dk = token_dims(q, heads)[2]
+    return types.SimpleNamespace(
+        k=row_block(heads, chunk, dk, lambda b, c: (b, c, 0)), v=row_block(heads, chunk, dv, lambda b, c: (b, c, 0)),
+        flat_k=pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0)),
+        flat_v=pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0)),
+        row=pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
+        square=pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0)),
+        state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
+
+
 def walk_layout(q, y, chunk, pieces, block_v, heads=None):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
     walking the ``n`` chunks of one piece for ``block_v`` value columns.  The per-chunk states a walk
@@ -241,7 +255,8 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "chunk_local", "chunk_state_dtype", "dot", "flatten_pad", "interpret_default",
+__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "dot", "flatten_pad",
+           "interpret_default",
            "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for", "poisoned_outputs",
            "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",
            "token_dims", "triton_params", "unsupported_dims_reason", "walk_layout"]

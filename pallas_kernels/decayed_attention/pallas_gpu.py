@@ -28,10 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import call as _call
+from pallas_kernels.common import chunk_specs as _chunk_specs
 from pallas_kernels.common import dot as _dot
 from pallas_kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
 from pallas_kernels.common import precision_for as _precision
-from pallas_kernels.common import row_block as _row_block
 from pallas_kernels.common import token_dims as _token_dims
 from pallas_kernels.common import triton_params as _params
 from pallas_kernels.common import walk_layout as _walk_layout
@@ -185,16 +185,11 @@ def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num
 
     Returns dq, dx, dy (in the layout of q, x, y: [BH, L, d], or [B, L, H, d] with ``heads=H``) and
     dg [BH, L] f32."""
-    BH, L, dk = _token_dims(q, heads)
-    dv = y.shape[-1]
-    n = L // chunk
-    row_k = _row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row_v = _row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    BH, L, _ = _token_dims(q, heads)
+    sp = _chunk_specs(q, y.shape[-1], chunk, heads)
     kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=_precision(q.dtype))
-    return _call(kernel, grid=(BH, n), in_specs=[row_k, row_k, row_v, row, row, row_v, state, state],
-                 out_specs=[row_k, row_k, row_v, row],
+    return _call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.v, sp.state, sp.state],
+                 out_specs=[sp.k, sp.k, sp.v, sp.row],
                  out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
                             jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((BH, L), jnp.float32)],
                  args=(q, x, y, g, rl, do, h, dh),

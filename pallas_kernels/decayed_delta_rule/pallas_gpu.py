@@ -44,15 +44,14 @@ The peers' split (the GPU defaults where the H200 measured them faster, ``api.Ke
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (call, dot, precision_for, row_block, token_dims, triton_params, walk_layout,
-                                   walk_outputs)
+from pallas_kernels.common import (call, chunk_specs, dot, precision_for, row_block, token_dims, triton_params,
+                                   walk_layout, walk_outputs)
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
@@ -219,62 +218,77 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     q, x = q_ref[...], x_ref[...]
     qf, xf = q.astype(F32), x.astype(F32)
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
-    g_last, rl_last = g_ref[chunk - 1], rl_ref[chunk - 1]
-    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
     tinv = t_ref[...]
     dk = q.shape[-1]
     dv = y_ref.shape[-1]
     decay = _masks(g, g, rl, rl, strict=False)
-    qx = dot(q, x.T, precision)
-    scores = qx * decay
+    scores = dot(q, x.T, precision) * decay
     gram = dot(x, x.T, precision)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
-    d_a = jnp.zeros((chunk, chunk), F32)  # −dR Pᵀ
-    d_op = jnp.zeros((chunk, chunk), F32)  # dO Pᵀ
+    sums = _value_sums_init(chunk)
     do_h = jnp.zeros((chunk, dk), F32)
     dr_h = jnp.zeros((chunk, dk), F32)
     p_dh = jnp.zeros((chunk, dk), F32)
-    d_eta = jnp.zeros((chunk,), F32)
-    d_cp = jnp.zeros((chunk,), F32)
-    d_wl = jnp.zeros((chunk,), F32)
-    h_dh = jnp.zeros((), F32)
     for j in range(dv // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
         y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
         h, dh = h_ref[:, cols].astype(F32), dh_ref[:, cols].astype(F32)
-        xh = dot(xf, h, p32)
-        target = y - cont_p[:, None] * xh
-        P = dot(tinv, eta[:, None] * target, p32)
-        xdh = dot(xf, dh, p32)
-        dP = dot(scores.T, do, p32) + w_last[:, None] * xdh
-        dR = dot(tinv.T, dP, p32)
-        d_a -= dot(dR, P.T, p32)
-        d_op += dot(do, P.T, p32)
+        P, dR, terms = _value_block_grads(xf, y, do, h, dh, tinv, scores, eta, cont_p, w_last, precision, None)
+        sums = tuple(acc + t for acc, t in zip(sums, terms))
         do_h += dot(do, h.T, p32)
         dr_h += dot(dR, h.T, p32)
         p_dh += dot(P, dh.T, p32)
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
-        d_eta += jnp.sum(dR * target, axis=1)
-        d_cp -= jnp.sum(dR * xh, axis=1)
-        d_wl += jnp.sum(xdh * P, axis=1)
-        h_dh += jnp.sum(h * dh)
+    d_a, d_op = sums[:2]
+    d_k, deta, dgp, dg = _gate_grads(*sums, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk)
     d_scores = d_op * decay
-    d_k = d_a * eta[:, None] * gamma  # gradient w.r.t. the Gram (zero off A's support)
-    a_grad = d_k * gram  # dA ⊙ A
     dq = cont[:, None] * do_h + dot(d_scores, xf, p32)
     dx = (dot(d_scores.T, qf, p32) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
           + dot(d_k + d_k.T, xf, p32))
+    deta_ref[...] = deta
+    dgp_ref[...] = dgp
+    dg_ref[...] = dg + cont * jnp.sum(do_h * qf, axis=1)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _value_sums_init(chunk):
+    """Zeros for the value-column sums of one chunk: −dR Pᵀ, dO Pᵀ ``[C, C]``; dη, dc⁻, dw ``[C]``; ⟨h, dh⟩."""
+    return (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32),
+            jnp.zeros((chunk,), F32), jnp.zeros((chunk,), F32), jnp.zeros((), F32))
+
+
+def _value_block_grads(x, y, do, h, dh, tinv, scores, eta, cont_p, w_last, precision, lo):
+    """One block of value columns of the chunk gradients: ``P = T(η ⊙ (Y − c⁻ ⊙ X h))``,
+    ``dR = Tᵀ((QXᵀ⊙D)ᵀ dO + w ⊙ X dh)`` and the block's terms of the sums in :func:`_value_sums_init`.
+    y, do fp32; x, h, dh in the inputs' dtype or fp32 (see :func:`_in_dot`)."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    xh = _in_dot(x, h, precision, p32)
+    target = y - cont_p[:, None] * xh
+    P = dot(tinv, eta[:, None] * target, p32)
+    xdh = _in_dot(x, dh, precision, p32)
+    dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
+    dR = dot(tinv.T, dP, p32)
+    terms = (-_sdot(dR, P.T, p32, lo), _sdot(do, P.T, p32, lo), jnp.sum(dR * target, axis=1),
+             -jnp.sum(dR * xh, axis=1), jnp.sum(xdh * P, axis=1), jnp.sum(h.astype(F32) * dh.astype(F32)))
+    return P, dR, terms
+
+
+def _gate_grads(d_a, d_op, d_eta, d_cp, d_wl, h_dh, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk):
+    """From one chunk's value sums: the Gram's gradient ``d_k`` (zero off A's support), dη, the gradient w.r.t.
+    ``g⁻`` and the one w.r.t. ``g`` without its ``c ⊙ ⟨dO hᵀ, q⟩`` term (the callers sum that by key columns)."""
+    d_k = d_a * eta[:, None] * gamma
+    a_grad = d_k * gram  # dA ⊙ A
     d_decay = d_op * scores
     wl_term = w_last * d_wl
     end = jnp.sum(wl_term) + a_last * h_dh
     last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) + cont * jnp.sum(do_h * qf, axis=1)
-          - jnp.sum(a_grad, axis=0) - wl_term + jnp.where(last, end, 0.0))
-    deta_ref[...] = d_eta + jnp.sum(d_a * gram * gamma, axis=1)
-    dgp_ref[...] = eta * cont_p * d_cp + jnp.sum(a_grad, axis=1)
-    dg_ref[...] = dg
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
+    deta = d_eta + jnp.sum(d_a * gram * gamma, axis=1)
+    dgp = eta * cont_p * d_cp + jnp.sum(a_grad, axis=1)
+    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0) - wl_term
+          + jnp.where(last, end, 0.0))
+    return d_k, deta, dgp, dg
 
 
 def _in_dot(a, b, precision, p32):
@@ -292,46 +306,26 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
     blocks of ``block_v`` — ``dy``, ``P`` and ``dR`` (stored for the second half), ``dA = −dR Pᵀ`` and
     ``dO Pᵀ`` (``[C, C]``), and the row sums of dη, dc⁻, dw and ⟨h, dh⟩ (at the last row).  Four ``[C, C]``
     fp32 tiles live (scores, T and the two sums), none ``[C, dk]``."""
-    p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
     del cont, a_last
     tinv = t_ref[...]
     scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-    dv = y_ref.shape[-1]
-    d_a = jnp.zeros((chunk, chunk), F32)
-    d_op = jnp.zeros((chunk, chunk), F32)
-    d_eta = jnp.zeros((chunk,), F32)
-    d_cp = jnp.zeros((chunk,), F32)
-    d_wl = jnp.zeros((chunk,), F32)
-    h_dh = jnp.zeros((), F32)
-    for j in range(dv // block_v):  # static: a few blocks
+    sums = _value_sums_init(chunk)
+    for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
-        h, dh = h_ref[:, cols], dh_ref[:, cols]
         y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
-        xh = _in_dot(x, h, precision, p32)
-        target = y - cont_p[:, None] * xh
-        P = dot(tinv, eta[:, None] * target, p32)
-        xdh = _in_dot(x, dh, precision, p32)
-        dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
-        dR = dot(tinv.T, dP, p32)
-        d_a -= _sdot(dR, P.T, p32, lo)
-        d_op += _sdot(do, P.T, p32, lo)
+        P, dR, terms = _value_block_grads(x, y, do, h_ref[:, cols], dh_ref[:, cols], tinv, scores, eta, cont_p,
+                                          w_last, precision, lo)
+        sums = tuple(acc + t for acc, t in zip(sums, terms))
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         p_ref[:, cols] = P.astype(p_ref.dtype)
         dr_ref[:, cols] = dR.astype(dr_ref.dtype)
-        d_eta += jnp.sum(dR * target, axis=1)
-        d_cp -= jnp.sum(dR * xh, axis=1)
-        d_wl += jnp.sum(xdh * P, axis=1)
-        h_dh += jnp.sum(h.astype(F32) * dh.astype(F32))
-    da_ref[...] = d_a
-    dop_ref[...] = d_op
-    deta_ref[...] = d_eta
-    dcp_ref[...] = d_cp
-    dwl_ref[...] = d_wl
     last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    hdh_ref[...] = jnp.where(last, h_dh, 0.0)
+    for ref, value in zip((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref), sums[:5]):
+        ref[...] = value
+    hdh_ref[...] = jnp.where(last, sums[5], 0.0)
 
 
 def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
@@ -343,20 +337,14 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
     q, x = q_ref[...], x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
-    d_a, d_op = da_ref[...], dop_ref[...]
+    d_op = dop_ref[...]
     decay = _masks(g, g, rl, rl, strict=False)
-    gram = dot(x, x.T, precision)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
-    d_k = d_a * eta[:, None] * gamma  # gradient w.r.t. the Gram (zero off A's support)
-    a_grad = d_k * gram
-    d_decay = d_op * dot(q, x.T, precision) * decay
-    d_wl = w_last * dwl_ref[...]
-    end = jnp.sum(d_wl) + a_last * jnp.sum(hdh_ref[...])
-    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    deta_ref[...] = deta_in_ref[...] + jnp.sum(d_a * gram * gamma, axis=1)
-    dgp_ref[...] = eta * cont_p * dcp_ref[...] + jnp.sum(a_grad, axis=1)
-    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0) - d_wl
-          + jnp.where(last, end, 0.0))
+    d_k, deta, dgp, dg = _gate_grads(
+        da_ref[...], d_op, deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]),
+        dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta, cont_p, w_last, a_last, chunk)
+    deta_ref[...] = deta
+    dgp_ref[...] = dgp
     d_scores = d_op * decay
     d_sym = d_k + d_k.T
     do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
@@ -456,12 +444,10 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
     ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``)."""
     BH, L, dk = token_dims(x, heads)
-    n = L // chunk
-    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    sp = chunk_specs(x, dk, chunk, heads)
     kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
-    (tinv,) = call(kernel, grid=(BH, n), in_specs=[row_k, row, row, row, row], out_specs=[t_spec],
+    (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.row, sp.row, sp.row, sp.row],
+                   out_specs=[sp.square],
                    out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), F32)], args=(x, eta, g, gp, rl),
                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                    name="falcon_delta_tri_inverse")
@@ -496,15 +482,10 @@ def prepare_wu(x, y, eta, g, gp, rl, tinv, *, chunk, interpret, num_warps=4, hea
     (fp32: it enters ``P = U − W S`` by a subtraction, rounding it would add to P's error)."""
     BH, L, dk = token_dims(x, heads)
     dv = y.shape[-1]
-    n = L // chunk
-    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    sp = chunk_specs(x, dv, chunk, heads)
     kernel = functools.partial(_prepare_kernel, chunk=chunk, precision=precision_for(x.dtype))
-    return call(kernel, grid=(BH, n), in_specs=[row_k, row_v, row, row, row, row, t_spec],
-                out_specs=[pl.BlockSpec((None, chunk, dk), lambda b, c: (b, c, 0)),
-                           pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0))],
+    return call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square],
+                out_specs=[sp.flat_k, sp.flat_v],
                 out_shape=[jax.ShapeDtypeStruct((BH, L, dk), w_dtype), jax.ShapeDtypeStruct((BH, L, dv), F32)],
                 args=(x, y, eta, g, gp, rl, tinv), compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_prepare_wu")
@@ -593,15 +574,10 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
     (in ``b_dtype``): the reverse walk's ``dR = V + B dS``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
-    n = L // chunk
-    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
+    sp = chunk_specs(q, dv, chunk, heads)
     return call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
-                grid=(BH, n), in_specs=[row_k, row_k, row, row, row, row, t_spec, row_v],
-                out_specs=[pl.BlockSpec((None, chunk, dv), lambda i, c: (i, c, 0)),
-                           pl.BlockSpec((None, chunk, dk), lambda i, c: (i, c, 0))],
+                grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
+                out_specs=[sp.flat_v, sp.flat_k],
                 out_shape=[jax.ShapeDtypeStruct((BH, L, dv), F32), jax.ShapeDtypeStruct((BH, L, dk), b_dtype)],
                 args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_dstate_prepare")
@@ -636,37 +612,19 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
     Returns dq, dx, dy (in the layout of q, x, y: [BH, L, d], or [B, L, H, d] with ``heads=H``), and
     fp32 [BH, L]: deta, dg (w.r.t. the chunk-local inclusive cumsum g) and dgp (w.r.t. the exclusive one).
     """
-    BH, L, dk = token_dims(q, heads)
-    dv = y.shape[-1]
-    n = L // chunk
-    row_k = row_block(heads, chunk, dk, lambda b, c: (b, c, 0))
-    row_v = row_block(heads, chunk, dv, lambda b, c: (b, c, 0))
-    row = pl.BlockSpec((None, chunk), lambda b, c: (b, c))
-    t_spec = pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0))
-    state = pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0))
+    BH, L, _ = token_dims(q, heads)
+    sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype),
                                group=group)
-    return call(kernel, grid=(BH, n),
-                in_specs=[row_k, row_k, row_v, row, row, row, row, t_spec, row_v, state, state],
-                out_specs=[row_k, row_k, row_v, row, row, row],
+    return call(kernel, grid=(BH, L // chunk),
+                in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v, sp.state, sp.state],
+                out_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row],
                 out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
                            jax.ShapeDtypeStruct(y.shape, y.dtype), vec, vec, vec],
                 args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_chunk_grads")
-
-
-def _chunk_specs(q, dv, chunk, heads):
-    """Block specs of a per-chunk grid (batch·head, chunk): token rows of q/x (``k``) and y/do (``v``) in their
-    layout, flat ``[BH, L, dv]`` rows, gate rows, ``[C, C]`` squares and the chunk's ``[dk, dv]`` state."""
-    dk = token_dims(q, heads)[2]
-    return types.SimpleNamespace(
-        k=row_block(heads, chunk, dk, lambda b, c: (b, c, 0)), v=row_block(heads, chunk, dv, lambda b, c: (b, c, 0)),
-        flat_v=pl.BlockSpec((None, chunk, dv), lambda b, c: (b, c, 0)),
-        row=pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
-        square=pl.BlockSpec((None, chunk, chunk), lambda b, c: (b, c, 0)),
-        state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
 
 
 def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
@@ -676,7 +634,7 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
     fp32 and the fp32 row sums dη, dc⁻, dw, ⟨h, dh⟩ ``[BH, L]``."""
     BH, L, _ = token_dims(q, heads)
     dv = y.shape[-1]
-    sp = _chunk_specs(q, dv, chunk, heads)
+    sp = chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
     pr = jax.ShapeDtypeStruct((BH, L, dv), walk_operands or F32)
@@ -697,7 +655,7 @@ def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, 
     """The key half of :func:`chunk_grad_split_pass` from the value half's ``sums``: dq, dx (like q, x) by
     blocks of ``block_k`` key columns, and fp32 dη, dg, dgp ``[BH, L]``."""
     BH, L, dk = token_dims(q, heads)
-    sp = _chunk_specs(q, do.shape[-1], chunk, heads)
+    sp = chunk_specs(q, do.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
                              precision=precision_for(q.dtype), group=group, lo=walk_operands)
