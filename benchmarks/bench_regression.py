@@ -108,6 +108,14 @@ VARIANTS = {
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, chunk gradients as XLA matmuls": dict(config=KernelConfig(chunk_grads="xla")),
+    # the chunk gradients' value half from the P and dR the recompute and state-gradient walks store (ninth run)
+    "kernel only, chunk gradients from stored P, dR": dict(config=KernelConfig(chunk_grads="pallas_stored")),
+    "kernel only, chunk gradients from stored P, dR, one program":
+        dict(config=KernelConfig(chunk_grads="pallas_stored_one")),
+    "kernel only, chunk gradients from stored P, dR, one program 8 warps":
+        dict(config=KernelConfig(chunk_grads="pallas_stored_one", grad_warps=8)),
+    "kernel only, chunk gradients from stored P, dR, 8 warps":
+        dict(config=KernelConfig(chunk_grads="pallas_stored", grad_warps=8)),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward at every shape": dict(config=KernelConfig(outputs="split")),
     "kernel only, fused forward at every shape": dict(config=KernelConfig(outputs="pallas")),
@@ -281,6 +289,9 @@ def main() -> int:
                               (q, k, v, beta, log_decay)),
                              ("kernel only, seventh-run default (fused walks, XLA chunk gradients)",
                               functools.partial(kernel_only, config=KernelConfig(chunk_grads="xla", **FUSED)),
+                              (q, k, v, beta, log_decay)),
+                             ("kernel only, chunk gradients from stored P, dR",
+                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas_stored")),
                               (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:

@@ -272,11 +272,16 @@ def main() -> int:
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
             check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
         all_split = KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")
-        (_, o32), g32 = loss_and_grads("pallas_gpu", all_split,
-                                       jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
-        check(f"op, split walks + two-program chunk grads, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
-        for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
-            check(f"op, split walks + two-program chunk grads, fp32 grad {name} rel err", rel(a, b), 1e-4)
+        stored = KernelConfig(chunk_grads="pallas_stored")
+        stored_one = KernelConfig(chunk_grads="pallas_stored_one")
+        for label, config in (("split walks + two-program chunk grads", all_split),
+                              ("chunk grads from the walks' P, dR", stored),
+                              ("chunk grads from the walks' P, dR, one program", stored_one)):
+            (_, o32), g32 = loss_and_grads("pallas_gpu", config,
+                                           jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
+            check(f"op, {label}, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+            for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
+                check(f"op, {label}, fp32 grad {name} rel err", rel(a, b), 1e-4)
         bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
                             gpu)
         exact = jax.device_put(o_ref, gpu)
@@ -291,7 +296,9 @@ def main() -> int:
                               ("seventh-run default (fused walks, XLA chunk gradients)",
                                KernelConfig(chunk_grads="xla", **fused)),
                               ("default (split state-gradient walk, two-program chunk gradients)", KernelConfig()),
-                              ("split walks + two-program chunk grads", all_split)):
+                              ("split walks + two-program chunk grads", all_split),
+                              ("chunk grads from the walks' P, dR", stored),
+                              ("chunk grads from the walks' P, dR, one program", stored_one)):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

@@ -198,6 +198,29 @@ def split_delta_passes(shape, interpret, rows):
                  (q, x, eta, g, gp, rl, do, h, dh, sums)),
                 ("chunk gradients, XLA", jax.jit(functools.partial(delta_xla.chunk_grads, chunk=C, operands=lo)),
                  (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
+    # P and dR stored by the walks (chunk_grads="pallas_stored"): the walks with the extra store, the chunk
+    # gradients without T
+    p, _, _ = jit(delta_gpu.forward_pass, block_v=bv, write_o=False, write_h=True, write_p=True, **walk_kw)(
+        q, x, y, eta, g, gp, rl, tinv, s0)
+    dr, _, _ = jit(delta_gpu.state_grad_split_pass, block_v=bv, write_dh=True, write_dr=True, vb=vb, **walk_kw)(
+        q, x, eta, g, gp, rl, tinv, do, s0)
+    sums_half = jit(delta_gpu.chunk_grad_sums, chunk=C, block_v=bv, walk_operands=lo)
+    _, stored_sums = sums_half(x, y, eta, g, gp, rl, do, h, dh, p, dr)
+    timings += [("fused recompute walk (h) + P stored",
+                 jit(delta_gpu.forward_pass, block_v=bv, write_o=False, write_h=True, write_p=True, **walk_kw),
+                 (q, x, y, eta, g, gp, rl, tinv, s0)),
+                (f"split state-gradient walk + dR stored, {bv} columns",
+                 jit(delta_gpu.state_grad_split_pass, block_v=bv, write_dh=True, write_dr=True, vb=vb, **walk_kw),
+                 (q, x, eta, g, gp, rl, tinv, do, s0)),
+                ("chunk gradients from stored P, dR, two programs",
+                 jit(delta_gpu.chunk_grad_stored_pass, chunk=C, block_v=bv, walk_operands=lo),
+                 (q, x, y, eta, g, gp, rl, do, h, dh, p, dr)),
+                ("chunk gradients from stored P, dR, sums half", sums_half, (x, y, eta, g, gp, rl, do, h, dh, p, dr)),
+                ("chunk gradients from stored P, dR, key half", jit(delta_gpu.chunk_grad_keys, chunk=C, walk_operands=lo),
+                 (q, x, eta, g, gp, rl, do, h, dh, stored_sums))]
+    timings += [(f"chunk gradients from stored P, dR, one program, {w} warps",
+                 jit(delta_gpu.chunk_grad_stored_pass, chunk=C, block_v=bv, walk_operands=lo, one_program=True,
+                     num_warps=w), (q, x, y, eta, g, gp, rl, do, h, dh, p, dr)) for w in (4, 8)]
     for label, fn, args in timings:
         try:
             ms = time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)

@@ -86,13 +86,16 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     (32, 1, 16, "pallas_gpu", "pallas", "pallas"), (16, 2, 32, "pallas_gpu", "pallas", "pallas"),
     (16, 2, 32, "pallas_gpu", "xla", "pallas"), (32, 1, 16, "pallas_gpu", "xla", "split"),
     (16, 2, 32, "pallas_gpu", "pallas", "split"), (16, 2, 32, "pallas_gpu", "pallas_split", "split"),
-    (32, 1, 16, "pallas_gpu", "pallas_split", "pallas"),
+    (32, 1, 16, "pallas_gpu", "pallas_split", "pallas"), (16, 2, 32, "pallas_gpu", "pallas_stored", "split"),
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas"), (16, 2, 32, "pallas_gpu", "pallas_stored_one", "split"),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", marks=pytest.mark.slow),
 ])
 def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, rng):
     """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks;
     the per-chunk gradient pass as a kernel and as batched XLA matmuls; the state-gradient walk fused and
-    split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces."""
+    split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces;
+    ``chunk_grads="pallas_stored"``: P and dR stored by either walk, with and without pieces (and
+    ``"pallas_stored_one"``: both halves in one program)."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -117,20 +120,21 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
 
 PASSES = {"pallas": KernelConfig(chunk_grads="pallas"), "xla": KernelConfig(chunk_grads="xla", outputs="xla"),
           "split": KernelConfig(outputs="split"),
-          "all-split": KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")}
+          "all-split": KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split"),
+          "stored": KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_stored")}
 
 
 @pytest.mark.parametrize("T,pieces,per_column,implementation,chunk_grads", [
     (53, 1, False, "pallas_gpu", "pallas"), (100, 4, False, "pallas_gpu", "pallas"), (41, 1, True, "pallas_gpu", "pallas"),
     (41, 1, False, "xla", "pallas"), pytest.param(53, 2, False, "pallas_gpu", "xla", marks=pytest.mark.slow),
     (53, 2, False, "pallas_gpu", "split"),
-    (53, 2, False, "pallas_gpu", "all-split")])
+    (53, 2, False, "pallas_gpu", "all-split"), (53, 1, False, "pallas_gpu", "stored")])
 def test_time_major_layout_matches_reference(T, pieces, per_column, implementation, chunk_grads, rng):
     """``layout="BTHD"``: the scalar-gate Triton kernels read [B, T, H, d] in place (per-column gates and
     other implementations transpose); values, state and gradients equal the float64 reference.
     ``"xla"``: also the outputs and the per-chunk gradients as batched XLA passes; ``"split"``: the split
     forward (outputs="split") with the default chunk gradients; ``"all-split"``: the split walks and the
-    two-program chunk gradients."""
+    two-program chunk gradients; ``"stored"``: their value half from the P and dR the walks stored."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=3, T=T, dv=32, segments=True)
     if per_column:
         eta = eta[..., None] * rng.uniform(0.5, 1.0, size=y.shape)
@@ -166,7 +170,8 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 
 @pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads", [
     (jnp.bfloat16, 2, "fp32", "pallas"), (jnp.float32, 1, "fp32", "pallas"), (jnp.bfloat16, 2, "input", "pallas"),
-    (jnp.bfloat16, 2, "input", "auto"), (jnp.bfloat16, 2, "input", "pallas_split")])
+    (jnp.bfloat16, 2, "input", "auto"), (jnp.bfloat16, 2, "input", "pallas_split"),
+    (jnp.bfloat16, 1, "input", "pallas_stored"), (jnp.bfloat16, 1, "input", "pallas_stored_one")])
 def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
@@ -188,6 +193,8 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
         lowering_platforms=("cuda",)).as_text()
     split = ("chunk_grads_values", "chunk_grads_keys")
     chunk_kernels = {"pallas": ("chunk_grads",), "pallas_split": split,
+                     "pallas_stored": ("chunk_grads_sums", "chunk_grads_keys"),
+                     "pallas_stored_one": ("chunk_grads_stored",),
                      "auto": split + ("prepare_wu", "state_walk", "outputs", "dstate_prepare", "dstate_walk")}
     kernels = ("tri_inverse", "fwd", "dstate") + chunk_kernels[chunk_grads]
     for name in kernels:

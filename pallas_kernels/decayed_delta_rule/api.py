@@ -90,6 +90,9 @@ class KernelConfig:
     target_programs: int = 64
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py),
     # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators) or
+    # "pallas_stored" (GPU: "pallas_split" whose value half reads P and dR as the recompute and state-gradient
+    # walks stored them, instead of forming them again from T), "pallas_stored_one" (GPU: the same in one program
+    # per chunk) or
     # "auto": "pallas_split" on the GPU (H200, 8x2048x16x128 bf16: 1.63 ms vs XLA 2.74, one program 4.60),
     # "pallas" on the TPU
     chunk_grads: str = "auto"
@@ -114,7 +117,8 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split")),
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored",
+                                                "pallas_stored_one")),
                               ("outputs", ("auto", "pallas", "xla", "split")),
                               ("state_grads", ("auto", "pallas", "split"))):
             if getattr(self, name) not in allowed:
@@ -212,7 +216,8 @@ def _piece_starts(M, E, s0):
 
 def _check_split(config, backend):
     for name in ("outputs", "state_grads", "chunk_grads"):
-        if getattr(config, name) in ("split", "pallas_split") and backend != "pallas_gpu":
+        gpu_only = ("split", "pallas_split", "pallas_stored", "pallas_stored_one")
+        if getattr(config, name) in gpu_only and backend != "pallas_gpu":
             raise NotImplementedError(f"{backend}: KernelConfig({name}={getattr(config, name)!r}) is a GPU kernel; "
                                       "leave it at its default for this backend")
 
@@ -261,11 +266,17 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
+    chunk_grads = config.chunk_grads_for(backend)
+    stored = chunk_grads.startswith("pallas_stored")  # the walks below store P and dR for the chunk gradients
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
                                     num_warps=config.tri_warps, group=group, **_layout_kw(heads))
-    h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+    if stored:
+        p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
+                                       write_p=True, **fwd_kw)
+    else:
+        h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
     if split_state_grads:  # V, B once for both walks below
@@ -284,10 +295,19 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         ds_ends = ends_rev[:, ::-1]
     else:
         ds_ends = ds_final[:, None]
-    dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
+    if stored:
+        dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=True,
+                                           **state_kw)
+    else:
+        dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    chunk_grads = config.chunk_grads_for(backend)
-    if chunk_grads == "xla":
+    if stored:
+        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_stored_pass(
+            q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
+            num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
+            walk_operands=config.walk_operand_dtype(q.dtype), one_program=chunk_grads == "pallas_stored_one",
+            **_layout_kw(heads))
+    elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,
                                                     operands=config.walk_operand_dtype(q.dtype))

@@ -142,9 +142,10 @@ def _chunk_rows(refs, c, chunk):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
-                    n_chunks, write_o, write_h, precision, lo=None):
+                    n_chunks, write_o, write_h, precision, lo=None, write_p=False):
     refs = list(out_refs)
     o_ref = refs.pop(0) if write_o else None
+    p_ref = refs.pop(0) if write_p else None
     h_ref = refs.pop(0) if write_h else None
     (s_end_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -158,6 +159,8 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
         P = dot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
+        if write_p:
+            p_ref[rows, :] = P.astype(p_ref.dtype)
         if write_o:
             q = q_ref[rows, :]
             scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
@@ -169,11 +172,12 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
 
 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
-                  residual_grad):
+                  residual_grad, write_dr=False):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
-    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)``, then
+    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
     ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``."""
     refs = list(out_refs)
+    dr_ref = refs.pop(0) if write_dr else None
     dh_ref = refs.pop(0) if write_dh else None
     (ds_start_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -187,6 +191,8 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         q, x = q_ref[rows, :], x_ref[rows, :]
         do = do_ref[rows, :].astype(F32)
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
+        if write_dr:
+            dr_ref[rows, :] = dR.astype(dr_ref.dtype)
         return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
                 - _sdot((x.astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
 
@@ -194,7 +200,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
 
 
 def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
-                       chunk, n_chunks, write_dh, precision, lo=None):
+                       chunk, n_chunks, write_dh, precision, lo=None, write_dr=False):
     """The fused reverse walk: ``dP = (QXᵀ⊙D)ᵀ dO + w ⊙ X dS``, ``dR = Tᵀ dP`` inside the walk."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
@@ -204,7 +210,8 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         return dot(t_ref[rows, :].T, dP, p32)
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad)
+                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
+                  write_dr=write_dr)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
@@ -270,9 +277,23 @@ def _value_block_grads(x, y, do, h, dh, tinv, scores, eta, cont_p, w_last, preci
     xdh = _in_dot(x, dh, precision, p32)
     dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
     dR = dot(tinv.T, dP, p32)
-    terms = (-_sdot(dR, P.T, p32, lo), _sdot(do, P.T, p32, lo), jnp.sum(dR * target, axis=1),
-             -jnp.sum(dR * xh, axis=1), jnp.sum(xdh * P, axis=1), jnp.sum(h.astype(F32) * dh.astype(F32)))
-    return P, dR, terms
+    return P, dR, _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo)
+
+
+def _store_value_sums(refs, sums, chunk):
+    """Write the value half's sums; ⟨h, dh⟩ (a scalar) goes to the last row of its ``[C]`` output."""
+    *row_refs, hdh_ref = refs
+    for ref, value in zip(row_refs, sums[:5]):
+        ref[...] = value
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    hdh_ref[...] = jnp.where(last, sums[5], 0.0)
+
+
+def _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo):
+    """One value block's terms of the sums in :func:`_value_sums_init` (``xh = X h``, ``xdh = X dh``,
+    ``target = Y − c⁻ ⊙ X h``, all fp32)."""
+    return (-_sdot(dR, P.T, p32, lo), _sdot(do, P.T, p32, lo), jnp.sum(dR * target, axis=1),
+            -jnp.sum(dR * xh, axis=1), jnp.sum(xdh * P, axis=1), jnp.sum(h.astype(F32) * dh.astype(F32)))
 
 
 def _gate_grads(d_a, d_op, d_eta, d_cp, d_wl, h_dh, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk):
@@ -322,27 +343,55 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         p_ref[:, cols] = P.astype(p_ref.dtype)
         dr_ref[:, cols] = dR.astype(dr_ref.dtype)
-    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    for ref, value in zip((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref), sums[:5]):
-        ref[...] = value
-    hdh_ref[...] = jnp.where(last, sums[5], 0.0)
+    _store_value_sums((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref), sums, chunk)
 
 
-def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
-                            dop_ref, deta_in_ref, dcp_ref, dwl_ref, hdh_ref, dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref,
-                            *, chunk, block_k, precision, group, lo=None):
-    """Second half: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and Gram
-    gradients), and dη, dg, dgp from the first half's sums."""
+def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
+                       chunk, block_v, precision, lo):
+    """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
+    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
+    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    x = x_ref[...]
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    sums = _value_sums_init(chunk)
+    for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
+        cols = pl.ds(j * block_v, block_v)
+        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        P, dR = p_ref[:, cols].astype(F32), dr_ref[:, cols].astype(F32)
+        xh = _in_dot(x, h, precision, p32)
+        target = y_ref[:, cols].astype(F32) - cont_p[:, None] * xh
+        terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
+                                   _in_dot(x, dh, precision, p32), p32, lo)
+        sums = tuple(acc + t for acc, t in zip(sums, terms))
+        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
+    return sums
+
+
+def _chunk_grad_sums_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
+                            dy_ref, *sum_refs, chunk, block_v, precision, lo=None):
+    """The value half from stored P and dR (:func:`_stored_value_sums`): the same outputs as
+    :func:`_chunk_grad_values_kernel` less P and dR."""
+    sums = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
+                              dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
+    _store_value_sums(sum_refs, sums, chunk)
+
+
+def _key_grads(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, *,
+               chunk, block_k, precision, group, lo):
+    """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
+    Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)."""
+    dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
-    d_op = dop_ref[...]
+    d_op = sums[1]
     decay = _masks(g, g, rl, rl, strict=False)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
-    d_k, deta, dgp, dg = _gate_grads(
-        da_ref[...], d_op, deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]),
-        dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta, cont_p, w_last, a_last, chunk)
+    d_k, deta, dgp, dg = _gate_grads(*sums, dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta,
+                                     cont_p, w_last, a_last, chunk)
     deta_ref[...] = deta
     dgp_ref[...] = dgp
     d_scores = d_op * decay
@@ -363,6 +412,26 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
         dq_ref[:, cols] = dq.astype(dq_ref.dtype)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
     dg_ref[...] = dg + cont * q_do_h
+
+
+def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
+                            dop_ref, deta_in_ref, dcp_ref, dwl_ref, hdh_ref, *out_refs, chunk, block_k, precision,
+                            group, lo=None):
+    """Second half of the split chunk gradients (:func:`_key_grads`) from the first half's stored sums."""
+    sums = (da_ref[...], dop_ref[...], deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]))
+    _key_grads(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs,
+               chunk=chunk, block_k=block_k, precision=precision, group=group, lo=lo)
+
+
+def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
+    """Both halves in one program per chunk, from stored P and dR: the value sums stay in registers (no
+    ``[C, C]`` round trip through memory) before the key columns are visited."""
+    gates = (eta_ref, g_ref, gp_ref, rl_ref)
+    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
+                              block_v=block_v, precision=precision, lo=lo)
+    _key_grads(q_ref, x_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, chunk=chunk,
+               block_k=block_k, precision=precision, group=group, lo=lo)
 
 
 def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
@@ -422,7 +491,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
 
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
-                             chunk, n_chunks, write_dh, precision, lo=None):
+                             chunk, n_chunks, write_dh, precision, lo=None, write_dr=False):
     """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
     recomputing the scores and applying Tᵀ)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -431,7 +500,8 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
         return v_ref[rows, :] + _sdot(b_ref[rows, :], dS, p32, lo)
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad)
+                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
+                  write_dr=write_dr)
 
 
 def _params(interpret, num_warps, num_stages):
@@ -454,13 +524,21 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     return tinv
 
 
+def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
+    """(spec, shape) of a ``[BH, L, dv]`` array of ``dtype`` a walk writes row by row (P, dR)."""
+    BH, L, _ = token_dims(x, heads)
+    spec = pl.BlockSpec((None, L // pieces, block_v), lambda b, p, v: (b, p, v))
+    return spec, jax.ShapeDtypeStruct((BH, L, y.shape[-1]), dtype)
+
+
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2, heads=None, walk_operands=None):
+                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False):
     """Chunk walk for every (batch·head, piece, value block).
 
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
 
     s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
+    P = η ⊙ residuals [BH, L, dv] in ``walk_operands`` or fp32 if write_p,
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
     ``[B, L, H, d]``, read in place.
     """
@@ -469,9 +547,12 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
                 specs.piece_state]
-    out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=[(specs.rows_v, y)] if write_o else ())
+    first = [(specs.rows_v, y)] if write_o else []
+    if write_p:
+        first.append(_walk_rows(x, y, chunk, pieces, block_v, walk_operands or F32, heads))
+    out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype), lo=walk_operands)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
@@ -548,21 +629,28 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
     return o, h, s_end
 
 
+def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, walk_operands, heads):
+    first = [_walk_rows(q, do, chunk, pieces, block_v, walk_operands or F32, heads)] if write_dr else ()
+    return walk_outputs(specs, shapes, write_dh, first=first)
+
+
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2, heads=None, walk_operands=None):
+                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=False):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
-    Returns (dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh,
-    ds_start [BH, P, dk, dv]).
+    Returns (dR [BH, L, dv] the residuals' gradient, in ``walk_operands`` or fp32, if write_dr,
+    dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
                 specs.piece_state]
-    out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
+    out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
+                                                 write_dh=write_dh, write_dr=write_dr, walk_operands=walk_operands,
+                                                 heads=heads)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
@@ -584,7 +672,7 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
 
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None):
+                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=False):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
     (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk.
     Same arguments and returns as :func:`state_grad_pass`."""
@@ -596,9 +684,11 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
                 pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
                 pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
-    out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
+    out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
+                                                 write_dh=write_dh, write_dr=write_dr, walk_operands=walk_operands,
+                                                 heads=heads)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, v, b, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
@@ -680,4 +770,54 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
               walk_operands=walk_operands)
     dy, sums = chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, block_v=block_v, **kw)
     dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, group=group, block_k=block_k, **kw)
+    return dq, dx, dy, deta, dg, dgp
+
+
+def chunk_grad_sums(x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4, num_stages=1,
+                    heads=None, walk_operands=None):
+    """The value half from the walks' stored ``p`` (``forward_pass(write_p=True)``) and ``dr``
+    (``state_grad_*pass(write_dr=True)``), ``[BH, L, dv]``: returns ``dy`` (like y) and the sums
+    :func:`chunk_grad_keys` reads, as :func:`chunk_grad_values` does (with ``p``, ``dr`` passed through)."""
+    BH, L, _ = token_dims(x, heads)
+    dv = y.shape[-1]
+    sp = chunk_specs(x, dv, chunk, heads)
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
+    kernel = functools.partial(_chunk_grad_sums_kernel, chunk=chunk, block_v=block_v,
+                               precision=precision_for(x.dtype), lo=walk_operands)
+    dy, *sums = call(
+        kernel, grid=(BH, L // chunk),
+        in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
+        out_specs=[sp.v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec, vec, vec, vec],
+        args=(x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="falcon_delta_chunk_grads_sums")
+    return dy, (p, dr, *sums)
+
+
+def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, one_program=False):
+    """:func:`chunk_grad_split_pass` with ``P`` and ``dR`` as the walks stored them (``p``, ``dr`` ``[BH, L, dv]``):
+    :func:`chunk_grad_sums` then :func:`chunk_grad_keys`, or both in one program per chunk (``one_program``);
+    T is not read.  Same returns as :func:`chunk_grad_pass`."""
+    kw = dict(chunk=chunk, interpret=interpret, num_warps=num_warps, num_stages=num_stages, heads=heads,
+              walk_operands=walk_operands)
+    if not one_program:
+        dy, sums = chunk_grad_sums(x, y, eta, g, gp, rl, do, h, dh, p, dr, block_v=block_v, **kw)
+        dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, group=group, block_k=block_k,
+                                                **kw)
+        return dq, dx, dy, deta, dg, dgp
+    BH, L, dk = token_dims(q, heads)
+    sp = chunk_specs(q, y.shape[-1], chunk, heads)
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands)
+    dy, dq, dx, deta, dg, dgp = call(
+        kernel, grid=(BH, L // chunk),
+        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
+        out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
+        args=(q, x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
