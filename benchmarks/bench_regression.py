@@ -96,9 +96,9 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
                               chunk_size=chunk_size, config=config, layout="BTHD")[0]
 
 
-# launch and pass variants timed alongside the default (since the eighth H200 run: the split state-gradient walk
-# and the two-program chunk gradients on the GPU, the split forward below 128 fused-walk programs; bf16 walk
-# operands and a one-warp triangular inverse since the seventh)
+# launch and pass variants timed alongside the default (since the ninth H200 run: the chunk gradients from the P
+# and dR the walks store; since the eighth: the split state-gradient walk on the GPU, the split forward below 128
+# fused-walk programs; bf16 walk operands and a one-warp triangular inverse since the seventh)
 FUSED = dict(outputs="pallas", state_grads="pallas")
 VARIANTS = {
     "kernel only, seventh-run default (fused walks, XLA chunk gradients)":
@@ -108,14 +108,10 @@ VARIANTS = {
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, chunk gradients as XLA matmuls": dict(config=KernelConfig(chunk_grads="xla")),
-    # the chunk gradients' value half from the P and dR the recompute and state-gradient walks store (ninth run)
-    "kernel only, chunk gradients from stored P, dR": dict(config=KernelConfig(chunk_grads="pallas_stored")),
-    "kernel only, chunk gradients from stored P, dR, one program":
-        dict(config=KernelConfig(chunk_grads="pallas_stored_one")),
-    "kernel only, chunk gradients from stored P, dR, one program 8 warps":
-        dict(config=KernelConfig(chunk_grads="pallas_stored_one", grad_warps=8)),
-    "kernel only, chunk gradients from stored P, dR, 8 warps":
-        dict(config=KernelConfig(chunk_grads="pallas_stored", grad_warps=8)),
+    # the eighth run's default: the two-program chunk gradients forming P and dR again from T
+    "kernel only, eighth-run default (two-program chunk gradients)":
+        dict(config=KernelConfig(chunk_grads="pallas_split")),
+    "kernel only, stored-P/dR chunk gradients 64 key columns": dict(config=KernelConfig(grad_block_k=64)),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward at every shape": dict(config=KernelConfig(outputs="split")),
     "kernel only, fused forward at every shape": dict(config=KernelConfig(outputs="pallas")),
@@ -290,8 +286,8 @@ def main() -> int:
                              ("kernel only, seventh-run default (fused walks, XLA chunk gradients)",
                               functools.partial(kernel_only, config=KernelConfig(chunk_grads="xla", **FUSED)),
                               (q, k, v, beta, log_decay)),
-                             ("kernel only, chunk gradients from stored P, dR",
-                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas_stored")),
+                             ("kernel only, eighth-run default (two-program chunk gradients)",
+                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas_split")),
                               (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:

@@ -20,6 +20,8 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next19      # the ninth run's default pass by pass, memory at 1x32768 and 1x131072
+#   bash benchmarks/h200_run.sh next18      # the ninth run's default (chunk gradients from the walks' P, dR): checks, timing
 #   bash benchmarks/h200_run.sh next17      # the ninth run: chunk gradients from the walks' stored P and dR
 #   bash benchmarks/h200_run.sh next16      # not yet run: chunk-gradient halves, memory at 1x131072, Falcon-2 launch variants
 #   bash benchmarks/h200_run.sh next15      # the gradient checks (bf16, fp32, pass choices) of the eighth run's defaults
@@ -32,7 +34,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -191,6 +193,19 @@ falcon-2,falcon-3,per-column" --out "$out/$part/bench_stored.json"
     step split_passes 200 python3 benchmarks/split_passes.py --ops delta_split \
       --shapes 8x2048x16x128,1x32768x16x128 --out "$out/$part/split_passes.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17)"; exit 2 ;;
+  next18)  # ninth run: the new default (chunk gradients from the walks' P and dR) checked and timed whole
+    step check_default 260 python3 benchmarks/gpu_check_regression.py \
+      --only "long bf16,extreme op,segments,bf16 grads,fp32 grads,pass choices" --out "$out/$part/check_default.json"
+    step bench_default 240 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
+seventh-run,walk operands,one-program,as XLA,outputs in XLA,split forward,fused forward,fused state,32 columns,\
+64 value,C=32,triangular,Pallas chunk gradients 8,state walk,forward walk,pieces,walks,BTHD,0.1.0 deltanet,fla,\
+falcon-2,per-column" --out "$out/$part/bench_default.json"
+    ;;
+  next19)  # ninth run: every pass of the new default alone (block widths varied), memory at 1x32768 and 1x131072
+    step split_passes 280 python3 benchmarks/split_passes.py --ops delta_split \
+      --shapes 8x2048x16x128,1x32768x16x128 --out "$out/$part/split_passes.json"
+    step memory 250 python3 benchmarks/bench_regression.py --shapes "" --out "$out/$part/memory.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -87,15 +87,15 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     (16, 2, 32, "pallas_gpu", "xla", "pallas"), (32, 1, 16, "pallas_gpu", "xla", "split"),
     (16, 2, 32, "pallas_gpu", "pallas", "split"), (16, 2, 32, "pallas_gpu", "pallas_split", "split"),
     (32, 1, 16, "pallas_gpu", "pallas_split", "pallas"), (16, 2, 32, "pallas_gpu", "pallas_stored", "split"),
-    (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas"), (16, 2, 32, "pallas_gpu", "pallas_stored_one", "split"),
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas"),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", marks=pytest.mark.slow),
 ])
 def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, rng):
     """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks;
     the per-chunk gradient pass as a kernel and as batched XLA matmuls; the state-gradient walk fused and
     split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces;
-    ``chunk_grads="pallas_stored"``: P and dR stored by either walk, with and without pieces (and
-    ``"pallas_stored_one"``: both halves in one program)."""
+    ``chunk_grads="pallas_stored"`` (the GPU default): P and dR stored by either walk, with and without
+    pieces."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -171,12 +171,13 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 @pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads", [
     (jnp.bfloat16, 2, "fp32", "pallas"), (jnp.float32, 1, "fp32", "pallas"), (jnp.bfloat16, 2, "input", "pallas"),
     (jnp.bfloat16, 2, "input", "auto"), (jnp.bfloat16, 2, "input", "pallas_split"),
-    (jnp.bfloat16, 1, "input", "pallas_stored"), (jnp.bfloat16, 1, "input", "pallas_stored_one")])
+    (jnp.float32, 1, "input", "auto")])
 def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
     is transposed around them; also with the walks' dots on bf16 operands and the default (here, with few
-    programs: the split forward, the split state-gradient walk and the two-program chunk gradients)."""
+    programs: the split forward, the split state-gradient walk storing dR and dy, the recompute walk storing P
+    and the chunk gradients reading them), in bf16 and fp32."""
     B, T, H, D = 2, 512, 3, 128
     q = jnp.zeros((B, T, H, D), dtype)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -193,9 +194,8 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
         lowering_platforms=("cuda",)).as_text()
     split = ("chunk_grads_values", "chunk_grads_keys")
     chunk_kernels = {"pallas": ("chunk_grads",), "pallas_split": split,
-                     "pallas_stored": ("chunk_grads_sums", "chunk_grads_keys"),
-                     "pallas_stored_one": ("chunk_grads_stored",),
-                     "auto": split + ("prepare_wu", "state_walk", "outputs", "dstate_prepare", "dstate_walk")}
+                     "auto": ("chunk_grads_stored", "prepare_wu", "state_walk", "outputs", "dstate_prepare",
+                              "dstate_walk")}
     kernels = ("tri_inverse", "fwd", "dstate") + chunk_kernels[chunk_grads]
     for name in kernels:
         assert f"falcon_delta_{name}" in text, name
@@ -369,7 +369,7 @@ def test_split_walks_lower_for_triton(dtype, pieces, heads):
 
 
 @pytest.mark.parametrize("name,value", [("outputs", "split"), ("state_grads", "split"),
-                                        ("chunk_grads", "pallas_split")])
+                                        ("chunk_grads", "pallas_split"), ("chunk_grads", "pallas_stored")])
 def test_split_passes_are_gpu_only(name, value, rng):
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
     with pytest.raises(NotImplementedError, match=f"{name}='{value}'"):
@@ -381,7 +381,7 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     split forward only when the fused walk would run fewer than 128 programs; the split walks' width the widest
     ≤ 64 that still gives 128 programs."""
     cfg = KernelConfig()
-    assert cfg.chunk_grads_for("pallas_gpu") == "pallas_split" and cfg.chunk_grads_for("pallas_tpu") == "pallas"
+    assert cfg.chunk_grads_for("pallas_gpu") == "pallas_stored" and cfg.chunk_grads_for("pallas_tpu") == "pallas"
     assert cfg.state_grads_for("pallas_gpu") == "split" and cfg.state_grads_for("pallas_tpu") == "pallas"
     assert KernelConfig(chunk_grads="xla").chunk_grads_for("pallas_gpu") == "xla"
     assert KernelConfig(state_grads="pallas").state_grads_for("pallas_gpu") == "pallas"
@@ -403,6 +403,8 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(walk_operands="bf16")
     with pytest.raises(ValueError, match="split_block_v must be None"):
         KernelConfig(split_block_v=24)
+    with pytest.raises(ValueError, match="grad_block_k must be a power of two"):
+        KernelConfig(grad_block_k=8)
 
 
 def test_bf16_walk_operands_leave_fp32_inputs_alone(rng):
@@ -792,7 +794,8 @@ def test_windowed_forward_matches_reference(W, T, chunk, pieces, implementation,
 
 @pytest.mark.parametrize("W,pieces,implementation,chunk_grads", [
     (2, 1, "pallas_gpu", "pallas"), (4, 2, "pallas_gpu", "pallas"), (4, 1, "pallas_gpu", "xla"),
-    (4, 1, "pallas_gpu", "pallas_split"), pytest.param(3, 1, "pallas_gpu", "pallas", marks=pytest.mark.slow),
+    (4, 1, "pallas_gpu", "pallas_split"), (3, 2, "pallas_gpu", "pallas_stored"),
+    pytest.param(3, 1, "pallas_gpu", "pallas", marks=pytest.mark.slow),
     pytest.param(4, 1, "pallas_tpu", "pallas", marks=pytest.mark.slow),
 ])
 def test_windowed_gradients_match_reference(W, pieces, implementation, chunk_grads, rng):

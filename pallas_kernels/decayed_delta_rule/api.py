@@ -85,15 +85,15 @@ class KernelConfig:
     state_warps: int = 4
     grad_warps: int = 4
     grad_stages: int = 1
+    grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py),
-    # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators) or
-    # "pallas_stored" (GPU: "pallas_split" whose value half reads P and dR as the recompute and state-gradient
-    # walks stored them, instead of forming them again from T), "pallas_stored_one" (GPU: the same in one program
-    # per chunk) or
-    # "auto": "pallas_split" on the GPU (H200, 8x2048x16x128 bf16: 1.63 ms vs XLA 2.74, one program 4.60),
+    # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators),
+    # "pallas_stored" (GPU: one program per chunk reading P and dR as the recompute and state-gradient walks
+    # stored them, instead of forming them again from T and the scores) or "auto": "pallas_stored" on the GPU
+    # (H200, 8x2048x16x128 bf16: 0.86 ms vs "pallas_split" 1.51, XLA 2.75; whole fwd+bwd 2.13 vs 2.70),
     # "pallas" on the TPU
     chunk_grads: str = "auto"
     # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200),
@@ -117,8 +117,7 @@ class KernelConfig:
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored",
-                                                "pallas_stored_one")),
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored")),
                               ("outputs", ("auto", "pallas", "xla", "split")),
                               ("state_grads", ("auto", "pallas", "split"))):
             if getattr(self, name) not in allowed:
@@ -126,6 +125,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
+        if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
+            raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
         width = self.split_block_v
         if width is not None and (width < 16 or width & (width - 1)):
             raise ValueError(f"KernelConfig: split_block_v must be None (auto) or a power of two >= 16, "
@@ -139,7 +140,7 @@ class KernelConfig:
         """``chunk_grads`` with "auto" resolved for ``backend`` ("pallas_gpu" or "pallas_tpu")."""
         if self.chunk_grads != "auto":
             return self.chunk_grads
-        return "pallas_split" if backend == "pallas_gpu" else "pallas"
+        return "pallas_stored" if backend == "pallas_gpu" else "pallas"
 
     def state_grads_for(self, backend: str) -> str:
         """``state_grads`` with "auto" resolved for ``backend``."""
@@ -216,7 +217,7 @@ def _piece_starts(M, E, s0):
 
 def _check_split(config, backend):
     for name in ("outputs", "state_grads", "chunk_grads"):
-        gpu_only = ("split", "pallas_split", "pallas_stored", "pallas_stored_one")
+        gpu_only = ("split", "pallas_split", "pallas_stored")
         if getattr(config, name) in gpu_only and backend != "pallas_gpu":
             raise NotImplementedError(f"{backend}: KernelConfig({name}={getattr(config, name)!r}) is a GPU kernel; "
                                       "leave it at its default for this backend")
@@ -267,7 +268,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     chunk_grads = config.chunk_grads_for(backend)
-    stored = chunk_grads.startswith("pallas_stored")  # the walks below store P and dR for the chunk gradients
+    stored = chunk_grads == "pallas_stored"  # the walks below store P and dR (and dy) for the chunk gradients
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
@@ -296,17 +297,16 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     else:
         ds_ends = ds_final[:, None]
     if stored:
-        dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=True,
+        dr, dy, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=True,
                                            **state_kw)
     else:
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
     if stored:
-        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_stored_pass(
+        dq, dx, deta, dg, dgp = kernels.chunk_grad_stored_pass(
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
-            walk_operands=config.walk_operand_dtype(q.dtype), one_program=chunk_grads == "pallas_stored_one",
-            **_layout_kw(heads))
+            walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, **_layout_kw(heads))
     elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,
@@ -315,7 +315,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_split_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
-            walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
+            walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, **_layout_kw(heads))
     else:
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,

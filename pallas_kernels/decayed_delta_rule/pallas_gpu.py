@@ -174,10 +174,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
                   residual_grad, write_dr=False):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
-    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
+    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``, and
+    ``dy = η ⊙ dR`` with it, rounded once from fp32), then
     ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``."""
     refs = list(out_refs)
-    dr_ref = refs.pop(0) if write_dr else None
+    dr_ref, dy_ref = (refs.pop(0), refs.pop(0)) if write_dr else (None, None)
     dh_ref = refs.pop(0) if write_dh else None
     (ds_start_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -193,6 +194,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         if write_dr:
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
+            dy_ref[rows, :] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
                 - _sdot((x.astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
 
@@ -346,11 +348,11 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
     _store_value_sums((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref), sums, chunk)
 
 
-def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
-                       chunk, block_v, precision, lo):
+def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, *, chunk,
+                       block_v, precision, lo):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
-    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
-    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
+    (state-gradient walk) the walks stored: no T, no scores — per value block two dots with the chunk state
+    (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     x = x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
@@ -365,17 +367,7 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
         terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
                                    _in_dot(x, dh, precision, p32), p32, lo)
         sums = tuple(acc + t for acc, t in zip(sums, terms))
-        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
     return sums
-
-
-def _chunk_grad_sums_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                            dy_ref, *sum_refs, chunk, block_v, precision, lo=None):
-    """The value half from stored P and dR (:func:`_stored_value_sums`): the same outputs as
-    :func:`_chunk_grad_values_kernel` less P and dR."""
-    sums = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
-    _store_value_sums(sum_refs, sums, chunk)
 
 
 def _key_grads(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, *,
@@ -424,11 +416,12 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
-    """Both halves in one program per chunk, from stored P and dR: the value sums stay in registers (no
-    ``[C, C]`` round trip through memory) before the key columns are visited."""
+                              *out_refs, chunk, block_v, block_k, precision, group, lo=None):
+    """The chunk gradients in one program per chunk from the P and dR the walks stored (dy is the
+    state-gradient walk's): the value sums (:func:`_stored_value_sums`) stay in registers for the key columns
+    (:func:`_key_grads`)."""
     gates = (eta_ref, g_ref, gp_ref, rl_ref)
-    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
+    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, chunk=chunk,
                               block_v=block_v, precision=precision, lo=lo)
     _key_grads(q_ref, x_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, chunk=chunk,
                block_k=block_k, precision=precision, group=group, lo=lo)
@@ -630,7 +623,8 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
 
 
 def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, walk_operands, heads):
-    first = [_walk_rows(q, do, chunk, pieces, block_v, walk_operands or F32, heads)] if write_dr else ()
+    first = [_walk_rows(q, do, chunk, pieces, block_v, walk_operands or F32, heads), (specs.rows_v, do)] \
+        if write_dr else ()
     return walk_outputs(specs, shapes, write_dh, first=first)
 
 
@@ -638,7 +632,8 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
                     num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=False):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
-    Returns (dR [BH, L, dv] the residuals' gradient, in ``walk_operands`` or fp32, if write_dr,
+    Returns (dR [BH, L, dv] the residuals' gradient, in ``walk_operands`` or fp32, and dy = η ⊙ dR like do
+    (the gradient w.r.t. y), if write_dr,
     dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
@@ -773,51 +768,21 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
     return dq, dx, dy, deta, dg, dgp
 
 
-def chunk_grad_sums(x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4, num_stages=1,
-                    heads=None, walk_operands=None):
-    """The value half from the walks' stored ``p`` (``forward_pass(write_p=True)``) and ``dr``
-    (``state_grad_*pass(write_dr=True)``), ``[BH, L, dv]``: returns ``dy`` (like y) and the sums
-    :func:`chunk_grad_keys` reads, as :func:`chunk_grad_values` does (with ``p``, ``dr`` passed through)."""
-    BH, L, _ = token_dims(x, heads)
-    dv = y.shape[-1]
-    sp = chunk_specs(x, dv, chunk, heads)
-    vec = jax.ShapeDtypeStruct((BH, L), F32)
-    sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
-    kernel = functools.partial(_chunk_grad_sums_kernel, chunk=chunk, block_v=block_v,
-                               precision=precision_for(x.dtype), lo=walk_operands)
-    dy, *sums = call(
-        kernel, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
-        out_specs=[sp.v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec, vec, vec, vec],
-        args=(x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
-        interpret=interpret, name="falcon_delta_chunk_grads_sums")
-    return dy, (p, dr, *sums)
-
-
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
-                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, one_program=False):
-    """:func:`chunk_grad_split_pass` with ``P`` and ``dR`` as the walks stored them (``p``, ``dr`` ``[BH, L, dv]``):
-    :func:`chunk_grad_sums` then :func:`chunk_grad_keys`, or both in one program per chunk (``one_program``);
-    T is not read.  Same returns as :func:`chunk_grad_pass`."""
-    kw = dict(chunk=chunk, interpret=interpret, num_warps=num_warps, num_stages=num_stages, heads=heads,
-              walk_operands=walk_operands)
-    if not one_program:
-        dy, sums = chunk_grad_sums(x, y, eta, g, gp, rl, do, h, dh, p, dr, block_v=block_v, **kw)
-        dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, group=group, block_k=block_k,
-                                                **kw)
-        return dq, dx, dy, deta, dg, dgp
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+    """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
+    ``state_grad_*pass(write_dr=True)``, which also gives dy), one program per chunk: the value sums of
+    :func:`chunk_grad_values` without T or the scores, then :func:`chunk_grad_keys`' key columns.
+    Returns dq, dx (like q, x) and fp32 deta, dg, dgp ``[BH, L]``."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
                                precision=precision_for(q.dtype), group=group, lo=walk_operands)
-    dy, dq, dx, deta, dg, dgp = call(
+    return tuple(call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
-        out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
+        out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
         args=(q, x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
-        interpret=interpret, name="falcon_delta_chunk_grads_stored")
-    return dq, dx, dy, deta, dg, dgp
+        interpret=interpret, name="falcon_delta_chunk_grads_stored"))
