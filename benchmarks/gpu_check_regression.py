@@ -298,7 +298,8 @@ def main() -> int:
                               ("split walks + two-program chunk grads", all_split),
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored),
                               ("default (split state-gradient walk, chunk grads from the walks' P, dR)",
-                               KernelConfig())):
+                               KernelConfig()),
+                              ("stored bf16 dR", KernelConfig(stored_dr="input"))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next20      # the ninth run's final default (dR fp32, dy in the chunk kernel) vs bf16 dR, key widths
 #   bash benchmarks/h200_run.sh next19      # the ninth run's default pass by pass, memory at 1x32768 and 1x131072
 #   bash benchmarks/h200_run.sh next18      # the ninth run's default (chunk gradients from the walks' P, dR): checks, timing
 #   bash benchmarks/h200_run.sh next17      # the ninth run: chunk gradients from the walks' stored P and dR
@@ -34,7 +35,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -206,6 +207,16 @@ falcon-2,per-column" --out "$out/$part/bench_default.json"
       --shapes 8x2048x16x128,1x32768x16x128 --out "$out/$part/split_passes.json"
     step memory 250 python3 benchmarks/bench_regression.py --shapes "" --out "$out/$part/memory.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19)"; exit 2 ;;
+  next20)  # ninth run: dy back in the chunk-gradient kernel, dR stored fp32 (default) or bf16, 32 or 64 key columns
+    step bench_dr 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "xla chunk,sixth-run,\
+seventh-run,walk operands,one-program,as XLA,outputs in XLA,split forward,fused forward,fused state,32 columns,\
+64 value,C=32,triangular,Pallas chunk gradients 8,state walk,forward walk,pieces,walks,BTHD,0.1.0 deltanet,fla,\
+falcon-2,falcon-3,per-column" --out "$out/$part/bench_dr.json"
+    step check_grads 60 python3 benchmarks/gpu_check_regression.py --only "bf16 grads" \
+      --out "$out/$part/check_grads.json"
+    step memory 90 python3 benchmarks/bench_regression.py --shapes "" --memory-shapes 1x32768x16x128 \
+      --out "$out/$part/memory.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

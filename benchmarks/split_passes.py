@@ -199,21 +199,23 @@ def split_delta_passes(shape, interpret, rows):
                 ("chunk gradients, XLA", jax.jit(functools.partial(delta_xla.chunk_grads, chunk=C, operands=lo)),
                  (q, x, y, eta, g, gp, rl, tinv, do, h, dh))]
     # P and dR stored by the walks (chunk_grads="pallas_stored", the default since the ninth run): the walks with
-    # the extra stores (the state-gradient walk at the default width also stores dy), the chunk gradients without T
+    # the extra store (dR in fp32 or the inputs' dtype), the chunk gradients without T
     split_bv = cfg.split_block_v_for(BH, d)
     p, _, _ = jit(delta_gpu.forward_pass, block_v=bv, write_o=False, write_h=True, write_p=True, **walk_kw)(
         q, x, y, eta, g, gp, rl, tinv, s0)
-    dr, _, _, _ = jit(delta_gpu.state_grad_split_pass, block_v=split_bv, write_dh=True, write_dr=True, vb=vb,
-                      **walk_kw)(q, x, eta, g, gp, rl, tinv, do, s0)
     timings += [("fused recompute walk (h) + P stored",
                  jit(delta_gpu.forward_pass, block_v=bv, write_o=False, write_h=True, write_p=True, **walk_kw),
-                 (q, x, y, eta, g, gp, rl, tinv, s0)),
-                (f"split state-gradient walk + dR, dy stored, {split_bv} columns",
-                 jit(delta_gpu.state_grad_split_pass, block_v=split_bv, write_dh=True, write_dr=True, vb=vb,
-                     **walk_kw), (q, x, eta, g, gp, rl, tinv, do, s0))]
-    timings += [(f"chunk gradients from stored P, dR, {w} warps, {k} key columns",
-                 jit(delta_gpu.chunk_grad_stored_pass, chunk=C, block_v=bv, walk_operands=lo, num_warps=w, block_k=k),
-                 (q, x, y, eta, g, gp, rl, do, h, dh, p, dr)) for w, k in ((4, 32), (4, 64), (4, 16), (2, 32))]
+                 (q, x, y, eta, g, gp, rl, tinv, s0))]
+    for dr_dtype in (jnp.float32, lo or jnp.float32):
+        dr_name = jnp.dtype(dr_dtype).name
+        walk = jit(delta_gpu.state_grad_split_pass, block_v=split_bv, write_dh=True, write_dr=dr_dtype, vb=vb,
+                   **walk_kw)
+        dr, _, _ = walk(q, x, eta, g, gp, rl, tinv, do, s0)
+        timings += [(f"split state-gradient walk + dR {dr_name}, {split_bv} columns", walk,
+                     (q, x, eta, g, gp, rl, tinv, do, s0))]
+        timings += [(f"chunk gradients from stored P, dR {dr_name}, {k} key columns",
+                     jit(delta_gpu.chunk_grad_stored_pass, chunk=C, block_v=bv, walk_operands=lo, block_k=k),
+                     (q, x, y, eta, g, gp, rl, do, h, dh, p, dr)) for k in (32, 64)]
     for label, fn, args in timings:
         try:
             ms = time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)

@@ -86,6 +86,9 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
+    # chunk_grads="pallas_stored": the dtype the state-gradient walk stores dR in for bf16/fp16 inputs: "fp32"
+    # (dy = η dR rounded once) or "input" (half the bytes; dy rounded twice: 1.5x its error on the H200)
+    stored_dr: str = "fp32"
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -123,6 +126,8 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
+        if self.stored_dr not in ("fp32", "input"):
+            raise ValueError(f"KernelConfig: stored_dr must be 'fp32' or 'input', got {self.stored_dr!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
@@ -268,7 +273,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     chunk_grads = config.chunk_grads_for(backend)
-    stored = chunk_grads == "pallas_stored"  # the walks below store P and dR (and dy) for the chunk gradients
+    stored = chunk_grads == "pallas_stored"  # the walks below store P and dR for the chunk gradients
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
@@ -297,13 +302,14 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     else:
         ds_ends = ds_final[:, None]
     if stored:
-        dr, dy, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=True,
+        dr_dtype = jnp.float32 if config.stored_dr == "fp32" else state_kw["walk_operands"] or jnp.float32
+        dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
                                            **state_kw)
     else:
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
     if stored:
-        dq, dx, deta, dg, dgp = kernels.chunk_grad_stored_pass(
+        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_stored_pass(
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, **_layout_kw(heads))

@@ -174,11 +174,10 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
                   residual_grad, write_dr=False):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
-    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``, and
-    ``dy = η ⊙ dR`` with it, rounded once from fp32), then
+    (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
     ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``."""
     refs = list(out_refs)
-    dr_ref, dy_ref = (refs.pop(0), refs.pop(0)) if write_dr else (None, None)
+    dr_ref = refs.pop(0) if write_dr else None
     dh_ref = refs.pop(0) if write_dh else None
     (ds_start_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -194,7 +193,6 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         if write_dr:
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
-            dy_ref[rows, :] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
                 - _sdot((x.astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
 
@@ -348,11 +346,11 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
     _store_value_sums((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref), sums, chunk)
 
 
-def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, *, chunk,
-                       block_v, precision, lo):
+def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
+                       chunk, block_v, precision, lo):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
-    (state-gradient walk) the walks stored: no T, no scores — per value block two dots with the chunk state
-    (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
+    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
+    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     x = x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
@@ -367,6 +365,7 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
         terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
                                    _in_dot(x, dh, precision, p32), p32, lo)
         sums = tuple(acc + t for acc, t in zip(sums, terms))
+        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
     return sums
 
 
@@ -416,12 +415,11 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              *out_refs, chunk, block_v, block_k, precision, group, lo=None):
-    """The chunk gradients in one program per chunk from the P and dR the walks stored (dy is the
-    state-gradient walk's): the value sums (:func:`_stored_value_sums`) stay in registers for the key columns
-    (:func:`_key_grads`)."""
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
+    """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
     gates = (eta_ref, g_ref, gp_ref, rl_ref)
-    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, chunk=chunk,
+    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
                               block_v=block_v, precision=precision, lo=lo)
     _key_grads(q_ref, x_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, chunk=chunk,
                block_k=block_k, precision=precision, group=group, lo=lo)
@@ -622,18 +620,17 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
     return o, h, s_end
 
 
-def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, walk_operands, heads):
-    first = [_walk_rows(q, do, chunk, pieces, block_v, walk_operands or F32, heads), (specs.rows_v, do)] \
-        if write_dr else ()
+def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, heads):
+    """``write_dr``: None or the dtype dR is stored in."""
+    first = [_walk_rows(q, do, chunk, pieces, block_v, write_dr, heads)] if write_dr is not None else ()
     return walk_outputs(specs, shapes, write_dh, first=first)
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=False):
+                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
-    Returns (dR [BH, L, dv] the residuals' gradient, in ``walk_operands`` or fp32, and dy = η ⊙ dR like do
-    (the gradient w.r.t. y), if write_dr,
+    Returns (dR [BH, L, dv] the residuals' gradient if write_dr (None, or the dtype to store it in),
     dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
@@ -642,10 +639,9 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate, t_spec, specs.rows_v,
                 specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
-                                                 write_dh=write_dh, write_dr=write_dr, walk_operands=walk_operands,
-                                                 heads=heads)
+                                                 write_dh=write_dh, write_dr=write_dr, heads=heads)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
@@ -667,7 +663,7 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
 
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=False):
+                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=None):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
     (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk.
     Same arguments and returns as :func:`state_grad_pass`."""
@@ -680,10 +676,9 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                 pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
                 pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
-                                                 write_dh=write_dh, write_dr=write_dr, walk_operands=walk_operands,
-                                                 heads=heads)
+                                                 write_dh=write_dh, write_dr=write_dr, heads=heads)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=(q, x, eta, g, gp, rl, v, b, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
@@ -771,18 +766,19 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
                            num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
-    ``state_grad_*pass(write_dr=True)``, which also gives dy), one program per chunk: the value sums of
-    :func:`chunk_grad_values` without T or the scores, then :func:`chunk_grad_keys`' key columns.
-    Returns dq, dx (like q, x) and fp32 deta, dg, dgp ``[BH, L]``."""
+    ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
+    without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
                                precision=precision_for(q.dtype), group=group, lo=walk_operands)
-    return tuple(call(
+    dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
-        out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
+        out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
         args=(q, x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
-        interpret=interpret, name="falcon_delta_chunk_grads_stored"))
+        interpret=interpret, name="falcon_delta_chunk_grads_stored")
+    return dq, dx, dy, deta, dg, dgp
