@@ -112,9 +112,9 @@ VARIANTS = {
     "kernel only, eighth-run default (two-program chunk gradients)":
         dict(config=KernelConfig(chunk_grads="pallas_split")),
     "kernel only, stored-P/dR chunk gradients 64 key columns": dict(config=KernelConfig(grad_block_k=64)),
-    "kernel only, stored-P/dR chunk gradients bf16 dR": dict(config=KernelConfig(stored_dr="input")),
-    "kernel only, stored-P/dR chunk gradients bf16 dR, 64 key columns":
-        dict(config=KernelConfig(stored_dr="input", grad_block_k=64)),
+    "kernel only, stored-P/dR chunk gradients fp32 dR": dict(config=KernelConfig(stored_dr="fp32")),
+    "kernel only, stored-P/dR chunk gradients fp32 dR, 64 key columns":
+        dict(config=KernelConfig(stored_dr="fp32", grad_block_k=64)),
     "kernel only, outputs in XLA": dict(config=KernelConfig(outputs="xla")),
     "kernel only, split forward at every shape": dict(config=KernelConfig(outputs="split")),
     "kernel only, fused forward at every shape": dict(config=KernelConfig(outputs="pallas")),
@@ -292,8 +292,8 @@ def main() -> int:
                              ("kernel only, eighth-run default (two-program chunk gradients)",
                               functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas_split")),
                               (q, k, v, beta, log_decay)),
-                             ("kernel only, stored-P/dR chunk gradients bf16 dR",
-                              functools.partial(kernel_only, config=KernelConfig(stored_dr="input")),
+                             ("kernel only, stored-P/dR chunk gradients fp32 dR",
+                              functools.partial(kernel_only, config=KernelConfig(stored_dr="fp32")),
                               (q, k, v, beta, log_decay)),
                              ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             try:

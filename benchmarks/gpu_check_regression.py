@@ -299,7 +299,7 @@ def main() -> int:
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored),
                               ("default (split state-gradient walk, chunk grads from the walks' P, dR)",
                                KernelConfig()),
-                              ("stored bf16 dR", KernelConfig(stored_dr="input"))):
+                              ("stored fp32 dR", KernelConfig(stored_dr="fp32"))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

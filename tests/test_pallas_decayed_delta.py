@@ -405,6 +405,36 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(split_block_v=24)
     with pytest.raises(ValueError, match="grad_block_k must be a power of two"):
         KernelConfig(grad_block_k=8)
+    with pytest.raises(ValueError, match="stored_dr must be 'fp32' or 'input'"):
+        KernelConfig(stored_dr="bf16")
+
+
+@pytest.mark.parametrize("stored_dr", ["input", "fp32"])
+def test_bf16_stored_residual_gradients(stored_dr, rng):
+    """bf16 inputs through the GPU default backward (P stored by the recompute walk, dR by the state-gradient walk
+    in bf16 or fp32): every gradient within a few bf16 units of the float64 reference, all written."""
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=48, dv=32, segments=True)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16).astype(jnp.float64)  # noqa: E731 - the bf16 values, exactly
+    q, x, y = (bf(a) for a in (q, x, y))
+    config = KernelConfig(stored_dr=stored_dr)
+
+    def loss_kernel(q_, x_, y_, e, lg, s):
+        with poisoned_outputs():
+            o, _ = decayed_delta_rule(q_, x_, y_, e, lg, run, s, implementation="pallas_gpu", chunk_size=16,
+                                      config=config)
+        return jnp.sum(o.astype(jnp.float32) * ct_o.astype(jnp.float32))
+
+    def loss_ref(*a):
+        return jnp.sum(decayed_delta_rule_reference(*a[:5], run, a[5])[0] * ct_o)
+
+    args = (q, x, y, eta, log_gamma, s0)
+    got = jax.grad(loss_kernel, argnums=tuple(range(6)))(
+        *(jnp.asarray(a, jnp.bfloat16) for a in args[:3]), *(jnp.asarray(a, jnp.float32) for a in args[3:]))
+    want = jax.grad(loss_ref, argnums=tuple(range(6)))(*(jnp.asarray(a) for a in args))
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+        assert rel_err(np.asarray(g, np.float32), w) < 1.5e-2, name  # about four bf16 units
 
 
 def test_bf16_walk_operands_leave_fp32_inputs_alone(rng):

@@ -86,9 +86,11 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
-    # chunk_grads="pallas_stored": the dtype the state-gradient walk stores dR in for bf16/fp16 inputs: "fp32"
-    # (dy = η dR rounded once) or "input" (half the bytes; dy rounded twice: 1.5x its error on the H200)
-    stored_dr: str = "fp32"
+    # chunk_grads="pallas_stored": the dtype the state-gradient walk stores dR in for bf16/fp16 inputs: "input"
+    # (H200 bf16 fwd+bwd 2.16 / 2.45 / 5.97 ms at 8x2048 / 2x8192 / 1x32768 x16x128; dy = η dR is rounded twice,
+    # 1.5x the fp32-dR error at d64) or "fp32" (2.55 / 2.80 / 6.59 ms, +8% peak memory; dy rounded once).
+    # Writing dy from the walk instead (rounded once) cost 0.29 ms at 8x2048 (next18/next19).
+    stored_dr: str = "input"
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -96,7 +98,7 @@ class KernelConfig:
     # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators),
     # "pallas_stored" (GPU: one program per chunk reading P and dR as the recompute and state-gradient walks
     # stored them, instead of forming them again from T and the scores) or "auto": "pallas_stored" on the GPU
-    # (H200, 8x2048x16x128 bf16: 0.86 ms vs "pallas_split" 1.51, XLA 2.75; whole fwd+bwd 2.13 vs 2.70),
+    # (H200, 8x2048x16x128 bf16: 0.86 ms vs "pallas_split" 1.51, XLA 2.75; op fwd+bwd 2.16 vs 2.72, next20),
     # "pallas" on the TPU
     chunk_grads: str = "auto"
     # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200),
