@@ -39,6 +39,10 @@ The peers' split (the GPU defaults where the H200 measured them faster, ``api.Ke
     reverse walk with ``dR = V + B dS``.
   * ``chunk_grad_split_pass`` — ``chunk_grad_pass`` as two programs per chunk (value columns, then
     key columns), so that neither holds ``[C, dk]`` fp32 accumulators.
+  * ``chunk_grad_stored_pass`` (the GPU default since the ninth H200 run) — the walks already form ``P``
+    (recompute walk, ``forward_pass(write_p=True)``) and ``dR`` (reverse walk, ``write_dr=dtype``); stored,
+    they spare the chunk gradients T, the scores' transpose product and both T products, leaving one program
+    per chunk: the value sums from P, dR, ``X h`` and ``X dh``, then the key columns.
 """
 
 from __future__ import annotations
