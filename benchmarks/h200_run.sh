@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next21      # not yet run: the final ninth-run default checked at d128, whole op timed
 #   bash benchmarks/h200_run.sh next20      # the ninth run's final default (dR fp32, dy in the chunk kernel) vs bf16 dR, key widths
 #   bash benchmarks/h200_run.sh next19      # the ninth run's default pass by pass, memory at 1x32768 and 1x131072
 #   bash benchmarks/h200_run.sh next18      # the ninth run's default (chunk gradients from the walks' P, dR): checks, timing
@@ -35,7 +36,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -217,6 +218,14 @@ falcon-2,falcon-3,per-column" --out "$out/$part/bench_dr.json"
     step memory 90 python3 benchmarks/bench_regression.py --shapes "" --memory-shapes 1x32768x16x128 \
       --out "$out/$part/memory.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20)"; exit 2 ;;
+  next21)  # for the tenth run: the ninth run's final default (bf16 dR) checked at d128 and timed as the whole op
+    step check_final 200 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,pass choices" \
+      --out "$out/$part/check_final.json"
+    step bench_final 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 --skip "xla chunk,\
+sixth-run,seventh-run,walk operands,one-program,as XLA,outputs in XLA,split forward,fused forward,fused state,\
+32 columns,64 value,C=32,triangular,Pallas chunk gradients 8,state walk,forward walk,pieces,walks,BTHD,\
+0.1.0 deltanet,falcon-2,falcon-3,per-column,64 key" --out "$out/$part/bench_final.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
