@@ -148,7 +148,8 @@ def split_delta(shape, interpret, rows):
 
 def split_delta_passes(shape, interpret, rows):
     """The split passes of ``decayed_delta_rule`` (``KernelConfig(outputs="split", state_grads="split",
-    chunk_grads="pallas_split")``) one by one, with their block widths varied, next to the fused ones."""
+    chunk_grads="pallas_split")``) one by one, with their block widths varied, next to the fused ones; then the
+    walks storing P and dR and the chunk gradients reading them (``chunk_grads="pallas_stored"``)."""
     B, T, H, d = shape
     BH, C = B * H, 64
     cfg = delta_api.KernelConfig()

@@ -134,7 +134,8 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
     other implementations transpose); values, state and gradients equal the float64 reference.
     ``"xla"``: also the outputs and the per-chunk gradients as batched XLA passes; ``"split"``: the split
     forward (outputs="split") with the default chunk gradients; ``"all-split"``: the split walks and the
-    two-program chunk gradients; ``"stored"``: their value half from the P and dR the walks stored."""
+    two-program chunk gradients; ``"stored"``: the one-program chunk gradients from the P and dR the walks
+    stored."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=3, T=T, dv=32, segments=True)
     if per_column:
         eta = eta[..., None] * rng.uniform(0.5, 1.0, size=y.shape)
@@ -176,8 +177,8 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
     is transposed around them; also with the walks' dots on bf16 operands and the default (here, with few
-    programs: the split forward, the split state-gradient walk storing dR and dy, the recompute walk storing P
-    and the chunk gradients reading them), in bf16 and fp32."""
+    programs: the split forward, the split state-gradient walk storing dR, the recompute walk storing P and
+    the chunk gradients reading them), in bf16 and fp32."""
     B, T, H, D = 2, 512, 3, 128
     q = jnp.zeros((B, T, H, D), dtype)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -311,8 +312,8 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
-    default (bf16 walk operands, split state-gradient walk, two-program chunk gradients, here the split forward:
-    few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks —:
+    default (bf16 walk operands, split state-gradient walk, chunk gradients from the walks' P and dR, here the
+    split forward: few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks —:
     outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with

@@ -27,8 +27,9 @@ and log-decay gradients.
 
 On the GPU the walks are split as fla and jax-linear-attention split them (``KernelConfig``'s "auto"
 choices, measured on the H200): per chunk in parallel ``V = Tᵀ(QXᵀ ⊙ D)ᵀ dO``, ``B = Tᵀ(w ⊙ X)``, so the
-reverse walk carries only the state (``dR = V + B dS``, three dots per chunk); the per-chunk gradients in
-two programs (value columns, then key columns); and, when batch·heads·value blocks leave fewer than 128
+reverse walk carries only the state (``dR = V + B dS``, three dots per chunk); the recompute walk stores
+``P`` and the reverse walk ``dR``, so the per-chunk gradients (one program per chunk) need neither T nor the
+scores for them; and, when batch·heads·value blocks leave fewer than 128
 programs, the forward likewise (``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)``, ``P = U − W S``, a state-only walk,
 then the outputs from the stored chunk states in parallel).  The TPU runs the fused walks and one program
 per chunk.
@@ -223,8 +224,8 @@ def _piece_starts(M, E, s0):
 
 
 def _check_split(config, backend):
+    gpu_only = ("split", "pallas_split", "pallas_stored")
     for name in ("outputs", "state_grads", "chunk_grads"):
-        gpu_only = ("split", "pallas_split", "pallas_stored")
         if getattr(config, name) in gpu_only and backend != "pallas_gpu":
             raise NotImplementedError(f"{backend}: KernelConfig({name}={getattr(config, name)!r}) is a GPU kernel; "
                                       "leave it at its default for this backend")
