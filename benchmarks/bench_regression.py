@@ -25,7 +25,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import compiled_memory, print_table, time_jax, time_torch, write_json
+from benchmarks.common import compiled_memory, print_table, time_jax, time_torch, with_kernel_config, write_json
 from falcon_jax import falcon
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
@@ -135,6 +135,17 @@ VARIANTS = {
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
     "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
     "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),
+    # tenth run: T = (I + A)⁻¹ stored in bf16 (its dots bf16 MMA), longer chunks, 16-column walks at long T
+    "kernel only, bf16 triangular inverse": dict(config=KernelConfig(tri_dtype="input")),
+    "kernel only, C=128": dict(chunk_size=128),
+    "kernel only, bf16 triangular inverse, C=128": dict(chunk_size=128, config=KernelConfig(tri_dtype="input")),
+    "kernel only, 16 value columns": dict(config=KernelConfig(block_v=16)),
+    "kernel only, bf16 triangular inverse, 16 value columns": dict(config=KernelConfig(tri_dtype="input", block_v=16)),
+}
+
+# the whole op (falcon(impl="pallas"), gates and layout included) on opt-in kernel choices
+WHOLE_OP_VARIANTS = {
+    "falcon-1 pallas (ours), bf16 triangular inverse": KernelConfig(tri_dtype="input"),
 }
 
 
@@ -227,6 +238,8 @@ def main() -> int:
         B, T, H, D = shape
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
+        for label, cfg in WHOLE_OP_VARIANTS.items():
+            measure(label, shape, with_kernel_config(ours_falcon, cfg), 5, (q, k, v, beta, lam))
         measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
         measure("kernel only, BTHD in place", shape, kernel_only_in_place, 5, (q, k, v, beta, log_decay))
         if not args.smoke:  # peers (GPU only)
@@ -281,6 +294,8 @@ def main() -> int:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         entry = {"shape": "x".join(map(str, shape))}
         for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
+                             *((label, with_kernel_config(ours_falcon, cfg), (q, k, v, beta, lam))
+                               for label, cfg in WHOLE_OP_VARIANTS.items()),
                              ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
                              ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
                              ("kernel only, one-program Pallas chunk gradients",

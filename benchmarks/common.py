@@ -71,3 +71,37 @@ def _fmt(v) -> str:
 def write_json(path: str, payload) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
+
+
+def kernel_config(text: str):
+    """``KernelConfig`` of the regression kernels from ``"name=value,..."`` (ints as ints; empty: None, the
+    defaults), e.g. ``"tri_dtype=input,grad_block_k=64"``; an unknown name or value is an error naming it."""
+    import dataclasses
+
+    from pallas_kernels.decayed_delta_rule.api import KernelConfig
+
+    if not text.strip():
+        return None
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    kw = {}
+    for item in text.split(","):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or name not in fields:
+            raise ValueError(f"--kernel-config: {item!r} is not name=value with a KernelConfig field "
+                             f"({', '.join(sorted(fields))})")
+        kw[name] = int(value) if value.lstrip("-").isdigit() else None if value == "None" else value
+    return KernelConfig(**kw)
+
+
+def with_kernel_config(op, config):
+    """``op`` with ``falcon(impl="pallas")``'s regression kernels on ``config`` while it runs (and traces)."""
+    from falcon_jax.forms import chunk_pallas
+
+    def wrapped(*args):
+        saved, chunk_pallas.KERNEL_CONFIG = chunk_pallas.KERNEL_CONFIG, config
+        try:
+            return op(*args)
+        finally:
+            chunk_pallas.KERNEL_CONFIG = saved
+    return wrapped
+

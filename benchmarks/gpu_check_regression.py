@@ -35,8 +35,9 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import kernel_config, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
+from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
 from pallas_kernels.decayed_delta_rule.api import KernelConfig  # noqa: E402
 
@@ -72,14 +73,18 @@ def main() -> int:
                         "'falcon-2 values,falcon-3 values' (ones an earlier run already passed)")
     parser.add_argument("--only", default="", help="comma-separated check groups to run (default: all), "
                         "e.g. 'fp32 grads'")
+    parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s regression kernels on this "
+                        "KernelConfig, 'name=value,...' (default: the op's defaults), e.g. 'tri_dtype=input'")
     args = parser.parse_args()
+    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if (skip | only) - set(GROUPS):  # a misspelt --only would otherwise run nothing and report ALL PASS
         parser.error(f"--skip/--only: unknown group(s) {sorted((skip | only) - set(GROUPS))}; "
                      f"choose from {', '.join(GROUPS)}")
     rng = np.random.default_rng(0)
-    results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke}, True
+    results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
+                   "kernel config": repr(chunk_pallas.KERNEL_CONFIG)}, True
     if args.smoke:
         B, T, H, d, Ts, Tlong, Hlong, dlong, Tg, dg32 = 1, 200, 2, 16, 96, 300, 2, 16, 100, 16
     else:
@@ -299,7 +304,10 @@ def main() -> int:
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored),
                               ("default (split state-gradient walk, chunk grads from the walks' P, dR)",
                                KernelConfig()),
-                              ("stored fp32 dR", KernelConfig(stored_dr="fp32"))):
+                              ("stored fp32 dR", KernelConfig(stored_dr="fp32")),
+                              ("bf16 triangular inverse", KernelConfig(tri_dtype="input")),
+                              ("bf16 triangular inverse, fused passes",
+                               KernelConfig(tri_dtype="input", chunk_grads="pallas", **fused))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

@@ -20,7 +20,8 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next21      # not yet run: the final ninth-run default checked at d128, whole op timed
+#   bash benchmarks/h200_run.sh next22      # tenth run: T stored in bf16 (tri_dtype="input"), C=128, 16-column walks
+#   bash benchmarks/h200_run.sh next21      # not run (next22 covers it): the ninth-run default checked at d128, timed
 #   bash benchmarks/h200_run.sh next20      # the ninth run's final default (dR fp32, dy in the chunk kernel) vs bf16 dR, key widths
 #   bash benchmarks/h200_run.sh next19      # the ninth run's default pass by pass, memory at 1x32768 and 1x131072
 #   bash benchmarks/h200_run.sh next18      # the ninth run's default (chunk gradients from the walks' P, dR): checks, timing
@@ -36,7 +37,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -226,6 +227,21 @@ sixth-run,seventh-run,walk operands,one-program,as XLA,outputs in XLA,split forw
 32 columns,64 value,C=32,triangular,Pallas chunk gradients 8,state walk,forward walk,pieces,walks,BTHD,\
 0.1.0 deltanet,falcon-2,falcon-3,per-column,64 key" --out "$out/$part/bench_final.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21)"; exit 2 ;;
+  next22)  # tenth run: T = (I + A)⁻¹ stored in bf16 checked (d64 pass choices, d128 through falcon) and timed pass by
+    # pass and whole, C=128 and 16-column walks at long T; the ninth run's default checked at d128 (next21's gap)
+    step check_tri 100 python3 benchmarks/gpu_check_regression.py --only "bf16,bf16 grads,pass choices" \
+      --kernel-config tri_dtype=input --out "$out/$part/check_tri.json"
+    step check_default 45 python3 benchmarks/gpu_check_regression.py --only "bf16 grads" \
+      --out "$out/$part/check_default.json"
+    step passes 130 python3 benchmarks/split_passes.py --ops delta_split --shapes 8x2048x16x128,1x32768x16x128 \
+      --passes "bf16 T;P stored, 16;triangular inverse;prepare;fused fwd walk (o), the default;(h) + P stored" \
+      --out "$out/$part/passes.json"
+    step bench_tri 270 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 --skip "xla chunk,\
+sixth-run,seventh-run,eighth-run,walk operands,one-program,as XLA,outputs in XLA,split forward,fused forward,\
+fused state,split walks,64 value,C=32,triangular inverse 4,triangular inverse 2,Pallas chunk gradients 8,state walk,\
+forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-3,per-column,64 key,fp32 dR" \
+      --out "$out/$part/bench_tri.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -146,7 +146,7 @@ def split_delta(shape, interpret, rows):
         print(rows[-1], flush=True)
 
 
-def split_delta_passes(shape, interpret, rows):
+def split_delta_passes(shape, interpret, rows, passes=()):
     """The split passes of ``decayed_delta_rule`` (``KernelConfig(outputs="split", state_grads="split",
     chunk_grads="pallas_split")``) one by one, with their block widths varied, next to the fused ones; then the
     walks storing P and dR and the chunk gradients reading them (``chunk_grads="pallas_stored"``)."""
@@ -217,7 +217,26 @@ def split_delta_passes(shape, interpret, rows):
         timings += [(f"chunk gradients from stored P, dR {dr_name}, {k} key columns",
                      jit(delta_gpu.chunk_grad_stored_pass, chunk=C, block_v=bv, walk_operands=lo, block_k=k),
                      (q, x, y, eta, g, gp, rl, do, h, dh, p, dr)) for k in (32, 64)]
+    # tenth run: T stored in bf16 (KernelConfig(tri_dtype="input")): the passes that read it; the recompute walk
+    # at 16 value columns (twice the programs at 1x32768)
+    tri_b = jit(delta_gpu.tri_inverse_pass, chunk=C, num_warps=cfg.tri_warps, t_dtype=q.dtype)
+    tinv_b = tri_b(x, eta, g, gp, rl)
+    recompute = functools.partial(delta_gpu.forward_pass, write_o=False, write_h=True, write_p=True, **walk_kw)
+    timings += [("triangular inverse, bf16 T", tri_b, (x, eta, g, gp, rl)),
+                ("prepare W, U, bf16 T", prep, (x, y, eta, g, gp, rl, tinv_b)),
+                ("fused fwd walk (o), bf16 T", jit(delta_gpu.forward_pass, block_v=bv, write_o=True, write_h=False,
+                                                   **walk_kw), (q, x, y, eta, g, gp, rl, tinv_b, s0)),
+                ("fused recompute walk (h) + P stored, bf16 T", jit(recompute, block_v=bv),
+                 (q, x, y, eta, g, gp, rl, tinv_b, s0)),
+                ("fused recompute walk (h) + P stored, 16 columns", jit(recompute, block_v=16),
+                 (q, x, y, eta, g, gp, rl, tinv, s0)),
+                ("fused recompute walk (h) + P stored, bf16 T, 16 columns", jit(recompute, block_v=16),
+                 (q, x, y, eta, g, gp, rl, tinv_b, s0)),
+                ("prepare V, B, bf16 T", jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32),
+                 (q, x, eta, g, gp, rl, tinv_b, do))]
     for label, fn, args in timings:
+        if passes and not any(part in label for part in passes):
+            continue
         try:
             ms = time_jax(fn, *args, calls=5 if interpret else 20, repeats=3 if interpret else 7)
         except Exception as e:  # noqa: BLE001 - a width a kernel cannot take: record and go on
@@ -232,7 +251,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)")
     ap.add_argument("--ops", default="attention,delta", help="comma-separated: attention, delta, delta_split")
     ap.add_argument("--shapes", default="8x2048x16x128,1x32768x16x128", help="comma-separated BxTxHxD")
+    ap.add_argument("--passes", default="", help="delta_split: semicolon-separated substrings (labels hold "
+                    "commas); only the passes whose label holds one are timed (default: all)")
     args = ap.parse_args()
+    passes = tuple(p.strip() for p in args.passes.split(";") if p.strip())
     ops = {"attention": split_attention, "delta": split_delta, "delta_split": split_delta_passes}
     unknown = set(args.ops.split(",")) - set(ops)
     if unknown:
@@ -243,7 +265,7 @@ def main() -> int:
     for split in (ops[name] for name in args.ops.split(",")):
         for shape in shapes:
             try:
-                split(shape, interpret, rows)
+                split(shape, interpret, rows, **({"passes": passes} if split is split_delta_passes else {}))
             except Exception as e:  # noqa: BLE001 - record and go on
                 errors[f"{split.__name__} {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print("error", split.__name__, shape, errors, flush=True)

@@ -169,16 +169,17 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
     assert rel_err(got[5], want[5]) < 5e-5
 
 
-@pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads", [
-    (jnp.bfloat16, 2, "fp32", "pallas"), (jnp.float32, 1, "fp32", "pallas"), (jnp.bfloat16, 2, "input", "pallas"),
-    (jnp.bfloat16, 2, "input", "auto"), (jnp.bfloat16, 2, "input", "pallas_split"),
-    (jnp.float32, 1, "input", "auto")])
-def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads):
+@pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads,tri_dtype", [
+    (jnp.bfloat16, 2, "fp32", "pallas", "fp32"), (jnp.float32, 1, "fp32", "pallas", "fp32"),
+    (jnp.bfloat16, 2, "input", "pallas", "input"), (jnp.bfloat16, 2, "input", "auto", "fp32"),
+    (jnp.bfloat16, 2, "input", "auto", "input"), (jnp.bfloat16, 2, "input", "pallas_split", "input"),
+    (jnp.float32, 1, "input", "auto", "input")])
+def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_grads, tri_dtype):
     """Cross-lower forward + backward with ``layout="BTHD"`` through the Triton rules (d = 128, chunk 64,
     H = 3): the kernels read the model's layout, and with the Pallas chunk gradients no [B, T, H, d] array
     is transposed around them; also with the walks' dots on bf16 operands and the default (here, with few
     programs: the split forward, the split state-gradient walk storing dR, the recompute walk storing P and
-    the chunk gradients reading them), in bf16 and fp32."""
+    the chunk gradients reading them), in bf16 and fp32, with the triangular inverse stored in fp32 or bf16."""
     B, T, H, D = 2, 512, 3, 128
     q = jnp.zeros((B, T, H, D), dtype)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -188,7 +189,8 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
     def loss(q, x, y, eta, log_gamma, s0):
         o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
                                   pieces=pieces, layout="BTHD",
-                                  config=KernelConfig(walk_operands=walk_operands, chunk_grads=chunk_grads))
+                                  config=KernelConfig(walk_operands=walk_operands, chunk_grads=chunk_grads,
+                                                      tri_dtype=tri_dtype))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
@@ -274,6 +276,32 @@ def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng):
         assert rel_err(g, w) < 1e-4, name
 
 
+@pytest.mark.parametrize("window", [1, 3])
+def test_falcon_hands_the_kernel_config_to_the_op(window, monkeypatch, rng):
+    """``chunk_pallas.KERNEL_CONFIG`` reaches the regression op from ``falcon(impl="pallas")`` (the benchmarks time
+    opt-in choices through the whole op with it); None leaves the op's defaults; the outputs do not change."""
+    import pallas_kernels.decayed_delta_rule as ops
+    from falcon_jax.forms import chunk_pallas
+
+    op_name = "decayed_delta_rule" if window == 1 else "windowed_delta_rule"
+    real, seen = getattr(ops, op_name), []
+
+    def spy(*args, config=None, **kw):
+        seen.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(ops, op_name, spy)
+    q, k, v, beta, lam = falcon_inputs(rng, T=24)
+    kw = dict(variant="1" if window == 1 else "3", impl="pallas", chunk_size=16,
+              **({"window": window} if window > 1 else {}))
+    default = falcon(q, k, v, beta, lam, **kw)
+    config = KernelConfig(tri_dtype="input", chunk_grads="pallas_split")
+    monkeypatch.setattr(chunk_pallas, "KERNEL_CONFIG", config)
+    chosen = falcon(q, k, v, beta, lam, **kw)
+    assert seen == [None, config]
+    assert rel_err(chosen, default) < FP32_TOL  # fp32 inputs: tri_dtype leaves T in fp32
+
+
 def test_deltanet_baseline_through_kernel(rng):
     q, k, v, beta, _ = falcon_inputs(rng, T=40)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
@@ -307,13 +335,17 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
                  marks=pytest.mark.slow),
     KernelConfig(), KernelConfig(outputs="pallas"),
     pytest.param(KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"), marks=pytest.mark.slow),
-    KernelConfig(split_block_v=16)],
-    ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks"])
+    KernelConfig(split_block_v=16), KernelConfig(tri_dtype="input"),
+    KernelConfig(tri_dtype="input", outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
+    pytest.param(KernelConfig(tri_dtype="input", chunk_grads="pallas_split"), marks=pytest.mark.slow)],
+    ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks",
+         "bf16-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
     default (bf16 walk operands, split state-gradient walk, chunk gradients from the walks' P and dR, here the
-    split forward: few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks —:
+    split forward: few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks,
+    the triangular inverse stored in bf16 (every kernel that reads T: split and fused passes) —:
     outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
@@ -408,17 +440,30 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(grad_block_k=8)
     with pytest.raises(ValueError, match="stored_dr must be 'fp32' or 'input'"):
         KernelConfig(stored_dr="bf16")
+    with pytest.raises(ValueError, match="tri_dtype must be 'fp32' or 'input'"):
+        KernelConfig(tri_dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("stored_dr", ["input", "fp32"])
-def test_bf16_stored_residual_gradients(stored_dr, rng):
+def test_kernel_config_tri_dtype_per_backend_and_inputs():
+    """T is stored in the inputs' dtype only for bf16/fp16 inputs on the GPU with ``tri_dtype="input"``."""
+    bf16, fp32 = KernelConfig(tri_dtype="input").tri_kw, KernelConfig().tri_kw
+    assert bf16("pallas_gpu", jnp.bfloat16)["t_dtype"] == jnp.bfloat16
+    assert bf16("pallas_gpu", jnp.float16)["t_dtype"] == jnp.float16
+    assert bf16("pallas_gpu", jnp.float32)["t_dtype"] == jnp.float32
+    assert fp32("pallas_gpu", jnp.bfloat16)["t_dtype"] == jnp.float32
+    assert "t_dtype" not in bf16("pallas_tpu", jnp.bfloat16)  # the TPU kernels keep T in fp32
+
+
+@pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "fp32"), ("fp32", "fp32"), ("input", "input")])
+def test_bf16_stored_residual_gradients(stored_dr, tri_dtype, rng):
     """bf16 inputs through the GPU default backward (P stored by the recompute walk, dR by the state-gradient walk
-    in bf16 or fp32): every gradient within a few bf16 units of the float64 reference, all written."""
+    in bf16 or fp32; T in fp32 or bf16): every gradient within a few bf16 units of the float64 reference, all
+    written."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=48, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     bf = lambda a: jnp.asarray(a, jnp.bfloat16).astype(jnp.float64)  # noqa: E731 - the bf16 values, exactly
     q, x, y = (bf(a) for a in (q, x, y))
-    config = KernelConfig(stored_dr=stored_dr)
+    config = KernelConfig(stored_dr=stored_dr, tri_dtype=tri_dtype)
 
     def loss_kernel(q_, x_, y_, e, lg, s):
         with poisoned_outputs():
@@ -439,9 +484,10 @@ def test_bf16_stored_residual_gradients(stored_dr, rng):
 
 
 def test_bf16_walk_operands_leave_fp32_inputs_alone(rng):
-    """``walk_operands="input"`` rounds operands only for bf16/fp16 inputs: fp32 runs are bit-identical."""
+    """``walk_operands="input"`` and ``tri_dtype="input"`` round operands only for bf16/fp16 inputs: fp32 runs are
+    bit-identical."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=40)
-    a = kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(walk_operands="input"))
+    a = kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(walk_operands="input", tri_dtype="input"))
     b = kernel(q, x, y, eta, log_gamma, run, s0, config=KernelConfig(walk_operands="fp32"))
     for u, v in zip(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

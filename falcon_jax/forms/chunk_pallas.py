@@ -107,6 +107,12 @@ def _shift(a, d: int, axis: int = 2):
 PREFER_TIME_MAJOR = True
 
 
+# The regression kernels' launch parameters and pass choices for ``falcon(impl="pallas")``
+# (``pallas_kernels.decayed_delta_rule.KernelConfig``); None: the op's defaults.  Read while tracing, so set it
+# before ``jit`` traces: the benchmarks and the H200 checks time and check opt-in choices through the whole op.
+KERNEL_CONFIG = None
+
+
 def time_major_served(rule: Rule, inputs: dict) -> bool:
     """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the kernels
     read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's
@@ -221,12 +227,12 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
     if rule.window > 1:  # w [B,H,T,W,1]: step t writes ext pairs t..t+W-1 (its window, oldest first)
         o, S = windowed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                    stream.w[..., 0], lg, run, state.S, chunk_size=chunk_size,
-                                   implementation=_implementation())
+                                   implementation=_implementation(), config=KERNEL_CONFIG)
     else:
         op = decayed_delta_rule if rule.regression else decayed_attention_per_column
         layout = {"layout": "BTHD"} if time_major else {}
         o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S,
-                  chunk_size=chunk_size, implementation=_implementation(), **layout)
+                  chunk_size=chunk_size, implementation=_implementation(), config=KERNEL_CONFIG, **layout)
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)

@@ -92,6 +92,10 @@ class KernelConfig:
     # 1.5x the fp32-dR error at d64) or "fp32" (2.55 / 2.80 / 6.59 ms, +8% peak memory; dy rounded once).
     # Writing dy from the walk instead (rounded once) cost 0.29 ms at 8x2048 (next18/next19).
     stored_dr: str = "input"
+    # the dtype the GPU's triangular inverse T = (I + A)⁻¹ is stored in for bf16/fp16 inputs (solved in fp32
+    # either way): "fp32" (its dots in TF32) or "input" (rounded once; its dots are the inputs' MMA on halved
+    # loads, as fla stores its inverse in the keys' dtype).  fp32 inputs and the TPU keep fp32.
+    tri_dtype: str = "fp32"
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -131,6 +135,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.stored_dr not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: stored_dr must be 'fp32' or 'input', got {self.stored_dr!r}.")
+        if self.tri_dtype not in ("fp32", "input"):
+            raise ValueError(f"KernelConfig: tri_dtype must be 'fp32' or 'input', got {self.tri_dtype!r}.")
         if self.walk_operands not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
@@ -143,6 +149,15 @@ class KernelConfig:
     def walk_operand_dtype(self, dtype):
         """The dtype the walks round their state-sized operands to for inputs of ``dtype`` (None: fp32)."""
         return None if self.walk_operands == "fp32" or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+
+    def tri_kw(self, backend: str, dtype) -> dict:
+        """Keyword arguments of ``backend``'s ``tri_inverse_pass`` for inputs of ``dtype``: the number of warps
+        and, on the GPU, the dtype T is stored in (``tri_dtype``)."""
+        kw = dict(num_warps=self.tri_warps)
+        if backend == "pallas_gpu":
+            keep = self.tri_dtype == "fp32" or jnp.dtype(dtype) == jnp.float32
+            kw["t_dtype"] = jnp.float32 if keep else jnp.dtype(dtype)
+        return kw
 
     def chunk_grads_for(self, backend: str) -> str:
         """``chunk_grads`` with "auto" resolved for ``backend`` ("pallas_gpu" or "pallas_tpu")."""
@@ -236,8 +251,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
-    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
+                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               num_warps=config.fwd_warps, num_stages=config.fwd_stages,
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
@@ -279,8 +294,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     stored = chunk_grads == "pallas_stored"  # the walks below store P and dR for the chunk gradients
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
-    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret,
-                                    num_warps=config.tri_warps, group=group, **_layout_kw(heads))
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
+                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     if stored:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
                                        write_p=True, **fwd_kw)

@@ -124,7 +124,7 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
                 acc += dot(A[m], T[m, k], p32)
             T[i, k] = -dot(T[i, i], acc, p32)
         for k in range(nb):
-            t_ref[blk[i], blk[k]] = T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)
+            t_ref[blk[i], blk[k]] = (T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)).astype(t_ref.dtype)
 
 
 def _sdot(a, b, p32, lo):
@@ -134,6 +134,15 @@ def _sdot(a, b, p32, lo):
     if lo is None:
         return dot(a.astype(F32), b, p32)
     return dot(a.astype(lo), b.astype(lo), None)
+
+
+def _tdot(t, b, p32):
+    """``t @ b`` for a tile ``t`` of the triangular inverse T (or its transpose): stored in fp32, at ``p32``;
+    stored in the inputs' dtype (``KernelConfig(tri_dtype="input")``, as the peers keep their inverse), ``b`` is
+    rounded to it and the dot is the inputs' MMA."""
+    if t.dtype == F32:
+        return dot(t, b.astype(F32), p32)
+    return dot(t, b.astype(t.dtype), None)
 
 
 def _chunk_rows(refs, c, chunk):
@@ -162,7 +171,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
         if write_h:
             h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
-        P = dot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
+        P = _tdot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
         if write_p:
             p_ref[rows, :] = P.astype(p_ref.dtype)
         if write_o:
@@ -211,7 +220,7 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
     def residual_grad(rows, q, x, do, g, rl, w_last, dS):
         scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
         dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
-        return dot(t_ref[rows, :].T, dP, p32)
+        return _tdot(t_ref[rows, :].T, dP, p32)
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
                   n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
@@ -277,10 +286,10 @@ def _value_block_grads(x, y, do, h, dh, tinv, scores, eta, cont_p, w_last, preci
     p32 = lax.Precision.HIGHEST if precision is not None else None
     xh = _in_dot(x, h, precision, p32)
     target = y - cont_p[:, None] * xh
-    P = dot(tinv, eta[:, None] * target, p32)
+    P = _tdot(tinv, eta[:, None] * target, p32)
     xdh = _in_dot(x, dh, precision, p32)
     dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
-    dR = dot(tinv.T, dP, p32)
+    dR = _tdot(tinv.T, dP, p32)
     return P, dR, _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo)
 
 
@@ -354,11 +363,12 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
                        chunk, block_v, precision, lo):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
     (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
-    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums."""
+    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  Returns (sums, the chunk's gate rows
+    :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     x = x_ref[...]
-    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
-    _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
+    eta, cont_p = rows[0], rows[5]
     sums = _value_sums_init(chunk)
     for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
@@ -370,18 +380,24 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
                                    _in_dot(x, dh, precision, p32), p32, lo)
         sums = tuple(acc + t for acc, t in zip(sums, terms))
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
-    return sums
+    return sums, rows
 
 
-def _key_grads(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, *,
-               chunk, block_k, precision, group, lo):
+def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
+    """One chunk's gate rows: (eta, g, gp, rl, cont, cont_p, w_last, a_last) (see :func:`_gates`)."""
+    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
+    return (eta, g, gp, rl, *_gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1]))
+
+
+def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, *, chunk, block_k, precision,
+               group, lo):
     """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
-    Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)."""
+    Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)
+    and the chunk's gate ``rows`` (:func:`_row_gates`)."""
     dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
-    eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
-    cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    eta, g, gp, rl, cont, cont_p, w_last, a_last = rows
     d_op = sums[1]
     decay = _masks(g, g, rl, rl, strict=False)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
@@ -414,18 +430,18 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
                             group, lo=None):
     """Second half of the split chunk gradients (:func:`_key_grads`) from the first half's stored sums."""
     sums = (da_ref[...], dop_ref[...], deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]))
-    _key_grads(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs,
-               chunk=chunk, block_k=block_k, precision=precision, group=group, lo=lo)
+    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums,
+               _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk), out_refs, chunk=chunk, block_k=block_k,
+               precision=precision, group=group, lo=lo)
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
                               dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
     (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
-    gates = (eta_ref, g_ref, gp_ref, rl_ref)
-    sums = _stored_value_sums(x_ref, y_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
-                              block_v=block_v, precision=precision, lo=lo)
-    _key_grads(q_ref, x_ref, *gates, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, out_refs, chunk=chunk,
+    sums, rows = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
+                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
+    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
                block_k=block_k, precision=precision, group=group, lo=lo)
 
 
@@ -436,8 +452,8 @@ def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, 
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     _, cont_p, _, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
     tinv = t_ref[...]
-    w_ref[...] = dot(tinv, (eta * cont_p)[:, None] * x_ref[...].astype(F32), p32).astype(w_ref.dtype)
-    u_ref[...] = dot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
+    w_ref[...] = _tdot(tinv, (eta * cont_p)[:, None] * x_ref[...].astype(F32), p32).astype(w_ref.dtype)
+    u_ref[...] = _tdot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
 
 
 def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_ref, *, chunk, n_chunks, precision,
@@ -481,8 +497,8 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
     q, x = q_ref[...], x_ref[...]
     tinv_t = t_ref[...].T
     scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-    v_ref[...] = dot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32)
-    b_ref[...] = dot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
+    v_ref[...] = _tdot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32)
+    b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
 
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
@@ -503,8 +519,10 @@ def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
-def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None):
-    """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` fp32 (row cC+s = row s of chunk c's T).
+def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None,
+                     t_dtype=F32):
+    """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` in ``t_dtype`` (row cC+s = row s of chunk c's T; solved
+    in fp32, rounded once when stored).
 
     ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
     ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``)."""
@@ -513,7 +531,7 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
     (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.row, sp.row, sp.row, sp.row],
                    out_specs=[sp.square],
-                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), F32)], args=(x, eta, g, gp, rl),
+                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)], args=(x, eta, g, gp, rl),
                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                    name="falcon_delta_tri_inverse")
     return tinv

@@ -77,7 +77,7 @@ def outputs(q, x, y, eta, g, gp, rl, tinv, h, *, chunk, heads=None):
     eta, g, gp, rl = (a.reshape(BH, n, C) for a in (eta, g, gp, rl))
     h = h.astype(F32)
     cont, cont_p, _, _ = _gates(g, gp, rl)
-    P = mm("bnst,bntv->bnsv", tinv.reshape(BH, n, C, C),
+    P = mm("bnst,bntv->bnsv", tinv.reshape(BH, n, C, C).astype(F32),  # T may be stored in bf16
            eta[..., None] * (yc - cont_p[..., None] * mm("bnck,bnkv->bncv", xc.astype(F32), h)))
     scores = mm("bnsk,bntk->bnst", qc, xc, prec_in) * _masks(g, g, rl, rl, strict=False)
     o = mm("bnst,bntv->bnsv", scores, P) + cont[..., None] * mm("bnck,bnkv->bncv", qc.astype(F32), h)
@@ -115,7 +115,7 @@ def chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, group=1, hea
     yc, doc = _chunked(y, heads, chunk).astype(F32), do_in.astype(F32)
     BH, n, C, dk = qc.shape
     eta, g, gp, rl = (a.reshape(BH, n, C) for a in (eta, g, gp, rl))
-    tinv = tinv.reshape(BH, n, C, C)
+    tinv = tinv.reshape(BH, n, C, C).astype(F32)  # T may be stored in bf16 (KernelConfig.tri_dtype)
     # the kernels store h, dh in the inputs' dtype for bf16/fp16 inputs: those dots take them as they are
     h_in, dh_in = (a if a.dtype == qc.dtype else a.astype(F32) for a in (h, dh))
     h, dh = h.astype(F32), dh.astype(F32)
