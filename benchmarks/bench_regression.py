@@ -102,15 +102,15 @@ def kernel_only_in_place(q, k, v, beta, log_decay, chunk_size=64, config=None):
 FUSED = dict(outputs="pallas", state_grads="pallas")
 VARIANTS = {
     "kernel only, seventh-run default (fused walks, XLA chunk gradients)":
-        dict(config=KernelConfig(chunk_grads="xla", **FUSED)),
+        dict(config=KernelConfig(chunk_grads="xla", tri_dtype="fp32", **FUSED)),
     "kernel only, sixth-run default (fp32 walk operands, fused walks, Pallas chunk gradients)":
-        dict(config=KernelConfig(walk_operands="fp32", chunk_grads="pallas", **FUSED)),
+        dict(config=KernelConfig(walk_operands="fp32", tri_dtype="fp32", chunk_grads="pallas", **FUSED)),
     "kernel only, fp32 walk operands": dict(config=KernelConfig(walk_operands="fp32")),
     "kernel only, one-program Pallas chunk gradients": dict(config=KernelConfig(chunk_grads="pallas")),
     "kernel only, chunk gradients as XLA matmuls": dict(config=KernelConfig(chunk_grads="xla")),
     # the eighth run's default: the two-program chunk gradients forming P and dR again from T
     "kernel only, eighth-run default (two-program chunk gradients)":
-        dict(config=KernelConfig(chunk_grads="pallas_split")),
+        dict(config=KernelConfig(chunk_grads="pallas_split", tri_dtype="fp32")),
     "kernel only, stored-P/dR chunk gradients 64 key columns": dict(config=KernelConfig(grad_block_k=64)),
     "kernel only, stored-P/dR chunk gradients fp32 dR": dict(config=KernelConfig(stored_dr="fp32")),
     "kernel only, stored-P/dR chunk gradients fp32 dR, 64 key columns":
@@ -135,17 +135,25 @@ VARIANTS = {
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
     "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
     "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),
-    # tenth run: T = (I + A)⁻¹ stored in bf16 (its dots bf16 MMA), longer chunks, 16-column walks at long T
-    "kernel only, bf16 triangular inverse": dict(config=KernelConfig(tri_dtype="input")),
+    # tenth run: T = (I + A)⁻¹ stored in bf16 (the default since; its dots bf16 MMA) or fp32, longer chunks,
+    # 16-column walks at long T
+    "kernel only, ninth-run default (fp32 triangular inverse)": dict(config=KernelConfig(tri_dtype="fp32")),
     "kernel only, C=128": dict(chunk_size=128),
-    "kernel only, bf16 triangular inverse, C=128": dict(chunk_size=128, config=KernelConfig(tri_dtype="input")),
+    "kernel only, C=128, fp32 triangular inverse": dict(chunk_size=128, config=KernelConfig(tri_dtype="fp32")),
     "kernel only, 16 value columns": dict(config=KernelConfig(block_v=16)),
-    "kernel only, bf16 triangular inverse, 16 value columns": dict(config=KernelConfig(tri_dtype="input", block_v=16)),
+    "kernel only, 16 value columns, fp32 triangular inverse": dict(config=KernelConfig(tri_dtype="fp32", block_v=16)),
 }
+
+# the variants whose compiled fwd+bwd peak memory is reported too
+MEMORY_VARIANTS = ("kernel only, one-program Pallas chunk gradients",
+                   "kernel only, seventh-run default (fused walks, XLA chunk gradients)",
+                   "kernel only, eighth-run default (two-program chunk gradients)",
+                   "kernel only, stored-P/dR chunk gradients fp32 dR",
+                   "kernel only, ninth-run default (fp32 triangular inverse)")
 
 # the whole op (falcon(impl="pallas"), gates and layout included) on opt-in kernel choices
 WHOLE_OP_VARIANTS = {
-    "falcon-1 pallas (ours), bf16 triangular inverse": KernelConfig(tri_dtype="input"),
+    "falcon-1 pallas (ours), ninth-run default (fp32 triangular inverse)": KernelConfig(tri_dtype="fp32"),
 }
 
 
@@ -176,6 +184,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
     parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
                         "not measured (e.g. 'xla,C=32')")
+    parser.add_argument("--rows", default="", help="semicolon-separated substrings (names hold commas): only the "
+                        "rows, memory entries included, whose name holds one are measured (default: all)")
     parser.add_argument("--shapes", default=None, help="comma-separated BxTxHxD timing shapes (default: all; "
                         "'' for none)")
     parser.add_argument("--memory-shapes", default=None, help="comma-separated BxTxHxD memory shapes (default: "
@@ -212,10 +222,14 @@ def main() -> int:
         traceback.print_exc(limit=2)
 
     skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+    only = [s.strip() for s in args.rows.split(";") if s.strip()]
+
+    def wanted(name):
+        return not any(s in name for s in skip) and (not only or any(s in name for s in only))
 
     def measure(name, shape, op, n_diff, op_args, fwd_only=False, slow=False):
         row = {"impl": name, "shape": "x".join(map(str, shape))}
-        if any(s in name for s in skip):
+        if not wanted(name):
             return row
         try:
             f, b = fwd_and_bwd(op, n_diff)
@@ -246,7 +260,7 @@ def main() -> int:
             for kind in ("gated_deltanet", "deltanet"):
                 measure(f"jla 0.1.0 {kind} mosaic_gpu", shape, jla_op(kind), 5, (q, k, v, beta, log_decay))
         fla_rows = ("fla 0.6.0 chunk_gated_delta_rule", "fla 0.6.0 chunk_delta_rule")
-        if not args.smoke and not all(any(s in r for s in skip) for r in fla_rows):  # --skip fla: not imported
+        if not args.smoke and any(wanted(r) for r in fla_rows):  # --skip fla: not imported
             try:
                 import torch
                 from fla.ops.delta_rule import chunk_delta_rule
@@ -293,24 +307,17 @@ def main() -> int:
     for shape in memory_shapes:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         entry = {"shape": "x".join(map(str, shape))}
-        for label, op, a in (("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
-                             *((label, with_kernel_config(ours_falcon, cfg), (q, k, v, beta, lam))
-                               for label, cfg in WHOLE_OP_VARIANTS.items()),
-                             ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
-                             ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
-                             ("kernel only, one-program Pallas chunk gradients",
-                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas")),
-                              (q, k, v, beta, log_decay)),
-                             ("kernel only, seventh-run default (fused walks, XLA chunk gradients)",
-                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="xla", **FUSED)),
-                              (q, k, v, beta, log_decay)),
-                             ("kernel only, eighth-run default (two-program chunk gradients)",
-                              functools.partial(kernel_only, config=KernelConfig(chunk_grads="pallas_split")),
-                              (q, k, v, beta, log_decay)),
-                             ("kernel only, stored-P/dR chunk gradients fp32 dR",
-                              functools.partial(kernel_only, config=KernelConfig(stored_dr="fp32")),
-                              (q, k, v, beta, log_decay)),
-                             ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
+        ops = [("falcon-1 pallas", ours_falcon, (q, k, v, beta, lam)),
+               *((label, with_kernel_config(ours_falcon, cfg), (q, k, v, beta, lam))
+                 for label, cfg in WHOLE_OP_VARIANTS.items()),
+               ("kernel only", kernel_only, (q, k, v, beta, log_decay)),
+               ("kernel only BTHD in place", kernel_only_in_place, (q, k, v, beta, log_decay)),
+               *((label, functools.partial(kernel_only, **VARIANTS[label]), (q, k, v, beta, log_decay))
+                 for label in MEMORY_VARIANTS),
+               ("jla gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))]
+        for label, op, a in ops:
+            if not wanted(label):
+                continue
             try:
                 _, b = fwd_and_bwd(op, len(a))
                 entry[f"{label} fwd+bwd bytes"] = compiled_memory(b, *a)

@@ -277,7 +277,7 @@ def main() -> int:
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
             check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
         all_split = KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")
-        eighth = KernelConfig(chunk_grads="pallas_split")  # the eighth run's default
+        eighth = KernelConfig(chunk_grads="pallas_split", tri_dtype="fp32")  # the eighth run's default
         fused_stored = KernelConfig(outputs="pallas", state_grads="pallas", chunk_grads="pallas_stored")
         for label, config in (("split walks + two-program chunk grads", all_split),
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored)):
@@ -292,22 +292,21 @@ def main() -> int:
         errs, grad_errs = {}, {}
         base = "fp32 walk operands, Pallas passes"  # the default until the seventh run
         fused = dict(outputs="pallas", state_grads="pallas")
-        for label, config in ((base, KernelConfig(walk_operands="fp32", chunk_grads="pallas", **fused)),
+        for label, config in ((base, KernelConfig(walk_operands="fp32", tri_dtype="fp32", chunk_grads="pallas", **fused)),
                               ("bf16 walk operands", KernelConfig(walk_operands="input", chunk_grads="pallas", **fused)),
                               ("bf16 walk operands + XLA passes",
                                KernelConfig(walk_operands="input", outputs="xla", state_grads="pallas",
                                             chunk_grads="xla")),
                               ("seventh-run default (fused walks, XLA chunk gradients)",
-                               KernelConfig(chunk_grads="xla", **fused)),
+                               KernelConfig(chunk_grads="xla", tri_dtype="fp32", **fused)),
                               ("eighth-run default (split state-gradient walk, two-program chunk gradients)", eighth),
                               ("split walks + two-program chunk grads", all_split),
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored),
                               ("default (split state-gradient walk, chunk grads from the walks' P, dR)",
                                KernelConfig()),
                               ("stored fp32 dR", KernelConfig(stored_dr="fp32")),
-                              ("bf16 triangular inverse", KernelConfig(tri_dtype="input")),
-                              ("bf16 triangular inverse, fused passes",
-                               KernelConfig(tri_dtype="input", chunk_grads="pallas", **fused))):
+                              ("ninth-run default (fp32 triangular inverse)", KernelConfig(tri_dtype="fp32")),
+                              ("bf16 triangular inverse, fused passes", KernelConfig(chunk_grads="pallas", **fused))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next23      # tenth run: the new default (bf16 T) checked in full, timed, memory
 #   bash benchmarks/h200_run.sh next22      # tenth run: T stored in bf16 (tri_dtype="input"), C=128, 16-column walks
 #   bash benchmarks/h200_run.sh next21      # not run (next22 covers it): the ninth-run default checked at d128, timed
 #   bash benchmarks/h200_run.sh next20      # the ninth run's final default (dR fp32, dy in the chunk kernel) vs bf16 dR, key widths
@@ -37,7 +38,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -242,6 +243,14 @@ fused state,split walks,64 value,C=32,triangular inverse 4,triangular inverse 2,
 forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-3,per-column,64 key,fp32 dR" \
       --out "$out/$part/bench_tri.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22)"; exit 2 ;;
+  next23)  # tenth run: the default with T stored in bf16 — every check group but Falcon-2's (its kernel reads no T),
+    # the whole op at every shape with jla and the ninth run's default, Falcon-2/3, memory at 1x32768 and 1x131072
+    step check_final 280 python3 benchmarks/gpu_check_regression.py --skip "falcon-2 values" \
+      --out "$out/$part/check_final.json"
+    step bench_final 280 python3 benchmarks/bench_regression.py \
+      --rows "falcon-1 pallas;kernel only (decayed;BTHD in place;jla 0.1.0 gated;jla gated;falcon-3 W=4;falcon-2 per-column pallas" \
+      --out "$out/$part/bench_final.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -323,7 +323,7 @@ def test_bf16_error_within_twice_the_xla_forms(rng):
     assert err_kernel <= 2 * err_xla + 1e-3, (err_kernel, err_xla)
 
 
-FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas", outputs="pallas",
+FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", tri_dtype="fp32", chunk_grads="pallas", outputs="pallas",
                                        state_grads="pallas")
 
 
@@ -335,17 +335,18 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", chunk_grads="pallas
                  marks=pytest.mark.slow),
     KernelConfig(), KernelConfig(outputs="pallas"),
     pytest.param(KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"), marks=pytest.mark.slow),
-    KernelConfig(split_block_v=16), KernelConfig(tri_dtype="input"),
-    KernelConfig(tri_dtype="input", outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
-    pytest.param(KernelConfig(tri_dtype="input", chunk_grads="pallas_split"), marks=pytest.mark.slow)],
+    KernelConfig(split_block_v=16), KernelConfig(tri_dtype="fp32"),
+    KernelConfig(outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
+    pytest.param(KernelConfig(chunk_grads="pallas_split"), marks=pytest.mark.slow)],
     ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks",
-         "bf16-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads"])
+         "fp32-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
     default (bf16 walk operands, split state-gradient walk, chunk gradients from the walks' P and dR, here the
-    split forward: few programs), the fused forward, the split walks with XLA chunk gradients, 16-column split walks,
-    the triangular inverse stored in bf16 (every kernel that reads T: split and fused passes) —:
+    split forward: few programs, and T stored in bf16), the fused forward, the split walks with XLA chunk
+    gradients, 16-column split walks, T in fp32, T in bf16 through the fused passes and the two-program chunk
+    gradients (every kernel that reads T) —:
     outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
@@ -445,8 +446,9 @@ def test_kernel_config_refuses_unknown_pass_choices():
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():
-    """T is stored in the inputs' dtype only for bf16/fp16 inputs on the GPU with ``tri_dtype="input"``."""
-    bf16, fp32 = KernelConfig(tri_dtype="input").tri_kw, KernelConfig().tri_kw
+    """T is stored in the inputs' dtype only for bf16/fp16 inputs on the GPU with ``tri_dtype="input"`` (the
+    default)."""
+    bf16, fp32 = KernelConfig().tri_kw, KernelConfig(tri_dtype="fp32").tri_kw
     assert bf16("pallas_gpu", jnp.bfloat16)["t_dtype"] == jnp.bfloat16
     assert bf16("pallas_gpu", jnp.float16)["t_dtype"] == jnp.float16
     assert bf16("pallas_gpu", jnp.float32)["t_dtype"] == jnp.float32
@@ -454,7 +456,7 @@ def test_kernel_config_tri_dtype_per_backend_and_inputs():
     assert "t_dtype" not in bf16("pallas_tpu", jnp.bfloat16)  # the TPU kernels keep T in fp32
 
 
-@pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "fp32"), ("fp32", "fp32"), ("input", "input")])
+@pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "input"), ("fp32", "input"), ("input", "fp32")])
 def test_bf16_stored_residual_gradients(stored_dr, tri_dtype, rng):
     """bf16 inputs through the GPU default backward (P stored by the recompute walk, dR by the state-gradient walk
     in bf16 or fp32; T in fp32 or bf16): every gradient within a few bf16 units of the float64 reference, all

@@ -93,9 +93,11 @@ class KernelConfig:
     # Writing dy from the walk instead (rounded once) cost 0.29 ms at 8x2048 (next18/next19).
     stored_dr: str = "input"
     # the dtype the GPU's triangular inverse T = (I + A)⁻¹ is stored in for bf16/fp16 inputs (solved in fp32
-    # either way): "fp32" (its dots in TF32) or "input" (rounded once; its dots are the inputs' MMA on halved
-    # loads, as fla stores its inverse in the keys' dtype).  fp32 inputs and the TPU keep fp32.
-    tri_dtype: str = "fp32"
+    # either way): "input" (rounded once; its dots are the inputs' MMA on halved loads, as fla keeps its inverse
+    # in the keys' dtype; H200 bf16 8x2048x16x128: W, U 0.118 vs 0.234 ms, V, B 0.195 vs 0.291, fused forward
+    # walk 0.346 vs 0.398; whole op fwd+bwd 2.033 vs 2.137 ms, next22; d128 gradient error 1.2-1.6x the XLA
+    # form's vs 1.0-1.4x) or "fp32" (its dots in TF32).  fp32 inputs and the TPU keep fp32.
+    tri_dtype: str = "input"
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
