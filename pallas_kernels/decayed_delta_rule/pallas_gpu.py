@@ -4,7 +4,8 @@ Layout: batch·heads flattened, ``q, x [BH, L, dk]``, ``y [BH, L, dv]``,
 ``eta [BH, L]`` (write weight), ``g [BH, L]`` the *chunk-local* inclusive cumsum
 of the log decay, ``gp = g − log γ`` (the same sum, exclusive), ``rl [BH, L]`` the
 chunk-local run index (0 = same segment as the chunk's initial state).
-``tinv [BH, L, C]``: row ``cC + s`` holds row ``s`` of chunk c's ``T = (I + A)⁻¹``.
+``tinv [BH, L, C]``: row ``cC + s`` holds row ``s`` of chunk c's ``T = (I + A)⁻¹`` (fp32, or the bf16/fp16
+inputs' dtype, ``KernelConfig.tri_dtype``; every dot with it goes through ``_tdot``).
 
 Per chunk (local index s, j; masks M⁻ strict lower, M⁺ lower incl., both cut
 between segments; ``c_p = [rl = 0] e^{gp}``, ``c = [rl = 0] e^{g}``,
