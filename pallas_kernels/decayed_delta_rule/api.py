@@ -223,7 +223,8 @@ def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
     y_aug = jnp.concatenate([jnp.zeros((*y.shape[:-1], dk), y.dtype), y], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
     s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
-    # block_v divides dk + dv (both powers of two); the maps' walk keeps fp32 operands (M is a transition)
+    # block_v divides dk + dv (both powers of two); the maps' walk keeps fp32 state operands (M is a transition);
+    # its dots with T follow tri_dtype, the same T the walks that use the maps apply
     kw = dict(kw, block_v=min(kw["block_v"], dk), walk_operands=None)
     (ends,) = kernels.forward_pass(q, x, y_aug, eta, g, gp, rl, tinv, s_aug, write_o=False, write_h=False, **kw)
     return ends[..., :dk], ends[..., dk:]
