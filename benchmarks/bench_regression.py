@@ -142,6 +142,10 @@ VARIANTS = {
     "kernel only, C=128, fp32 triangular inverse": dict(chunk_size=128, config=KernelConfig(tri_dtype="fp32")),
     "kernel only, 16 value columns": dict(config=KernelConfig(block_v=16)),
     "kernel only, 16 value columns, fp32 triangular inverse": dict(config=KernelConfig(tri_dtype="fp32", block_v=16)),
+    # prepared in the tenth session, not yet timed: V in bf16, the forward's T kept for the backward
+    "kernel only, bf16 V": dict(config=KernelConfig(stored_v="input")),
+    "kernel only, saved inverse": dict(config=KernelConfig(save_tri=True)),
+    "kernel only, bf16 V + saved inverse": dict(config=KernelConfig(stored_v="input", save_tri=True)),
 }
 
 # the variants whose compiled fwd+bwd peak memory is reported too
@@ -149,11 +153,13 @@ MEMORY_VARIANTS = ("kernel only, one-program Pallas chunk gradients",
                    "kernel only, seventh-run default (fused walks, XLA chunk gradients)",
                    "kernel only, eighth-run default (two-program chunk gradients)",
                    "kernel only, stored-P/dR chunk gradients fp32 dR",
-                   "kernel only, ninth-run default (fp32 triangular inverse)")
+                   "kernel only, ninth-run default (fp32 triangular inverse)",
+                   "kernel only, bf16 V", "kernel only, saved inverse", "kernel only, bf16 V + saved inverse")
 
 # the whole op (falcon(impl="pallas"), gates and layout included) on opt-in kernel choices
 WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), ninth-run default (fp32 triangular inverse)": KernelConfig(tri_dtype="fp32"),
+    "falcon-1 pallas (ours), bf16 V + saved inverse": KernelConfig(stored_v="input", save_tri=True),
 }
 
 

@@ -74,8 +74,9 @@ def write_json(path: str, payload) -> None:
 
 
 def kernel_config(text: str):
-    """``KernelConfig`` of the regression kernels from ``"name=value,..."`` (ints as ints; empty: None, the
-    defaults), e.g. ``"tri_dtype=input,grad_block_k=64"``; an unknown name or value is an error naming it."""
+    """``KernelConfig`` of the regression kernels from ``"name=value,..."`` (ints as ints, True/False/None as
+    themselves; empty: None, the defaults), e.g. ``"tri_dtype=input,save_tri=True"``; an unknown name or value is
+    an error naming it."""
     import dataclasses
 
     from pallas_kernels.decayed_delta_rule.api import KernelConfig
@@ -89,7 +90,8 @@ def kernel_config(text: str):
         if not sep or name not in fields:
             raise ValueError(f"--kernel-config: {item!r} is not name=value with a KernelConfig field "
                              f"({', '.join(sorted(fields))})")
-        kw[name] = int(value) if value.lstrip("-").isdigit() else None if value == "None" else value
+        literal = {"None": None, "True": True, "False": False}
+        kw[name] = int(value) if value.lstrip("-").isdigit() else literal.get(value, value)
     return KernelConfig(**kw)
 
 

@@ -306,7 +306,8 @@ def main() -> int:
                                KernelConfig()),
                               ("stored fp32 dR", KernelConfig(stored_dr="fp32")),
                               ("ninth-run default (fp32 triangular inverse)", KernelConfig(tri_dtype="fp32")),
-                              ("bf16 triangular inverse, fused passes", KernelConfig(chunk_grads="pallas", **fused))):
+                              ("bf16 triangular inverse, fused passes", KernelConfig(chunk_grads="pallas", **fused)),
+                              ("bf16 V + saved inverse", KernelConfig(stored_v="input", save_tri=True))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
             errs[label] = rel(o, exact)
             grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next26      # not yet run: V stored in bf16, the forward's T kept for the backward
 #   bash benchmarks/h200_run.sh next25      # tenth run: fla at 2x8192 and 1x32768 in the same run as the default
 #   bash benchmarks/h200_run.sh next24      # tenth run: next23's unfinished checks (gradients, pass choices), 1x131072 memory
 #   bash benchmarks/h200_run.sh next23      # tenth run: the new default (bf16 T) checked in full, timed, memory
@@ -40,7 +41,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -263,6 +264,17 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench_fla 260 python3 benchmarks/bench_regression.py --shapes 2x8192x16x128,1x32768x16x128 \
       --memory-shapes "" --rows "falcon-1 pallas (ours);fla 0.6.0" --skip "ninth-run" --out "$out/$part/bench_fla.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25)"; exit 2 ;;
+  next26)  # for the eleventh run: V stored in bf16 (stored_v="input") and the forward's T kept for the backward
+    # (save_tri=True), prepared in the tenth session: checked (d64 pass choices, d128 gradients through falcon),
+    # passes, the op and the whole op timed with jla, memory at 1x32768
+    step check_v 150 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,pass choices" \
+      --kernel-config stored_v=input,save_tri=True --out "$out/$part/check_v.json"
+    step passes 90 python3 benchmarks/split_passes.py --ops delta_split --shapes 8x2048x16x128,1x32768x16x128 \
+      --passes "prepare V, B;state-gradient walk + dR;triangular inverse, bf16 T" --out "$out/$part/passes.json"
+    step bench_v 280 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 --skip "ninth-run" \
+      --rows "falcon-1 pallas;bf16 V;saved inverse;kernel only (decayed;jla 0.1.0 gated;jla gated" \
+      --out "$out/$part/bench_v.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

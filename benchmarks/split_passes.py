@@ -234,6 +234,14 @@ def split_delta_passes(shape, interpret, rows, passes=()):
                  (q, x, y, eta, g, gp, rl, tinv_b, s0)),
                 ("prepare V, B, bf16 T", jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32),
                  (q, x, eta, g, gp, rl, tinv_b, do))]
+    # prepared in the tenth session: V stored in bf16 (KernelConfig(stored_v="input")), its prepare pass and the
+    # reverse walk that reads it
+    prep_vb16 = jit(delta_gpu.prepare_vb, chunk=C, b_dtype=lo or jnp.float32, v_dtype=lo or jnp.float32)
+    vb16 = prep_vb16(q, x, eta, g, gp, rl, tinv_b, do)
+    timings += [("prepare V, B, bf16 T, bf16 V", prep_vb16, (q, x, eta, g, gp, rl, tinv_b, do)),
+                (f"split state-gradient walk + dR, bf16 V, {split_bv} columns",
+                 jit(delta_gpu.state_grad_split_pass, block_v=split_bv, write_dh=True, write_dr=lo or jnp.float32,
+                     vb=vb16, **walk_kw), (q, x, eta, g, gp, rl, tinv_b, do, s0))]
     for label, fn, args in timings:
         if passes and not any(part in label for part in passes):
             continue

@@ -82,20 +82,22 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads", [
-    (32, 1, 16, "pallas_gpu", "pallas", "pallas"), (16, 2, 32, "pallas_gpu", "pallas", "pallas"),
-    (16, 2, 32, "pallas_gpu", "xla", "pallas"), (32, 1, 16, "pallas_gpu", "xla", "split"),
-    (16, 2, 32, "pallas_gpu", "pallas", "split"), (16, 2, 32, "pallas_gpu", "pallas_split", "split"),
-    (32, 1, 16, "pallas_gpu", "pallas_split", "pallas"), (16, 2, 32, "pallas_gpu", "pallas_stored", "split"),
-    (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas"),
-    pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", marks=pytest.mark.slow),
+@pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads,extra", [
+    (32, 1, 16, "pallas_gpu", "pallas", "pallas", {}), (16, 2, 32, "pallas_gpu", "pallas", "pallas", {}),
+    (16, 2, 32, "pallas_gpu", "xla", "pallas", {}), (32, 1, 16, "pallas_gpu", "xla", "split", {}),
+    (16, 2, 32, "pallas_gpu", "pallas", "split", {}), (16, 2, 32, "pallas_gpu", "pallas_split", "split", {}),
+    (32, 1, 16, "pallas_gpu", "pallas_split", "pallas", {}), (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {}),
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {}),
+    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"save_tri": True, "stored_v": "input"}),
+    pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
+    pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
-def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, rng):
+def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk_grads, state_grads, extra, rng):
     """Gradients w.r.t. every input (q, x, y, η, log γ, S0), segments inside chunks, dv = 32 in value blocks;
     the per-chunk gradient pass as a kernel and as batched XLA matmuls; the state-gradient walk fused and
     split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces;
     ``chunk_grads="pallas_stored"`` (the GPU default): P and dR stored by either walk, with and without
-    pieces."""
+    pieces; the forward's T kept for the backward (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32)."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -107,7 +109,7 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
         return f
 
     argnums = tuple(range(6))
-    config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads, state_grads=state_grads)
+    config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads, state_grads=state_grads, **extra)
     got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
                                           implementation=implementation)), argnums=argnums)(
         *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
@@ -337,16 +339,17 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", tri_dtype="fp32", c
     pytest.param(KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"), marks=pytest.mark.slow),
     KernelConfig(split_block_v=16), KernelConfig(tri_dtype="fp32"),
     KernelConfig(outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
-    pytest.param(KernelConfig(chunk_grads="pallas_split"), marks=pytest.mark.slow)],
+    pytest.param(KernelConfig(chunk_grads="pallas_split"), marks=pytest.mark.slow),
+    KernelConfig(stored_v="input", save_tri=True)],
     ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks",
-         "fp32-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads"])
+         "fp32-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads", "bf16-v-saved-inverse"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
     default (bf16 walk operands, split state-gradient walk, chunk gradients from the walks' P and dR, here the
     split forward: few programs, and T stored in bf16), the fused forward, the split walks with XLA chunk
     gradients, 16-column split walks, T in fp32, T in bf16 through the fused passes and the two-program chunk
-    gradients (every kernel that reads T) —:
+    gradients (every kernel that reads T), V stored in bf16 with the forward's T kept for the backward —:
     outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
@@ -443,6 +446,39 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(stored_dr="bf16")
     with pytest.raises(ValueError, match="tri_dtype must be 'fp32' or 'input'"):
         KernelConfig(tri_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="stored_v must be 'fp32' or 'input'"):
+        KernelConfig(stored_v="bf16")
+    with pytest.raises(ValueError, match="save_tri must be True or False"):
+        KernelConfig(save_tri="yes")
+
+
+def test_saved_inverse_skips_the_backward_solve():
+    """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
+    forward + backward instead of two; ``stored_v="input"``: V leaves the prepare kernel in bf16."""
+    B, T, H, D = 1, 256, 2, 128
+    q = jnp.zeros((B, H, T, D), jnp.bfloat16)
+    gate = jnp.zeros((B, H, T), jnp.float32)
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def lowered(config):
+        def loss(q, x, y, eta, log_gamma, s0):
+            o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu",
+                                      interpret=False, config=config)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    def calls(text, name):
+        return text.count(f'name = "falcon_delta_{name}')
+
+    default, saved = lowered(KernelConfig()), lowered(KernelConfig(save_tri=True, stored_v="input"))
+    assert calls(default, "tri_inverse") == 2 and calls(saved, "tri_inverse") == 1
+    assert calls(saved, "dstate_prepare") == 1
+    prepare = [line for line in saved.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    assert f"-> (tensor<{B * H}x{T}x{D}xbf16>" in prepare[0]  # V (first output) in bf16
+    prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    assert f"-> (tensor<{B * H}x{T}x{D}xf32>" in prepare[0]
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():

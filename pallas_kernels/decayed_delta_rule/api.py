@@ -98,6 +98,15 @@ class KernelConfig:
     # walk 0.346 vs 0.398; whole op fwd+bwd 2.033 vs 2.137 ms, next22; d128 gradient error 1.2-1.6x the XLA
     # form's vs 1.0-1.4x) or "fp32" (its dots in TF32).  fp32 inputs and the TPU keep fp32.
     tri_dtype: str = "input"
+    # GPU, split state-gradient walk: the dtype V = Tᵀ(QXᵀ⊙D)ᵀdO is stored in for bf16/fp16 inputs, "fp32" (the
+    # default) or "input" (halves the [BH, T, dv] buffer the reverse walk reads, 268 -> 134 MB at 1x32768x16x128;
+    # but dR = V + B dS can cancel, so V's rounding shows: CPU interpret, T 100, d16, the S0 gradient's bf16
+    # error 9.7e-3 vs 6.3e-3).  Not yet timed on the H200 (h200_run.sh next26).
+    stored_v: str = "fp32"
+    # keep the forward's triangular inverse T ([BH, T, C], tri_dtype) for the backward instead of solving it
+    # again: saves the backward's inverse pass (H200 bf16: 0.127 ms at 8x2048x16x128, 0.243 at 1x32768), costs
+    # T's buffer from the forward to the backward.  Not yet timed on the H200 (h200_run.sh next26).
+    save_tri: bool = False
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -137,6 +146,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.stored_dr not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: stored_dr must be 'fp32' or 'input', got {self.stored_dr!r}.")
+        if self.stored_v not in ("fp32", "input"):
+            raise ValueError(f"KernelConfig: stored_v must be 'fp32' or 'input', got {self.stored_v!r}.")
+        if not isinstance(self.save_tri, bool):
+            raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.tri_dtype not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: tri_dtype must be 'fp32' or 'input', got {self.tri_dtype!r}.")
         if self.walk_operands not in ("fp32", "input"):
@@ -273,7 +286,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False, **kw)
-    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts)
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 
 def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
@@ -282,7 +295,7 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
 
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
     kernels = _BACKENDS[backend]
-    q, x, y, eta, g, gp, rl, starts = res
+    q, x, y, eta, g, gp, rl, starts, saved_tinv = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
@@ -297,8 +310,11 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     stored = chunk_grads == "pallas_stored"  # the walks below store P and dR for the chunk gradients
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
-    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
-                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
+    if saved_tinv is None:
+        tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
+                                        **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
+    else:  # KernelConfig(save_tri=True): the forward's
+        tinv = saved_tinv
     if stored:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
                                        write_p=True, **fwd_kw)
@@ -308,9 +324,10 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
     if split_state_grads:  # V, B once for both walks below
         state_grad_pass = kernels.state_grad_split_pass
+        lo = state_kw["walk_operands"] or jnp.float32
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-                                            num_warps=config.state_warps, heads=heads,
-                                            b_dtype=state_kw["walk_operands"] or jnp.float32)
+                                            num_warps=config.state_warps, heads=heads, b_dtype=lo,
+                                            v_dtype=lo if config.stored_v == "input" else jnp.float32)
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
     else:
         state_grad_pass = kernels.state_grad_pass

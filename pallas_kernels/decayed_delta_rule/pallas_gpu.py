@@ -498,7 +498,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
     q, x = q_ref[...], x_ref[...]
     tinv_t = t_ref[...].T
     scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-    v_ref[...] = _tdot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32)
+    v_ref[...] = _tdot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32).astype(v_ref.dtype)
     b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
 
 
@@ -509,7 +509,7 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
     def residual_grad(rows, q, x, do, g, rl, w_last, dS):
-        return v_ref[rows, :] + _sdot(b_ref[rows, :], dS, p32, lo)
+        return v_ref[rows, :].astype(F32) + _sdot(b_ref[rows, :], dS, p32, lo)
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
                   n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
@@ -671,16 +671,17 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
                 name="falcon_delta_dstate")
 
 
-def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32):
-    """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (fp32) and ``B = Tᵀ (w ⊙ X)`` ``[BH, L, dk]``
-    (in ``b_dtype``): the reverse walk's ``dR = V + B dS``."""
+def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32,
+               v_dtype=F32):
+    """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
+    ``[BH, L, dk]`` (in ``b_dtype``): the reverse walk's ``dR = V + B dS``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
     return call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
                 grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
                 out_specs=[sp.flat_v, sp.flat_k],
-                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), F32), jax.ShapeDtypeStruct((BH, L, dk), b_dtype)],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), v_dtype), jax.ShapeDtypeStruct((BH, L, dk), b_dtype)],
                 args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_dstate_prepare")
 
