@@ -266,13 +266,14 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     ;;
   next26)  # for the eleventh run: V stored in bf16 (stored_v="input") and the forward's T kept for the backward
     # (save_tri=True), prepared in the tenth session: checked (d64 pass choices, d128 gradients through falcon),
-    # passes, the op and the whole op timed with jla, memory at 1x32768
+    # passes, the op and the whole op timed with jla, memory at 1x32768; 64-column fused walks again (slower with
+    # fp32 T and TF32 in the sixth run; the walks' dots are all bf16 now)
     step check_v 150 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,pass choices" \
       --kernel-config stored_v=input,save_tri=True --out "$out/$part/check_v.json"
     step passes 90 python3 benchmarks/split_passes.py --ops delta_split --shapes 8x2048x16x128,1x32768x16x128 \
       --passes "prepare V, B;state-gradient walk + dR;triangular inverse, bf16 T" --out "$out/$part/passes.json"
     step bench_v 280 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 --skip "ninth-run" \
-      --rows "falcon-1 pallas;bf16 V;saved inverse;kernel only (decayed;jla 0.1.0 gated;jla gated" \
+      --rows "falcon-1 pallas;bf16 V;saved inverse;kernel only (decayed;jla 0.1.0 gated;jla gated;64 value columns" \
       --out "$out/$part/bench_v.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26)"; exit 2 ;;

@@ -452,6 +452,20 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(save_tri="yes")
 
 
+def test_benchmark_kernel_config_parser():
+    """The H200 scripts' ``--kernel-config name=value,...``: ints, booleans and strings become a KernelConfig;
+    a misspelt name or a bad value is an error naming it (a typo must not silently time the defaults)."""
+    from benchmarks.common import kernel_config
+
+    assert kernel_config("  ") is None
+    cfg = kernel_config("tri_dtype=fp32, save_tri=True,grad_block_k=64,split_block_v=None")
+    assert cfg == KernelConfig(tri_dtype="fp32", save_tri=True, grad_block_k=64, split_block_v=None)
+    with pytest.raises(ValueError, match="'tri_dtyp=fp32' is not name=value with a KernelConfig field"):
+        kernel_config("tri_dtyp=fp32")
+    with pytest.raises(ValueError, match="save_tri must be True or False"):
+        kernel_config("save_tri=yes")
+
+
 def test_saved_inverse_skips_the_backward_solve():
     """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
     forward + backward instead of two; ``stored_v="input"``: V leaves the prepare kernel in bf16."""
