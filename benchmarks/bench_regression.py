@@ -169,6 +169,7 @@ COLUMN_VARIANTS = {
     "per-column op, 1 warp": KernelConfig(column_warps=1),
     "per-column op, 2 warps": KernelConfig(column_warps=2),
     "per-column op, 16 columns": KernelConfig(column_block_v=16),
+    "per-column op, blocked solve": KernelConfig(column_solve="blocked"),  # tenth session, not yet timed
 }
 
 
@@ -304,6 +305,9 @@ def main() -> int:
         if shape == (SMOKE_SHAPES if args.smoke else SHAPES)[0]:  # Falcon-2 (per-column gains): 8x2048 only
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
+            measure("falcon-2 per-column pallas (ours), blocked solve", shape,
+                    with_kernel_config(ours_falcon2, KernelConfig(column_solve="blocked")), 5,
+                    (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
             for label, cfg in COLUMN_VARIANTS.items():
                 measure(label, shape, functools.partial(kernel_only, config=cfg), 5, (q, k, v, beta_col, log_decay))

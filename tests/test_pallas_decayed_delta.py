@@ -446,6 +446,8 @@ def test_kernel_config_refuses_unknown_pass_choices():
         KernelConfig(stored_dr="bf16")
     with pytest.raises(ValueError, match="tri_dtype must be 'fp32' or 'input'"):
         KernelConfig(tri_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="column_solve must be 'rows' or 'blocked'"):
+        KernelConfig(column_solve="block")
     with pytest.raises(ValueError, match="stored_v must be 'fp32' or 'input'"):
         KernelConfig(stored_v="bf16")
     with pytest.raises(ValueError, match="save_tri must be True or False"):
@@ -669,6 +671,66 @@ def test_per_column_tiny_decay(rng):
     assert rel_err(o, o_ref) < FP32_TOL and rel_err(final, final_ref) < FP32_TOL
 
 
+BLOCKED = KernelConfig(column_solve="blocked", column_block_v=16)
+
+
+@pytest.mark.parametrize("case", ["values", "extreme", "tiny-decay", "no-residual", "gradients"])
+def test_per_column_blocked_solve_matches_reference(case, rng):
+    """``column_solve="blocked"`` (16-row blocks, dots between blocks with the decays renormalized at each
+    block's last row) against the float64 token scan, with chunks of 32 and 64 rows (2 and 4 blocks): odd T,
+    a segment start inside a chunk, non-zero initial state; β near 2 with nearly parallel keys and γ at its
+    clamp on a third of the steps; γ = 1e-6 on every step in half the columns (cumulative log decay −884 in a
+    chunk of 64: every factor is a difference of g within a chunk, ≤ 1); the inner-product rule (no residual);
+    gradients (the backward recomputes the chunk states with the blocked forward walk).  Values: within the
+    fp32 bound (1e-4 with the tiny decays, where the row-by-row solve loses ~1e-5 too) or 1.5× the row-by-row
+    solve's error on the same inputs."""
+    if case == "values":
+        q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=77)
+        tol = FP32_TOL
+    elif case == "extreme":
+        q, x, y, _, _, run, s0 = column_inputs(rng, T=70, dv=16, segments=False)
+        x = x[..., :1, :] + 0.05 * x
+        eta = rng.uniform(1.99, 1.999, size=y.shape) / np.sum(x * x, axis=-1)[..., None]
+        log_gamma = np.where(rng.uniform(size=y.shape) < 0.33, np.log1p(-(1 - 1e-6)), 0.0)
+        tol = 1e-4
+    else:
+        q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=70, dv=16, segments=case != "tiny-decay")
+        if case == "tiny-decay":
+            log_gamma[..., :8] = np.log(1e-6)
+            log_gamma[..., 8:12] = 0.0
+        tol = FP32_TOL if case != "tiny-decay" else 1e-4
+    if case == "no-residual":
+        for chunk in (32, 64):
+            o, final = attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, config=BLOCKED)
+            o_ref, final_ref = attn_column_reference(q, x, y, eta, log_gamma, run, s0)
+            assert rel_err(o, o_ref) < tol and rel_err(final, final_ref) < tol, chunk
+        return
+    if case != "gradients":  # as exact as the row-by-row solve on the same inputs (tiny decays: ~1e-5 both)
+        o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+        for chunk in (32, 64):
+            errors = {}
+            for config in (BLOCKED, KernelConfig(column_block_v=16)):
+                o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, config=config)
+                assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(final)))
+                errors[config.column_solve] = (rel_err(o, o_ref), rel_err(final, final_ref))
+            for blocked, rows in zip(errors["blocked"], errors["rows"]):
+                assert blocked < max(tol, 1.5 * rows), (chunk, errors)
+        return
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+
+    def loss(fn):
+        def f(*a):
+            o, _ = fn(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype))
+        return f
+
+    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=32, config=BLOCKED)), argnums=tuple(range(6)))(
+        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+    want = jax.grad(loss(reference), argnums=tuple(range(6)))(q, x, y, eta, log_gamma, s0)
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert rel_err(g, w) < 5e-5, name
+
+
 @pytest.mark.parametrize("options,check_grads", [
     ({"segments": True}, True),
     pytest.param({"timing": "rbw", "alignment": "same_step", "clamp": True}, True, marks=pytest.mark.slow),
@@ -712,10 +774,11 @@ def test_falcon2_tied_gains_equal_falcon1(rng):
     assert rel_err(got, want) < FP32_TOL
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_per_column_kernel_lowers_for_triton(dtype):
+@pytest.mark.parametrize("dtype,column_solve", [(jnp.bfloat16, "rows"), (jnp.float32, "rows"),
+                                                (jnp.bfloat16, "blocked"), (jnp.float32, "blocked")])
+def test_per_column_kernel_lowers_for_triton(dtype, column_solve):
     """Cross-lower the per-column forward + backward through the Triton lowering rules on CPU (d = 128,
-    chunk 64)."""
+    chunk 64), with the row-by-row and the blocked forward solve."""
     B, H, T, D = 1, 2, 256, 128
     q = jnp.zeros((B, H, T, D), dtype)
     gate = jnp.zeros((B, H, T, D), jnp.float32)
@@ -723,7 +786,8 @@ def test_per_column_kernel_lowers_for_triton(dtype):
     s0 = jnp.zeros((B, H, D, D), jnp.float32)
 
     def loss(q, x, y, eta, log_gamma, s0):
-        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False)
+        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
+                                  config=KernelConfig(column_solve=column_solve))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(

@@ -134,6 +134,10 @@ class KernelConfig:
     # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
     # either way; the TPU kernels ignore it (fp32 operands).
     walk_operands: str = "input"
+    # per-column gates (Falcon-2, 2A): the forward's solve and read "rows" (a serial loop over the chunk's rows)
+    # or "blocked" (16-row blocks: serial inside the diagonal blocks, dots between them; tenth session, not yet
+    # timed on the H200 — h200_run.sh next26).  The backward's own recompute of P stays "rows".
+    column_solve: str = "rows"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -146,6 +150,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
         if self.stored_dr not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: stored_dr must be 'fp32' or 'input', got {self.stored_dr!r}.")
+        if self.column_solve not in ("rows", "blocked"):
+            raise ValueError(f"KernelConfig: column_solve must be 'rows' or 'blocked', got {self.column_solve!r}.")
         if self.stored_v not in ("fp32", "input"):
             raise ValueError(f"KernelConfig: stored_v must be 'fp32' or 'input', got {self.stored_v!r}.")
         if not isinstance(self.save_tri, bool):
@@ -384,6 +390,7 @@ def _column_kw(chunk, config, interpret, residual):
 def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
     g, gp, rl = _gates(log_gamma, run, chunk)
     o, s_end = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True, write_h=False,
+                                               blocked=config.column_solve == "blocked",
                                                **_column_kw(chunk, config, interpret, residual))
     return (o, s_end), (q, x, y, eta, g, gp, rl, s0)
 
@@ -392,7 +399,8 @@ def _column_bwd(chunk, config, interpret, residual, res, cts):
     q, x, y, eta, g, gp, rl, s0 = res
     do, ds_final = cts
     kw = _column_kw(chunk, config, interpret, residual)
-    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
+    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True,
+                                           blocked=config.column_solve == "blocked", **kw)
     dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
         q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
     # g = chunk-local inclusive cumsum, gp = g − log γ (unused without the residual)

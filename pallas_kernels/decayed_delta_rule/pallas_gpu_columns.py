@@ -166,6 +166,67 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
+BLOCK = 16  # rows of a diagonal block of the blocked solve (Triton's smallest dot tile)
+
+
+def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
+                            n_chunks, write_o, write_h, precision, residual=True):
+    """:func:`_forward_kernel` with the chunk cut into 16-row blocks (``KernelConfig(column_solve="blocked")``):
+    the substitution and the read stay serial only inside a diagonal block; what block i takes from an earlier
+    block k is a dot, its decays renormalized at k's last row ``r`` (``e^{g⁻_i − g_r}`` and ``e^{g_r − g_k}``,
+    both ≤ 1)::
+
+        R_i −= η_i ⊙ e^{g⁻_i − g_r} ⊙ ((X_i X_kᵀ ⊙ same) (e^{g_r − g_k} ⊙ P_k))
+        o_i += e^{g_i − g_r} ⊙ ((Q_i X_kᵀ ⊙ same) (e^{g_r − g_k} ⊙ P_k))
+    """
+    refs = list(out_refs)
+    o_ref = refs.pop(0) if write_o else None
+    h_ref = refs.pop(0) if write_h else None
+    (s_end_ref,) = refs
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    nb = chunk // BLOCK
+
+    def body(c, S):
+        start = pl.multiple_of(c * chunk, chunk)
+        g_last, rl_last = g_ref[start + chunk - 1, :], rl_ref[start + chunk - 1].astype(F32)
+        a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+        if write_h:
+            h_ref[c, :, :] = S
+        blocks = []  # (x, rl, g at the block's last row, e^{g_r − g} ⊙ P) of the blocks done
+        S_new = a_last[None, :] * S
+        for i in range(nb):
+            rows = pl.ds(start + i * BLOCK, BLOCK)
+            eta, g, gp = eta_ref[rows, :], g_ref[rows, :], gp_ref[rows, :]
+            rl = rl_ref[rows].astype(F32)
+            x = x_ref[rows, :]
+            xf = x.astype(F32)
+            cont, cont_p, w_last, _ = _gates(g, gp, rl, g_last, rl_last)
+            if residual:
+                R = eta * (y_ref[rows, :].astype(F32) - cont_p * dot(xf, S, p32))
+            else:
+                R = eta * y_ref[rows, :].astype(F32)
+            q = q_ref[rows, :] if write_o else None
+            read = jnp.zeros(R.shape, F32)
+            for x_k, rl_k, g_r, z_k in blocks:
+                same = (rl[:, None] == rl_k[None, :]).astype(F32)
+                if residual:
+                    R = R - eta * jnp.exp(gp - g_r[None, :]) * dot(dot(x, x_k.T, precision) * same, z_k, p32)
+                if write_o:
+                    read = read + jnp.exp(g - g_r[None, :]) * dot(dot(q, x_k.T, precision) * same, z_k, p32)
+            gram = dot(x, x.T, precision) if residual else None
+            if write_o:
+                P, o = _solve_forward(gram, R, eta, g, gp, rl, qx=dot(q, x.T, precision))
+                o_ref[rows, :] = (o + read + cont * dot(q.astype(F32), S, p32)).astype(o_ref.dtype)
+            else:
+                P, _ = _solve_forward(gram, R, eta, g, gp, rl)
+            g_r = g_ref[start + (i + 1) * BLOCK - 1, :]
+            blocks.append((x, rl, g_r, jnp.exp(g_r[None, :] - g) * P))
+            S_new = S_new + dot(xf.T, w_last * P, p32)
+        return S_new
+
+    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
+
+
 def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
                      dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision, residual=True):
     dgp_ref, ds_start_ref = refs if residual else (None, *refs)  # no residual: gp unused, no dgp
@@ -268,9 +329,10 @@ def _specs(q, y, block_v):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=4,
-                 num_stages=2, residual=True):
+                 num_stages=2, residual=True, blocked=False):
     """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].  ``residual=False``: the inner-product
-    rule (``P = η ⊙ Y``; ``gp`` unused).
+    rule (``P = η ⊙ Y``; ``gp`` unused).  ``blocked``: the 16-row blocked solve and read
+    (:func:`_forward_kernel_blocked`).
 
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv]).
     """
@@ -287,8 +349,8 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
         out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v)))
     out_shape.append(jax.ShapeDtypeStruct((BH, dk, dv), F32))
     out_specs.append(state)
-    kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype), residual=residual)
+    kernel = functools.partial(_forward_kernel_blocked if blocked else _forward_kernel, chunk=chunk, n_chunks=n,
+                               write_o=write_o, write_h=write_h, precision=precision_for(q.dtype), residual=residual)
     return call(kernel, grid=grid, in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, state],
                 out_specs=out_specs, out_shape=out_shape, args=(q, x, y, eta, g, gp, rl, s0),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
