@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next27      # not yet run: Falcon-2's blocked per-column forward solve, checked and timed
+#   bash benchmarks/h200_run.sh next27      # not yet run: Falcon-2's blocked per-column kernels, checked and timed
 #   bash benchmarks/h200_run.sh next26      # not yet run: V stored in bf16, the forward's T kept for the backward
 #   bash benchmarks/h200_run.sh next25      # tenth run: fla at 2x8192 and 1x32768 in the same run as the default
 #   bash benchmarks/h200_run.sh next24      # tenth run: next23's unfinished checks (gradients, pass choices), 1x131072 memory
@@ -277,8 +277,8 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas;bf16 V;saved inverse;kernel only (decayed;jla 0.1.0 gated;jla gated;64 value columns" \
       --out "$out/$part/bench_v.json"
     ;;
-  next27)  # for the eleventh run: Falcon-2's per-column forward with the 16-row blocked solve
-    # (column_solve="blocked", tenth session): fp32 values at T = 8192 through falcon, timed against the rows solve
+  next27)  # for the eleventh run: Falcon-2's per-column kernels in 16-row blocks (column_solve="blocked", tenth
+    # session): fp32 values at T = 8192 through falcon, timed against the row-by-row kernels
     step check_col 200 python3 benchmarks/gpu_check_regression.py --only "falcon-2 values" \
       --kernel-config column_solve=blocked --out "$out/$part/check_col.json"
     step bench_col 300 python3 benchmarks/bench_regression.py --shapes 8x2048x16x128 --memory-shapes "" \

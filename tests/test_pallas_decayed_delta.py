@@ -674,14 +674,16 @@ def test_per_column_tiny_decay(rng):
 BLOCKED = KernelConfig(column_solve="blocked", column_block_v=16)
 
 
-@pytest.mark.parametrize("case", ["values", "extreme", "tiny-decay", "no-residual", "gradients"])
+@pytest.mark.parametrize("case", ["values", "extreme", "tiny-decay", "no-residual", "gradients",
+                                  "no-residual-gradients"])
 def test_per_column_blocked_solve_matches_reference(case, rng):
     """``column_solve="blocked"`` (16-row blocks, dots between blocks with the decays renormalized at each
     block's last row) against the float64 token scan, with chunks of 32 and 64 rows (2 and 4 blocks): odd T,
     a segment start inside a chunk, non-zero initial state; β near 2 with nearly parallel keys and γ at its
     clamp on a third of the steps; γ = 1e-6 on every step in half the columns (cumulative log decay −884 in a
     chunk of 64: every factor is a difference of g within a chunk, ≤ 1); the inner-product rule (no residual);
-    gradients (the backward recomputes the chunk states with the blocked forward walk).  Values: within the
+    gradients of both rules w.r.t. every input at chunks of 32 and 64 (the blocked backward kernel: the
+    transposed read and solve and the row-mixing gradients by blocks, the decay gradients elementwise).  Values: within the
     fp32 bound (1e-4 with the tiny decays, where the row-by-row solve loses ~1e-5 too) or 1.5× the row-by-row
     solve's error on the same inputs."""
     if case == "values":
@@ -699,13 +701,15 @@ def test_per_column_blocked_solve_matches_reference(case, rng):
             log_gamma[..., :8] = np.log(1e-6)
             log_gamma[..., 8:12] = 0.0
         tol = FP32_TOL if case != "tiny-decay" else 1e-4
+    op, ref_op = ((attn_column_kernel, attn_column_reference) if case.startswith("no-residual")
+                  else (kernel, reference))
     if case == "no-residual":
         for chunk in (32, 64):
             o, final = attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, config=BLOCKED)
             o_ref, final_ref = attn_column_reference(q, x, y, eta, log_gamma, run, s0)
             assert rel_err(o, o_ref) < tol and rel_err(final, final_ref) < tol, chunk
         return
-    if case != "gradients":  # as exact as the row-by-row solve on the same inputs (tiny decays: ~1e-5 both)
+    if not case.endswith("gradients"):  # as exact as the row-by-row solve on the same inputs (tiny decays: ~1e-5 both)
         o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
         for chunk in (32, 64):
             errors = {}
@@ -724,11 +728,14 @@ def test_per_column_blocked_solve_matches_reference(case, rng):
             return jnp.sum(o * ct_o.astype(o.dtype))
         return f
 
-    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=32, config=BLOCKED)), argnums=tuple(range(6)))(
-        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
-    want = jax.grad(loss(reference), argnums=tuple(range(6)))(q, x, y, eta, log_gamma, s0)
-    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
-        assert rel_err(g, w) < 5e-5, name
+    want = jax.grad(loss(ref_op), argnums=tuple(range(6)))(q, x, y, eta, log_gamma, s0)
+    for chunk in (32, 64):
+        with poisoned_outputs():
+            got = jax.grad(loss(lambda *a: op(*a, chunk_size=chunk, config=BLOCKED)), argnums=tuple(range(6)))(
+                *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+        for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+            assert np.all(np.isfinite(np.asarray(g))), (chunk, name)
+            assert rel_err(g, w) < 5e-5, (chunk, name)
 
 
 @pytest.mark.parametrize("options,check_grads", [
@@ -922,9 +929,10 @@ def test_falcon2a_tied_gains_equal_falcon1a(rng):
     assert rel_err(got, want) < FP32_TOL
 
 
-def test_attention_per_column_kernel_lowers_for_triton():
+@pytest.mark.parametrize("column_solve", ["rows", "blocked"])
+def test_attention_per_column_kernel_lowers_for_triton(column_solve):
     """Cross-lower the Falcon-2A per-column forward + backward through the Triton lowering rules on CPU
-    (bf16, d = 128, chunk 64)."""
+    (bf16, d = 128, chunk 64), row by row and blocked."""
     B, H, T, D = 1, 1, 128, 128
     q = jnp.zeros((B, H, T, D), jnp.bfloat16)
     gate = jnp.zeros((B, H, T, D), jnp.float32)
@@ -933,7 +941,7 @@ def test_attention_per_column_kernel_lowers_for_triton():
 
     def loss(q, x, y, eta, log_gamma, s0):
         o, s = decayed_attention_per_column(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu",
-                                            interpret=False)
+                                            interpret=False, config=KernelConfig(column_solve=column_solve))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, q, gate, gate, s0).lower(

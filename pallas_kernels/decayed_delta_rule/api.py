@@ -134,9 +134,9 @@ class KernelConfig:
     # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
     # either way; the TPU kernels ignore it (fp32 operands).
     walk_operands: str = "input"
-    # per-column gates (Falcon-2, 2A): the forward's solve and read "rows" (a serial loop over the chunk's rows)
-    # or "blocked" (16-row blocks: serial inside the diagonal blocks, dots between them; tenth session, not yet
-    # timed on the H200 — h200_run.sh next26).  The backward's own recompute of P stays "rows".
+    # per-column gates (Falcon-2, 2A): the kernels' solves, reads and row-mixing gradients "rows" (serial loops
+    # over the chunk's rows) or "blocked" (16-row blocks: serial inside the diagonal blocks, dots between them,
+    # the decay gradients elementwise; tenth session, not yet timed on the H200 — h200_run.sh next27)
     column_solve: str = "rows"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
@@ -402,7 +402,8 @@ def _column_bwd(chunk, config, interpret, residual, res, cts):
     h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True,
                                            blocked=config.column_solve == "blocked", **kw)
     dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
-        q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
+        q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32),
+        blocked=config.column_solve == "blocked", **kw)
     # g = chunk-local inclusive cumsum, gp = g − log γ (unused without the residual)
     dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp if residual else reverse_chunk_cumsum(dg, chunk)
     return (jnp.sum(dq, axis=1).astype(q.dtype), jnp.sum(dx, axis=1).astype(x.dtype), dy, deta, dlog, None, ds0)

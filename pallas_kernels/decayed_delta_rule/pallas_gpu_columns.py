@@ -41,6 +41,11 @@ Kernels:
     solves ``(I + A_c)ᵀ dR = dP`` by backward substitution and writes every gradient of
     its columns (dy, dη, d g, d gp) and its block's share of dq and dx (summed over
     value blocks in XLA).
+
+Both take ``blocked=True`` (``KernelConfig(column_solve="blocked")``): the chunk in 16-row
+blocks, serial loops only inside the diagonal blocks, dots between blocks with the decays
+renormalized at the earlier block's last row (:func:`_block_solve`,
+:func:`_forward_kernel_blocked`, :func:`_backward_kernel_blocked`).
 """
 
 from __future__ import annotations
@@ -110,29 +115,34 @@ def _load_chunk(refs, c, chunk):
             rl_ref[start + chunk - 1].astype(F32))
 
 
-def _solve_forward(gram, R, eta, g, gp, rl, qx=None):
+def _solve_forward(gram, R, eta, g, gp, rl, qx=None, sums=False):
     """Column-batched forward substitution ``(I + A_c) P[:, c] = R[:, c]``; with ``qx`` also the intra-chunk
     read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final).  ``gram=None``:
-    no system (``A_c ≡ 0``, ``P = R``), only the read."""
+    no system (``A_c ≡ 0``, ``P = R``), only the read.  Returns (P, read or None), and with ``sums`` also
+    ``Σ_{j<s} gram[s, j] e^{gp_s − g_j} P[j]`` per row (``(A_c P)_s / η_s``, for dη)."""
     C = R.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (C,), 0)
+    zeros = jnp.zeros(R.shape, F32)
     if gram is None and qx is None:
-        return R, None
+        return (R, None, zeros) if sums else (R, None)
 
     def body(s, carry):
-        P, O = carry
+        P, O, SG = carry
         g_s, rl_s = _row(g, s), _at(rl, s)
         same = rl == rl_s
         if gram is not None:
             coef = _row(gram, s)[:, None] * _decay((idx < s) & same, _row(gp, s), g)
-            P = _set_row(P, s, _row(R, s) - _row(eta, s) * jnp.sum(coef * P, axis=0))
+            sg = jnp.sum(coef * P, axis=0)
+            P = _set_row(P, s, _row(R, s) - _row(eta, s) * sg)
+            if sums:
+                SG = _set_row(SG, s, sg)
         if qx is not None:
             read = _row(qx, s)[:, None] * _decay((idx <= s) & same, g_s, g)
             O = _set_row(O, s, jnp.sum(read * P, axis=0))
-        return P, O
+        return P, O, SG
 
-    zeros = jnp.zeros(R.shape, F32)
-    return lax.fori_loop(0, C, body, (zeros if gram is not None else R, zeros))
+    P, O, SG = lax.fori_loop(0, C, body, (zeros if gram is not None else R, zeros, zeros))
+    return (P, O, SG) if sums else (P, O)
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks,
@@ -169,22 +179,70 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
 BLOCK = 16  # rows of a diagonal block of the blocked solve (Triton's smallest dot tile)
 
 
-def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
-                            n_chunks, write_o, write_h, precision, residual=True):
-    """:func:`_forward_kernel` with the chunk cut into 16-row blocks (``KernelConfig(column_solve="blocked")``):
-    the substitution and the read stay serial only inside a diagonal block; what block i takes from an earlier
-    block k is a dot, its decays renormalized at k's last row ``r`` (``e^{g⁻_i − g_r}`` and ``e^{g_r − g_k}``,
-    both ≤ 1)::
+def _same(rl_a, rl_b):
+    """1 where rows of two blocks are in the same segment, else 0: ``[len(rl_a), len(rl_b)]`` fp32."""
+    return (rl_a[:, None] == rl_b[None, :]).astype(F32)
+
+
+def _block_solve(blocks, precision, p32, residual, with_read, sums=False):
+    """The chunk's solve (and intra-chunk read) over 16-row ``blocks`` — dicts with x, q, R, eta, g, gp, rl
+    and ``g_r`` (g at the block's last row) — in order: serial inside a diagonal block (:func:`_solve_forward`),
+    dots between blocks with the decays renormalized at the earlier block's last row r (``e^{g⁻_i − g_r}``,
+    ``e^{g_i − g_r}`` and ``e^{g_r − g_k}``, all ≤ 1)::
 
         R_i −= η_i ⊙ e^{g⁻_i − g_r} ⊙ ((X_i X_kᵀ ⊙ same) (e^{g_r − g_k} ⊙ P_k))
         o_i += e^{g_i − g_r} ⊙ ((Q_i X_kᵀ ⊙ same) (e^{g_r − g_k} ⊙ P_k))
-    """
+
+    Adds P (and ``read``, and with ``sums`` ``sg`` as :func:`_solve_forward`) to every block dict."""
+    for i, blk in enumerate(blocks):
+        x, eta, g, gp, rl = blk["x"], blk["eta"], blk["g"], blk["gp"], blk["rl"]
+        R = blk["R"]
+        read = jnp.zeros(R.shape, F32)
+        sg = jnp.zeros(R.shape, F32)
+        for k in range(i):
+            earlier = blocks[k]
+            same = _same(rl, earlier["rl"])
+            z_k = jnp.exp(earlier["g_r"][None, :] - earlier["g"]) * earlier["P"]
+            if residual:
+                sg = sg + jnp.exp(gp - earlier["g_r"][None, :]) * dot(dot(x, earlier["x"].T, precision) * same, z_k,
+                                                                      p32)
+            if with_read:
+                read = read + jnp.exp(g - earlier["g_r"][None, :]) * dot(
+                    dot(blk["q"], earlier["x"].T, precision) * same, z_k, p32)
+        gram = dot(x, x.T, precision) if residual else None
+        qx = dot(blk["q"], x.T, precision) if with_read else None
+        P, o, sg_diag = _solve_forward(gram, R - eta * sg if residual else R, eta, g, gp, rl, qx=qx, sums=True)
+        blk["P"] = P
+        if with_read:
+            blk["read"] = o + read
+        if sums:
+            blk["sg"] = sg + sg_diag
+
+
+def _chunk_blocks(refs, start, chunk, names):
+    """The 16-row blocks of the chunk starting at ``start``: per block a dict of the named refs' rows (vectors
+    for ``rl``, fp32), the block's rows slice and ``g_r``, g at its last row."""
+    blocks = []
+    for i in range(chunk // BLOCK):
+        rows = pl.ds(start + i * BLOCK, BLOCK)
+        blk = {name: refs[name][rows, :] for name in names if name != "rl"}
+        blk["rl"] = refs["rl"][rows].astype(F32)
+        blk["rows"] = rows
+        blk["g_r"] = refs["g"][start + (i + 1) * BLOCK - 1, :]
+        blocks.append(blk)
+    return blocks
+
+
+def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
+                            n_chunks, write_o, write_h, precision, residual=True):
+    """:func:`_forward_kernel` with the chunk cut into 16-row blocks (``KernelConfig(column_solve="blocked")``,
+    :func:`_block_solve`): the substitution and the read stay serial only inside a diagonal block."""
     refs = list(out_refs)
     o_ref = refs.pop(0) if write_o else None
     h_ref = refs.pop(0) if write_h else None
     (s_end_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    nb = chunk // BLOCK
+    named = dict(q=q_ref, x=x_ref, y=y_ref, eta=eta_ref, g=g_ref, gp=gp_ref, rl=rl_ref)
 
     def body(c, S):
         start = pl.multiple_of(c * chunk, chunk)
@@ -192,39 +250,167 @@ def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref,
         a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
         if write_h:
             h_ref[c, :, :] = S
-        blocks = []  # (x, rl, g at the block's last row, e^{g_r − g} ⊙ P) of the blocks done
+        blocks = _chunk_blocks(named, start, chunk, ("q", "x", "y", "eta", "g", "gp", "rl") if write_o
+                               else ("x", "y", "eta", "g", "gp", "rl"))
+        for blk in blocks:
+            blk["cont"], cont_p, blk["w_last"], _ = _gates(blk["g"], blk["gp"], blk["rl"], g_last, rl_last)
+            y = blk["y"].astype(F32)
+            blk["R"] = blk["eta"] * (y - cont_p * dot(blk["x"].astype(F32), S, p32) if residual else y)
+        _block_solve(blocks, precision, p32, residual, with_read=write_o)
         S_new = a_last[None, :] * S
-        for i in range(nb):
-            rows = pl.ds(start + i * BLOCK, BLOCK)
-            eta, g, gp = eta_ref[rows, :], g_ref[rows, :], gp_ref[rows, :]
-            rl = rl_ref[rows].astype(F32)
-            x = x_ref[rows, :]
-            xf = x.astype(F32)
-            cont, cont_p, w_last, _ = _gates(g, gp, rl, g_last, rl_last)
-            if residual:
-                R = eta * (y_ref[rows, :].astype(F32) - cont_p * dot(xf, S, p32))
-            else:
-                R = eta * y_ref[rows, :].astype(F32)
-            q = q_ref[rows, :] if write_o else None
-            read = jnp.zeros(R.shape, F32)
-            for x_k, rl_k, g_r, z_k in blocks:
-                same = (rl[:, None] == rl_k[None, :]).astype(F32)
-                if residual:
-                    R = R - eta * jnp.exp(gp - g_r[None, :]) * dot(dot(x, x_k.T, precision) * same, z_k, p32)
-                if write_o:
-                    read = read + jnp.exp(g - g_r[None, :]) * dot(dot(q, x_k.T, precision) * same, z_k, p32)
-            gram = dot(x, x.T, precision) if residual else None
+        for blk in blocks:
             if write_o:
-                P, o = _solve_forward(gram, R, eta, g, gp, rl, qx=dot(q, x.T, precision))
-                o_ref[rows, :] = (o + read + cont * dot(q.astype(F32), S, p32)).astype(o_ref.dtype)
-            else:
-                P, _ = _solve_forward(gram, R, eta, g, gp, rl)
-            g_r = g_ref[start + (i + 1) * BLOCK - 1, :]
-            blocks.append((x, rl, g_r, jnp.exp(g_r[None, :] - g) * P))
-            S_new = S_new + dot(xf.T, w_last * P, p32)
+                o = blk["read"] + blk["cont"] * dot(blk["q"].astype(F32), S, p32)
+                o_ref[blk["rows"], :] = o.astype(o_ref.dtype)
+            S_new = S_new + dot(blk["x"].astype(F32).T, blk["w_last"] * blk["P"], p32)
         return S_new
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
+
+
+def _backward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
+                             dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision,
+                             residual=True):
+    """:func:`_backward_kernel` in 16-row blocks (``KernelConfig(column_solve="blocked")``): P and the intra-chunk
+    read by :func:`_block_solve`; the transposed read ``dP = (QXᵀ ⊙ D)ᵀ dO + w ⊙ X dS``, the transposed solve
+    ``(I + A_c)ᵀ dR = dP`` and the row-mixing gradients ``d(QXᵀ)``, ``d(XXᵀ)`` serial inside diagonal blocks and
+    dots between blocks (decays renormalized at the earlier block's last row); the decay gradients without a
+    pairwise loop, per column: ``Σ_j dA[r, j] A[r, j] = −dR_r (R_r − P_r)``,
+    ``Σ_r dA[r, j] A[r, j] = −P_j (dP_j − dR_j)``, and the read's ``dO_t ō_t`` and ``−P_s (QXᵀ ⊙ D)ᵀ dO)_s``."""
+    dgp_ref, ds_start_ref = refs if residual else (None, *refs)
+    p32 = lax.Precision.HIGHEST if precision is not None else None
+    named = dict(q=q_ref, x=x_ref, y=y_ref, eta=eta_ref, g=g_ref, gp=gp_ref, rl=rl_ref, do=do_ref)
+    idx = lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+
+    def body(i_rev, dS):
+        c = n_chunks - 1 - i_rev
+        start = pl.multiple_of(c * chunk, chunk)
+        g_last, rl_last = g_ref[start + chunk - 1, :], rl_ref[start + chunk - 1].astype(F32)
+        a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+        h = h_ref[c, :, :]
+        blocks = _chunk_blocks(named, start, chunk, ("q", "x", "y", "eta", "g", "gp", "rl", "do"))
+        for blk in blocks:
+            blk["cont"], cont_p, blk["w_last"], _ = _gates(blk["g"], blk["gp"], blk["rl"], g_last, rl_last)
+            blk["xf"], blk["qf"], blk["do"] = blk["x"].astype(F32), blk["q"].astype(F32), blk["do"].astype(F32)
+            y = blk["y"].astype(F32)
+            if residual:
+                blk["xh"] = dot(blk["xf"], h, p32)
+                blk["target"] = y - cont_p * blk["xh"]
+                blk["edr_scale"] = blk["eta"] * cont_p
+            else:
+                blk["target"] = y
+            blk["R"] = blk["eta"] * blk["target"]
+            blk["xds"] = dot(blk["xf"], dS, p32)
+        _block_solve(blocks, precision, p32, residual, with_read=True, sums=residual)
+        nb = len(blocks)
+        # the transposed read dPr[s] = Σ_{t≥s} qx[t, s] e^{g_t − g_s} dO[t], last block first
+        for k in range(nb - 1, -1, -1):
+            blk = blocks[k]
+            g, rl, do = blk["g"], blk["rl"], blk["do"]
+            qx = dot(blk["q"], blk["x"].T, precision)
+
+            def grad_p(s, dPr, qx=qx, g=g, rl=rl, do=do):
+                read = _col(qx, s)[:, None] * _decay_from((idx >= s) & (rl == _at(rl, s)), g, _row(g, s))
+                return _set_row(dPr, s, jnp.sum(read * do, axis=0))
+
+            dPr = lax.fori_loop(0, BLOCK, grad_p, jnp.zeros(do.shape, F32))
+            acc = jnp.zeros(do.shape, F32)
+            for i in range(k + 1, nb):
+                later = blocks[i]
+                qx_ik = dot(later["q"], blk["x"].T, precision) * _same(later["rl"], rl)
+                acc = acc + dot(qx_ik.T, jnp.exp(later["g"] - blk["g_r"][None, :]) * later["do"], p32)
+            blk["dPr"] = dPr + jnp.exp(blk["g_r"][None, :] - g) * acc
+            blk["dP"] = blk["dPr"] + blk["w_last"] * blk["xds"]
+        # the transposed solve (I + A_c)ᵀ dR = dP, last block first
+        for k in range(nb - 1, -1, -1):
+            blk = blocks[k]
+            if not residual:
+                blk["dR"] = blk["dP"]
+                continue
+            eta, g, gp, rl = blk["eta"], blk["g"], blk["gp"], blk["rl"]
+            rhs = jnp.zeros(eta.shape, F32)
+            for i in range(k + 1, nb):
+                later = blocks[i]
+                gram_ik = dot(later["x"], blk["x"].T, precision) * _same(later["rl"], rl)
+                u = later["eta"] * jnp.exp(later["gp"] - blk["g_r"][None, :]) * later["dR"]
+                rhs = rhs + dot(gram_ik.T, u, p32)
+            rhs = blk["dP"] - jnp.exp(blk["g_r"][None, :] - g) * rhs
+            gram = dot(blk["x"], blk["x"].T, precision)
+
+            def solve_back(j, dR, gram=gram, eta=eta, g=g, gp=gp, rl=rl, rhs=rhs):
+                s = BLOCK - 1 - j
+                coef = eta * _col(gram, s)[:, None] * _decay_from((idx > s) & (rl == _at(rl, s)), gp, _row(g, s))
+                return _set_row(dR, s, _row(rhs, s) - jnp.sum(coef * dR, axis=0))
+
+            blk["dR"] = lax.fori_loop(0, BLOCK, solve_back, jnp.zeros(eta.shape, F32))
+        # row-mixing gradients: d(QXᵀ)[t, s] = Σ_c e^{g_t − g_s} P[s] dO[t] (s ≤ t) and
+        # d(XXᵀ)[r, j] = −Σ_c η_r dR_r e^{gp_r − g_j} P[j] (j < r), as [16, 16] blocks (a ≥ b)
+        d_qx, d_gram = {}, {}
+        for a in range(nb):
+            blk = blocks[a]
+            g, gp, rl, P, do = blk["g"], blk["gp"], blk["rl"], blk["P"], blk["do"]
+            edr = blk["eta"] * blk["dR"]
+
+            def cross(r, carry, g=g, gp=gp, rl=rl, P=P, do=do, edr=edr):
+                dqx, dgram = carry
+                same = rl == _at(rl, r)
+                f = _decay((idx <= r) & same, _row(g, r), g) * P * _row(do, r)[None, :]
+                dqx = _set_row(dqx, r, jnp.sum(f, axis=1))
+                if residual:
+                    gp_p = _decay((idx < r) & same, _row(gp, r), g) * P
+                    dgram = _set_row(dgram, r, -jnp.sum(gp_p * _row(edr, r)[None, :], axis=1))
+                return dqx, dgram
+
+            zc = jnp.zeros((BLOCK, BLOCK), F32)
+            d_qx[a, a], d_gram[a, a] = lax.fori_loop(0, BLOCK, cross, (zc, zc))
+            for b in range(a):
+                earlier = blocks[b]
+                same = _same(rl, earlier["rl"])
+                z_b = jnp.exp(earlier["g_r"][None, :] - earlier["g"]) * earlier["P"]
+                d_qx[a, b] = dot(jnp.exp(g - earlier["g_r"][None, :]) * do, z_b.T, p32) * same
+                if residual:
+                    d_gram[a, b] = -dot(jnp.exp(gp - earlier["g_r"][None, :]) * edr, z_b.T, p32) * same
+        # per block: every gradient of its rows; the state gradient
+        ds = a_last[None, :] * dS
+        h_ds = jnp.sum(h * dS, axis=0)
+        for a in range(nb):
+            blk = blocks[a]
+            P, dR, dP, do = blk["P"], blk["dR"], blk["dP"], blk["do"]
+            cdo = blk["cont"] * do
+            wp = blk["w_last"] * P
+            dq = dot(cdo, h.T, p32)
+            dx = dot(wp, dS.T, p32)
+            for b in range(a + 1):
+                dq = dq + dot(d_qx[a, b], blocks[b]["xf"], p32)
+            for t in range(a, nb):
+                dx = dx + dot(d_qx[t, a].T, blocks[t]["qf"], p32)
+            dg = (do * blk["read"] - P * blk["dPr"] + cdo * dot(blk["qf"], h, p32) - wp * blk["xds"])
+            ds = ds + dot(blk["qf"].T, cdo, p32)
+            if residual:
+                edr = blk["edr_scale"] * dR
+                dx = dx - dot(edr, h.T, p32)
+                for b in range(a + 1):
+                    dx = dx + dot(d_gram[a, b], blocks[b]["xf"], p32)
+                for t in range(a, nb):
+                    dx = dx + dot(d_gram[t, a].T, blocks[t]["xf"], p32)
+                dg = dg + P * (dP - dR)
+                dgp_ref[blk["rows"], :] = -dR * (blk["R"] - P) - edr * blk["xh"]
+                deta_ref[blk["rows"], :] = dR * (blk["target"] - blk["sg"])
+                ds = ds - dot(blk["xf"].T, edr, p32)
+            else:
+                deta_ref[blk["rows"], :] = dR * blk["target"]
+            if a == nb - 1:  # the chunk end: Σ_s w_s P_s (X dS)_s + a ⟨h, dS⟩ at the last row
+                end = a_last * h_ds
+                for other in blocks:
+                    end = end + jnp.sum(other["w_last"] * other["P"] * other["xds"], axis=0)
+                dg = dg + jnp.where((idx == BLOCK - 1)[:, None], end[None, :], 0.0)
+            dq_ref[blk["rows"], :] = dq.astype(dq_ref.dtype)
+            dx_ref[blk["rows"], :] = dx.astype(dx_ref.dtype)
+            dy_ref[blk["rows"], :] = (blk["eta"] * dR).astype(dy_ref.dtype)
+            dg_ref[blk["rows"], :] = dg
+        return ds
+
+    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
 
 def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
@@ -358,7 +544,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
 
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=4,
-                  num_stages=1, residual=True):
+                  num_stages=1, residual=True, blocked=False):
     """Reverse walk with every gradient. h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
     Returns dq, dx [BH, nv, L, dk] fp32 (one share per value block: sum over axis 1), dy [BH, L, dv],
@@ -373,8 +559,8 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
     share = pl.BlockSpec((None, None, L, dk), lambda b, v: (b, v, 0, 0))
     h_spec = pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v))
     vec = jax.ShapeDtypeStruct((BH, L, dv), F32)
-    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n, precision=precision_for(q.dtype),
-                               residual=residual)
+    kernel = functools.partial(_backward_kernel_blocked if blocked else _backward_kernel, chunk=chunk, n_chunks=n,
+                               precision=precision_for(q.dtype), residual=residual)
     n_vec = 3 if residual else 2  # deta, dg (, dgp)
     outs = call(kernel, grid=grid,
                 in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, rows_v, h_spec, state],
