@@ -211,12 +211,13 @@ def _block_solve(blocks, precision, p32, residual, with_read, sums=False):
                     dot(blk["q"], earlier["x"].T, precision) * same, z_k, p32)
         gram = dot(x, x.T, precision) if residual else None
         qx = dot(blk["q"], x.T, precision) if with_read else None
-        P, o, sg_diag = _solve_forward(gram, R - eta * sg if residual else R, eta, g, gp, rl, qx=qx, sums=True)
-        blk["P"] = P
+        rhs = (R - eta * sg) if residual else R
+        solved = _solve_forward(gram, rhs, eta, g, gp, rl, qx=qx, sums=sums)
+        blk["P"] = solved[0]
         if with_read:
-            blk["read"] = o + read
+            blk["read"] = solved[1] + read
         if sums:
-            blk["sg"] = sg + sg_diag
+            blk["sg"] = sg + solved[2]
 
 
 def _chunk_blocks(refs, start, chunk, names):
@@ -255,7 +256,9 @@ def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref,
         for blk in blocks:
             blk["cont"], cont_p, blk["w_last"], _ = _gates(blk["g"], blk["gp"], blk["rl"], g_last, rl_last)
             y = blk["y"].astype(F32)
-            blk["R"] = blk["eta"] * (y - cont_p * dot(blk["x"].astype(F32), S, p32) if residual else y)
+            if residual:
+                y = y - cont_p * dot(blk["x"].astype(F32), S, p32)
+            blk["R"] = blk["eta"] * y
         _block_solve(blocks, precision, p32, residual, with_read=write_o)
         S_new = a_last[None, :] * S
         for blk in blocks:
