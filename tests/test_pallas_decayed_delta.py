@@ -337,19 +337,19 @@ FP32_WALK_PALLAS_PASSES = KernelConfig(walk_operands="fp32", tri_dtype="fp32", c
                  marks=pytest.mark.slow),
     KernelConfig(), KernelConfig(outputs="pallas"),
     pytest.param(KernelConfig(outputs="split", state_grads="split", chunk_grads="xla"), marks=pytest.mark.slow),
-    KernelConfig(split_block_v=16), KernelConfig(tri_dtype="fp32"),
-    KernelConfig(outputs="pallas", state_grads="pallas", chunk_grads="pallas"),
+    KernelConfig(split_block_v=16), pytest.param(KernelConfig(tri_dtype="fp32"), marks=pytest.mark.slow),
     pytest.param(KernelConfig(chunk_grads="pallas_split"), marks=pytest.mark.slow),
     KernelConfig(stored_v="input", save_tri=True)],
     ids=["xla-passes", "bf16-walk-operands", "both", "default", "fused-forward", "split-walks", "narrow-split-walks",
-         "fp32-inverse", "bf16-inverse-fused-passes", "bf16-inverse-two-program-chunk-grads", "bf16-v-saved-inverse"])
+         "fp32-inverse", "bf16-inverse-two-program-chunk-grads", "bf16-v-saved-inverse"])
 def test_pass_choices_in_bf16_match_the_kernels_error(config, rng):
     """bf16 q, x, y with the pass choices — the outputs and chunk gradients as XLA passes (reading
     the chunk states the walk stores in bf16), the walks' state-sized dot operands rounded to bf16, the
     default (bf16 walk operands, split state-gradient walk, chunk gradients from the walks' P and dR, here the
     split forward: few programs, and T stored in bf16), the fused forward, the split walks with XLA chunk
-    gradients, 16-column split walks, T in fp32, T in bf16 through the fused passes and the two-program chunk
-    gradients (every kernel that reads T), V stored in bf16 with the forward's T kept for the backward —:
+    gradients, 16-column split walks, T in fp32, T in bf16 through the fused passes ("bf16-walk-operands": T
+    is in bf16 by default) and the two-program chunk gradients (every kernel that reads T), V stored in bf16
+    with the forward's T kept for the backward —:
     outputs and gradients against the float64 reference, within twice the error of the
     fp32-operand all-Pallas path on the same inputs plus one bf16 unit (2⁻⁸ of the largest value:
     rounding S and P to bf16 for a dot costs about that; measured 1–3.7× that path's error), with
@@ -508,7 +508,8 @@ def test_kernel_config_tri_dtype_per_backend_and_inputs():
     assert "t_dtype" not in bf16("pallas_tpu", jnp.bfloat16)  # the TPU kernels keep T in fp32
 
 
-@pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "input"), ("fp32", "input"), ("input", "fp32")])
+@pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "input"), ("fp32", "input"),
+                                                 pytest.param("input", "fp32", marks=pytest.mark.slow)])
 def test_bf16_stored_residual_gradients(stored_dr, tri_dtype, rng):
     """bf16 inputs through the GPU default backward (P stored by the recompute walk, dR by the state-gradient walk
     in bf16 or fp32; T in fp32 or bf16): every gradient within a few bf16 units of the float64 reference, all
