@@ -431,27 +431,21 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert cfg.split_block_v_for(128, 32) == 32 and KernelConfig(split_block_v=128).split_block_v_for(4, 64) == 64
 
 
-def test_kernel_config_refuses_unknown_pass_choices():
-    with pytest.raises(ValueError, match="chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"):
-        KernelConfig(chunk_grads="triton")
-    with pytest.raises(ValueError, match="outputs must be"):
-        KernelConfig(outputs="XLA")
-    with pytest.raises(ValueError, match="walk_operands must be 'fp32' or 'input'"):
-        KernelConfig(walk_operands="bf16")
-    with pytest.raises(ValueError, match="split_block_v must be None"):
-        KernelConfig(split_block_v=24)
-    with pytest.raises(ValueError, match="grad_block_k must be a power of two"):
-        KernelConfig(grad_block_k=8)
-    with pytest.raises(ValueError, match="stored_dr must be 'fp32' or 'input'"):
-        KernelConfig(stored_dr="bf16")
-    with pytest.raises(ValueError, match="tri_dtype must be 'fp32' or 'input'"):
-        KernelConfig(tri_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="column_solve must be 'rows' or 'blocked'"):
-        KernelConfig(column_solve="block")
-    with pytest.raises(ValueError, match="stored_v must be 'fp32' or 'input'"):
-        KernelConfig(stored_v="bf16")
-    with pytest.raises(ValueError, match="save_tri must be True or False"):
-        KernelConfig(save_tri="yes")
+@pytest.mark.parametrize("kwargs,match", [
+    ({"chunk_grads": "triton"}, "chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"),
+    ({"outputs": "XLA"}, "outputs must be"),
+    ({"walk_operands": "bf16"}, "walk_operands must be 'fp32' or 'input'"),
+    ({"split_block_v": 24}, "split_block_v must be None"),
+    ({"grad_block_k": 8}, "grad_block_k must be a power of two"),
+    ({"stored_dr": "bf16"}, "stored_dr must be 'fp32' or 'input'"),
+    ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
+    ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
+    ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
+    ({"save_tri": "yes"}, "save_tri must be True or False"),
+])
+def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KernelConfig(**kwargs)
 
 
 def test_benchmark_kernel_config_parser():

@@ -144,22 +144,15 @@ class KernelConfig:
     def __post_init__(self):
         for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored")),
                               ("outputs", ("auto", "pallas", "xla", "split")),
-                              ("state_grads", ("auto", "pallas", "split"))):
+                              ("state_grads", ("auto", "pallas", "split")),
+                              ("column_solve", ("rows", "blocked")),
+                              *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
+                                                                       "walk_operands"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
-        if self.stored_dr not in ("fp32", "input"):
-            raise ValueError(f"KernelConfig: stored_dr must be 'fp32' or 'input', got {self.stored_dr!r}.")
-        if self.column_solve not in ("rows", "blocked"):
-            raise ValueError(f"KernelConfig: column_solve must be 'rows' or 'blocked', got {self.column_solve!r}.")
-        if self.stored_v not in ("fp32", "input"):
-            raise ValueError(f"KernelConfig: stored_v must be 'fp32' or 'input', got {self.stored_v!r}.")
         if not isinstance(self.save_tri, bool):
             raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
-        if self.tri_dtype not in ("fp32", "input"):
-            raise ValueError(f"KernelConfig: tri_dtype must be 'fp32' or 'input', got {self.tri_dtype!r}.")
-        if self.walk_operands not in ("fp32", "input"):
-            raise ValueError(f"KernelConfig: walk_operands must be 'fp32' or 'input', got {self.walk_operands!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
         width = self.split_block_v
@@ -384,13 +377,12 @@ def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, resid
 
 def _column_kw(chunk, config, interpret, residual):
     return dict(chunk=chunk, block_v=config.column_block_v, interpret=interpret, num_warps=config.column_warps,
-                residual=residual)
+                residual=residual, blocked=config.column_solve == "blocked")
 
 
 def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
     g, gp, rl = _gates(log_gamma, run, chunk)
     o, s_end = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True, write_h=False,
-                                               blocked=config.column_solve == "blocked",
                                                **_column_kw(chunk, config, interpret, residual))
     return (o, s_end), (q, x, y, eta, g, gp, rl, s0)
 
@@ -399,11 +391,9 @@ def _column_bwd(chunk, config, interpret, residual, res, cts):
     q, x, y, eta, g, gp, rl, s0 = res
     do, ds_final = cts
     kw = _column_kw(chunk, config, interpret, residual)
-    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True,
-                                           blocked=config.column_solve == "blocked", **kw)
+    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
     dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
-        q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32),
-        blocked=config.column_solve == "blocked", **kw)
+        q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
     # g = chunk-local inclusive cumsum, gp = g − log γ (unused without the residual)
     dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp if residual else reverse_chunk_cumsum(dg, chunk)
     return (jnp.sum(dq, axis=1).astype(q.dtype), jnp.sum(dx, axis=1).astype(x.dtype), dy, deta, dlog, None, ds0)
