@@ -21,10 +21,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch, write_json
+from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch, with_kernel_config,
+                               write_json)
 from falcon_jax import falcon
 from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention.api import KernelConfig
+from pallas_kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig  # the per-column kernel's
 
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128), (8, 2048, 16, 64)]
 MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]
@@ -197,6 +199,9 @@ def main() -> int:
                 beta_col = beta[..., None] * jnp.linspace(0.5, 1.0, D)  # [B, T, H, D], differs per column
                 f, b = fwd_and_bwd(ours_falcon("2A"), 5)
                 measure("falcon-2A pallas (per-column)", shape, f, b, (q, k, v, beta_col, lam),
+                        (q, k, v, beta_col, lam))
+                f, b = fwd_and_bwd(with_kernel_config(ours_falcon("2A"), RegressionConfig(column_solve="blocked")), 5)
+                measure("falcon-2A pallas (per-column), blocked solve", shape, f, b, (q, k, v, beta_col, lam),
                         (q, k, v, beta_col, lam))
             except Exception as e:  # noqa: BLE001
                 errors[f"falcon-2A {shape}"] = repr(e)[:300]

@@ -20,8 +20,9 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next27      # not yet run: Falcon-2's blocked per-column kernels, checked and timed
-#   bash benchmarks/h200_run.sh next26      # not yet run: V stored in bf16, the forward's T kept for the backward
+#   bash benchmarks/h200_run.sh next28      # eleventh run: Falcon-2/2A gradients of both per-column solves, 2A timed
+#   bash benchmarks/h200_run.sh next27      # eleventh run: Falcon-2's blocked per-column kernels, checked and timed
+#   bash benchmarks/h200_run.sh next26      # eleventh run: V stored in bf16, the forward's T kept for the backward
 #   bash benchmarks/h200_run.sh next25      # tenth run: fla at 2x8192 and 1x32768 in the same run as the default
 #   bash benchmarks/h200_run.sh next24      # tenth run: next23's unfinished checks (gradients, pass choices), 1x131072 memory
 #   bash benchmarks/h200_run.sh next23      # tenth run: the new default (bf16 T) checked in full, timed, memory
@@ -42,7 +43,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -285,6 +286,12 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas (ours);falcon-2 per-column pallas;per-column op" --skip "ninth-run,bf16 V" \
       --out "$out/$part/bench_col.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27)"; exit 2 ;;
+  next28)  # eleventh run: before the blocked per-column solve becomes the default, the gradients of both solves
+    # (Falcon-2 and Falcon-2A, fp32 vs float64, bf16 blocked vs rows) and Falcon-2A's timing with each
+    step check_col_grads 330 python3 benchmarks/gpu_check_regression.py --only "falcon-2 grads" \
+      --out "$out/$part/check_col_grads.json"
+    step bench_inner_col 200 python3 benchmarks/bench_inner_product.py --quick --out "$out/$part/bench_inner_col.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
