@@ -200,8 +200,8 @@ def main() -> int:
                 f, b = fwd_and_bwd(ours_falcon("2A"), 5)
                 measure("falcon-2A pallas (per-column)", shape, f, b, (q, k, v, beta_col, lam),
                         (q, k, v, beta_col, lam))
-                f, b = fwd_and_bwd(with_kernel_config(ours_falcon("2A"), RegressionConfig(column_solve="blocked")), 5)
-                measure("falcon-2A pallas (per-column), blocked solve", shape, f, b, (q, k, v, beta_col, lam),
+                f, b = fwd_and_bwd(with_kernel_config(ours_falcon("2A"), RegressionConfig(column_solve="rows")), 5)
+                measure("falcon-2A pallas (per-column), row-by-row solve", shape, f, b, (q, k, v, beta_col, lam),
                         (q, k, v, beta_col, lam))
             except Exception as e:  # noqa: BLE001
                 errors[f"falcon-2A {shape}"] = repr(e)[:300]

@@ -165,11 +165,10 @@ WHOLE_OP_VARIANTS = {
 
 # the per-column kernel (Falcon-2) on per-column gains, kernel only, with its launch parameters varied
 COLUMN_VARIANTS = {
-    "per-column op, default (4 warps, 32 columns)": KernelConfig(),
-    "per-column op, 1 warp": KernelConfig(column_warps=1),
-    "per-column op, 2 warps": KernelConfig(column_warps=2),
+    "per-column op, default (blocked solve, 4 warps, 32 columns)": KernelConfig(),
+    "per-column op, 2 warps": KernelConfig(column_warps=2),  # 1 warp (rows): 60 / 499 ms, eleventh run; dropped
     "per-column op, 16 columns": KernelConfig(column_block_v=16),
-    "per-column op, blocked solve": KernelConfig(column_solve="blocked"),  # tenth session, not yet timed
+    "per-column op, row-by-row solve": KernelConfig(column_solve="rows"),  # the default until the eleventh run
 }
 
 
@@ -305,8 +304,8 @@ def main() -> int:
         if shape == (SMOKE_SHAPES if args.smoke else SHAPES)[0]:  # Falcon-2 (per-column gains): 8x2048 only
             beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
-            measure("falcon-2 per-column pallas (ours), blocked solve", shape,
-                    with_kernel_config(ours_falcon2, KernelConfig(column_solve="blocked")), 5,
+            measure("falcon-2 per-column pallas (ours), row-by-row solve", shape,
+                    with_kernel_config(ours_falcon2, KernelConfig(column_solve="rows")), 5,
                     (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
             for label, cfg in COLUMN_VARIANTS.items():

@@ -619,7 +619,8 @@ def test_per_column_forward_matches_reference(rng):
 
 @pytest.mark.parametrize("chunk,block_v", [(16, 16), pytest.param(32, 32, marks=pytest.mark.slow)])
 def test_per_column_gradients_match_reference(chunk, block_v, rng):
-    """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan."""
+    """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan, with the
+    row-by-row solve (``column_solve="rows"``; the blocked default at multi-block chunks: below)."""
     q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -631,7 +632,8 @@ def test_per_column_gradients_match_reference(chunk, block_v, rng):
         return f
 
     argnums = tuple(range(6))
-    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, config=KernelConfig(column_block_v=block_v))),
+    config = KernelConfig(column_solve="rows", column_block_v=block_v)
+    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, config=config)),
                    argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
     want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
         *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
@@ -672,7 +674,7 @@ BLOCKED = KernelConfig(column_solve="blocked", column_block_v=16)
 @pytest.mark.parametrize("case", ["values", "extreme", "tiny-decay", "no-residual", "gradients",
                                   "no-residual-gradients"])
 def test_per_column_blocked_solve_matches_reference(case, rng):
-    """``column_solve="blocked"`` (16-row blocks, dots between blocks with the decays renormalized at each
+    """``column_solve="blocked"`` (the default; 16-row blocks, dots between blocks with the decays renormalized at each
     block's last row) against the float64 token scan, with chunks of 32 and 64 rows (2 and 4 blocks): odd T,
     a segment start inside a chunk, non-zero initial state; β near 2 with nearly parallel keys and γ at its
     clamp on a third of the steps; γ = 1e-6 on every step in half the columns (cumulative log decay −884 in a
@@ -708,7 +710,7 @@ def test_per_column_blocked_solve_matches_reference(case, rng):
         o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
         for chunk in (32, 64):
             errors = {}
-            for config in (BLOCKED, KernelConfig(column_block_v=16)):
+            for config in (BLOCKED, KernelConfig(column_solve="rows", column_block_v=16)):
                 o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, config=config)
                 assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(final)))
                 errors[config.column_solve] = (rel_err(o, o_ref), rel_err(final, final_ref))
@@ -825,7 +827,8 @@ def test_attention_per_column_forward_matches_reference(rng):
 
 @pytest.mark.parametrize("chunk,block_v", [(16, 16), pytest.param(32, 32, marks=pytest.mark.slow)])
 def test_attention_per_column_gradients_match_reference(chunk, block_v, rng):
-    """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan."""
+    """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan, with the
+    row-by-row solve (the blocked default: ``test_per_column_blocked_solve_matches_reference``)."""
     q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -838,7 +841,8 @@ def test_attention_per_column_gradients_match_reference(chunk, block_v, rng):
 
     argnums = tuple(range(6))
     got = jax.grad(loss(lambda *a: attn_column_kernel(*a, chunk_size=chunk,
-                                                      config=KernelConfig(column_block_v=block_v))),
+                                                      config=KernelConfig(column_solve="rows",
+                                                                          column_block_v=block_v))),
                    argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
     want = jax.grad(loss(decayed_attention_per_column_reference), argnums=argnums)(
         *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))

@@ -134,10 +134,11 @@ class KernelConfig:
     # forward 0.90 vs 1.29 ms, output error 1.45x) or "fp32" (TF32 for bf16 inputs).  fp32 inputs are unaffected
     # either way; the TPU kernels ignore it (fp32 operands).
     walk_operands: str = "input"
-    # per-column gates (Falcon-2, 2A): the kernels' solves, reads and row-mixing gradients "rows" (serial loops
-    # over the chunk's rows) or "blocked" (16-row blocks: serial inside the diagonal blocks, dots between them,
-    # the decay gradients elementwise; tenth session, not yet timed on the H200 — h200_run.sh next27)
-    column_solve: str = "rows"
+    # per-column gates (Falcon-2, 2A): the kernels' solves, reads and row-mixing gradients "blocked" (16-row
+    # blocks: serial inside the diagonal blocks, dots between them, the decay gradients elementwise; H200, bf16,
+    # 8x2048x16x128, Falcon-2 fwd 8.07 vs 18.06 ms, fwd+bwd 41.0 vs 82.2; Falcon-2A 5.49 / 21.7 vs 9.48 / 27.1)
+    # or "rows" (serial loops over the chunk's rows, the default until the eleventh run)
+    column_solve: str = "blocked"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 

@@ -42,10 +42,11 @@ Kernels:
     its columns (dy, dη, d g, d gp) and its block's share of dq and dx (summed over
     value blocks in XLA).
 
-Both take ``blocked=True`` (``KernelConfig(column_solve="blocked")``): the chunk in 16-row
-blocks, serial loops only inside the diagonal blocks, dots between blocks with the decays
-renormalized at the earlier block's last row (:func:`_block_solve`,
-:func:`_forward_kernel_blocked`, :func:`_backward_kernel_blocked`).
+Both take ``blocked=True`` (``KernelConfig(column_solve="blocked")``, the default): the chunk
+in 16-row blocks, serial loops only inside the diagonal blocks, dots between blocks with the
+decays renormalized at the earlier block's last row (:func:`_block_solve`,
+:func:`_forward_kernel_blocked`, :func:`_backward_kernel_blocked`); on the H200 1.25-2.2x faster
+than the row loops above (``column_solve="rows"``).
 """
 
 from __future__ import annotations
