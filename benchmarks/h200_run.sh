@@ -20,6 +20,9 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next31      # eleventh run: a barrier before the gates' transpose (no change; reverted)
+#   bash benchmarks/h200_run.sh next30      # eleventh run: the XLA glue fusions of the whole op, printed
+#   bash benchmarks/h200_run.sh next29      # eleventh run: per-kernel GPU time of ours, jla and fla (CUPTI)
 #   bash benchmarks/h200_run.sh next28      # eleventh run: Falcon-2/2A gradients of both per-column solves, 2A timed
 #   bash benchmarks/h200_run.sh next27      # eleventh run: Falcon-2's blocked per-column kernels, checked and timed
 #   bash benchmarks/h200_run.sh next26      # eleventh run: V stored in bf16, the forward's T kept for the backward
@@ -43,7 +46,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -292,6 +295,22 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/check_col_grads.json"
     step bench_inner_col 200 python3 benchmarks/bench_inner_product.py --quick --out "$out/$part/bench_inner_col.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28)"; exit 2 ;;
+  next29)  # eleventh run: where the time goes, kernel by kernel, in our whole Falcon-1 op, the op alone, jla's
+    # gated_deltanet and fla's chunk_delta_rule (fwd, fwd+bwd) at 8x2048 and 1x32768
+    step profile 420 python3 benchmarks/profile_kernels.py --out "$out/$part/profile.json"
+    ;;
+  next30)  # eleventh run: the XLA fusions around our kernels that next29 timed (271 us transpose and 81 us convert
+    # at 1x32768 in the whole op's forward, pad and convert-reduce fusions at 8x2048), traced to their source lines
+    glue=input_transpose_fusion_1,input_transpose_fusion_3,loop_convert_fusion,loop_pad_fusion,input_convert_reduce_fusion
+    step fusions_long 150 python3 benchmarks/dump_fusions.py --shape 1x32768x16x128 --names "$glue" --out "$out/$part"
+    step fusions_short 100 python3 benchmarks/dump_fusions.py --shape 8x2048x16x128 --names "$glue" --out "$out/$part"
+    ;;
+  next31)  # eleventh run: the whole Falcon-1 op kernel by kernel with lax.optimization_barrier before the gates'
+    # transpose in kernel_operands (tried: the 271 us fusion stayed, XLA's layout assignment still moved the
+    # transpose into the reduction; reverted, so this now re-times the default)
+    step profile_barrier 200 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,8x2048x16x128 \
+      --impls "falcon-1" --top 8 --out "$out/$part/profile_barrier.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
