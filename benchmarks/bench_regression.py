@@ -160,6 +160,7 @@ MEMORY_VARIANTS = ("kernel only, one-program Pallas chunk gradients",
 WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), ninth-run default (fp32 triangular inverse)": KernelConfig(tri_dtype="fp32"),
     "falcon-1 pallas (ours), bf16 V + saved inverse": KernelConfig(stored_v="input", save_tri=True),
+    "falcon-1 pallas (ours), gate transpose kernel": KernelConfig(gate_transpose="pallas"),  # eleventh session
 }
 
 

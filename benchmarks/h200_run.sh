@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next32      # not yet run: the gates' transpose as a Pallas kernel, checked and timed
 #   bash benchmarks/h200_run.sh next31      # eleventh run: a barrier before the gates' transpose (no change; reverted)
 #   bash benchmarks/h200_run.sh next30      # eleventh run: the XLA glue fusions of the whole op, printed
 #   bash benchmarks/h200_run.sh next29      # eleventh run: per-kernel GPU time of ours, jla and fla (CUPTI)
@@ -46,7 +47,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -311,6 +312,16 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile_barrier 200 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,8x2048x16x128 \
       --impls "falcon-1" --top 8 --out "$out/$part/profile_barrier.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31)"; exit 2 ;;
+  next32)  # for the twelfth run: KernelConfig(gate_transpose="pallas") (eleventh session): the gates reach the
+    # kernels through a transpose kernel, so XLA cannot fold the transpose into the ‖x‖² reduction (271 us at
+    # 1x32768 in next29); checked on the real lowering, profiled kernel by kernel, timed with the default and jla
+    step check_gates 200 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,fp32 grads,bf16" \
+      --kernel-config gate_transpose=pallas --out "$out/$part/check_gates.json"
+    step profile_gates 120 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,8x2048x16x128 \
+      --impls "falcon-1" --top 8 --kernel-config gate_transpose=pallas --out "$out/$part/profile_gates.json"
+    step bench_gates 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "ninth-run,bf16 V" \
+      --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench_gates.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -22,7 +22,8 @@ import time
 import jax
 
 from benchmarks.bench_regression import fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs, ours_falcon
-from benchmarks.common import time_jax, time_torch, write_json
+from benchmarks.common import kernel_config, time_jax, time_torch, write_json
+from falcon_jax.forms import chunk_pallas
 
 
 def kernel_times(run, sync, iters):
@@ -53,17 +54,21 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=14, help="kernels printed per case (all go to the JSON)")
     parser.add_argument("--impls", default="", help="comma-separated substrings: only the matching implementations "
                         "(default: all), e.g. 'falcon-1,fla'")
+    parser.add_argument("--kernel-config", default="", help="our whole op's regression kernels on this KernelConfig, "
+                        "'name=value,...' (default: the op's defaults), e.g. 'gate_transpose=pallas'")
     parser.add_argument("--out", default="profile_kernels.json")
     args = parser.parse_args()
     import torch
 
+    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
     wanted = [s for s in args.impls.split(",") if s]
 
     def want(impl):
         return not wanted or any(s in impl for s in wanted)
 
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "torch": torch.__version__, "cases": []}
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "torch": torch.__version__,
+               "kernel config": repr(chunk_pallas.KERNEL_CONFIG), "cases": []}
     t_start = time.time()
 
     def record(impl, shape, mode, run, sync, wall_ms):

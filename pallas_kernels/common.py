@@ -4,6 +4,7 @@ poisoned-outputs testing aid, shape checks and the sequence split into pieces.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import jax
@@ -61,12 +62,62 @@ def flatten_pad(a, length: int, mode: str = "constant"):
     return pad_time(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), length, mode)
 
 
-def kernel_operands(in_place: bool, length: int):
+def _gate_transpose_kernel(a_ref, o_ref):
+    o_ref[...] = a_ref[...].T
+
+
+def _gate_transpose_call(a, interpret):
+    B, L, H = a.shape
+    rows = min(L & -L, 256)  # the largest power of two dividing L (a multiple of the chunk), at most 256
+    (out,) = call(_gate_transpose_kernel, grid=(B, L // rows),
+                  in_specs=[pl.BlockSpec((None, rows, H), lambda b, i: (b, i, 0))],
+                  out_specs=[pl.BlockSpec((None, H, rows), lambda b, i: (b, 0, i))],
+                  out_shape=[jax.ShapeDtypeStruct((B, H, L), a.dtype)], args=(a,),
+                  compiler_params=triton_params(4, 1), interpret=interpret, name="gate_transpose")
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gate_transpose_diff(a, interpret):
+    return _gate_transpose_call(a, interpret)
+
+
+def _gate_transpose_fwd(a, interpret):
+    return _gate_transpose_call(a, interpret), None
+
+
+def _gate_transpose_bwd(interpret, _, ct):
+    return (swap_time_heads(ct),)  # the cotangent's transpose is left to XLA (nothing heavy is fused into it)
+
+
+_gate_transpose_diff.defvjp(_gate_transpose_fwd, _gate_transpose_bwd)
+
+
+def transpose_gates(a, *, interpret: bool):
+    """``[B, L, H]`` -> ``[B, H, L]`` by a Pallas Triton kernel (``H`` a power of two, ``L`` a multiple of 16).
+
+    Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates is
+    written time-major.  With ``jnp.swapaxes`` XLA's layout assignment folds the transpose into the producer
+    instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
+    its output time-minor, one 271 µs fusion on the H200 (eleventh run, ``benchmarks/profile_kernels.py``;
+    a ``lax.optimization_barrier`` did not stop it).  Differentiable (the cotangent is transposed by XLA).
+    """
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return _gate_transpose_call(a, interpret)  # integer gates (run indices) have no gradient
+    return _gate_transpose_diff(a, interpret)
+
+
+def kernel_operands(in_place: bool, length: int, gate_kernel: bool = False, interpret: bool = False):
     """``(tokens, gates)``: how an op hands its arrays to the GPU passes, padded in time to ``length``.
     Tokens are ``[B, T, H, d]`` kept in place (``in_place``) or ``[B, H, T, d]`` flattened to
     ``[B·H, L, d]``; gates (``[B, T, H]`` or ``[B, H, T]``, maybe with a trailing column axis) always
-    become ``[B·H, L, ...]``.  Both take ``mode`` (see :func:`pad_time`)."""
+    become ``[B·H, L, ...]``.  Both take ``mode`` (see :func:`pad_time`).  ``gate_kernel``: in place,
+    ``[B, T, H]`` gates with a power-of-two ``H`` are transposed by :func:`transpose_gates` (in
+    ``interpret`` mode or not) instead of by XLA."""
     def gates(a, mode="constant"):
+        if in_place and gate_kernel and a.ndim == 3 and a.shape[2] & (a.shape[2] - 1) == 0:
+            a = transpose_gates(pad_time(a, length, mode), interpret=interpret)
+            return a.reshape(a.shape[0] * a.shape[1], length)
         return flatten_pad(swap_time_heads(a) if in_place else a, length, mode)
 
     def tokens(a, mode="constant"):
@@ -259,4 +310,4 @@ __all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dt
            "interpret_default",
            "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for", "poisoned_outputs",
            "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",
-           "token_dims", "triton_params", "unsupported_dims_reason", "walk_layout"]
+           "token_dims", "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from falcon_jax import deltanet, falcon, gated_deltanet
-from pallas_kernels.common import poisoned_outputs
+from pallas_kernels.common import poisoned_outputs, transpose_gates
 from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
@@ -169,6 +169,70 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
         assert np.all(np.isfinite(np.asarray(g))), name
         assert rel_err(g, time_major(w)) < 5e-5, name
     assert rel_err(got[5], want[5]) < 5e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_gate_transpose_kernel(dtype, rng):
+    """``transpose_gates``: [B, L, H] -> [B, H, L] by the Pallas kernel (interpret mode, outputs poisoned
+    first: every element written), equal to ``swapaxes`` exactly, with L = 96 (blocks of 32 rows) and
+    L = 2048 (256); its gradient is the transposed cotangent."""
+    for B, L, H in ((2, 96, 4), (1, 2048, 8)):
+        a = jnp.asarray(rng.normal(size=(B, L, H)) * 100, dtype)
+        with poisoned_outputs():
+            got = transpose_gates(a, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.swapaxes(a, 1, 2)))
+    ct = jnp.asarray(rng.normal(size=(2, 4, 96)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(2, 96, 4)), jnp.float32)
+    grad = jax.grad(lambda a: jnp.sum(transpose_gates(a, interpret=True) * ct))(a)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(jnp.swapaxes(ct, 1, 2)))
+
+
+@pytest.mark.parametrize("H", [4, 3])
+def test_gate_transpose_option_matches_reference(H, rng):
+    """``KernelConfig(gate_transpose="pallas")``, in place: values, state and gradients equal the float64
+    reference with segments and odd T; H = 3 (not a power of two) falls back to XLA's transpose."""
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=H, T=53, segments=True)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    config = KernelConfig(gate_transpose="pallas")
+
+    def loss_tm(*a):
+        o, s = kernel(*a[:5], time_major(run), a[5], layout="BTHD", config=config)
+        return jnp.sum(o * time_major(ct_o).astype(o.dtype)) + jnp.sum(s), (o, s)
+
+    def loss_ref(*a):
+        o, s = decayed_delta_rule_reference(*a[:5], run, a[5])
+        return jnp.sum(o * ct_o) + jnp.sum(s), (o, s)
+
+    argnums = tuple(range(6))
+    (_, (o, s)), got = jax.value_and_grad(loss_tm, argnums=argnums, has_aux=True)(
+        *(jnp.asarray(time_major(a), jnp.float32) for a in (q, x, y, eta, log_gamma)), jnp.asarray(s0, jnp.float32))
+    (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
+        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
+    assert rel_err(o, time_major(o_ref)) < FP32_TOL and rel_err(s, s_ref) < FP32_TOL
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "S0"], got, [*map(time_major, want[:5]), want[5]]):
+        assert np.all(np.isfinite(np.asarray(g))) and rel_err(g, w) < 5e-5, name
+
+
+def test_gate_transpose_kernel_lowers_for_triton():
+    """Cross-lowered for Triton (bf16 tokens, d = 128, H = 4): with ``gate_transpose="pallas"`` the gates
+    reach the kernels through the transpose kernel and no [B, T, H] gate is transposed by XLA."""
+    B, T, H, D = 1, 256, 4, 128
+    q = jnp.zeros((B, T, H, D), jnp.bfloat16)
+    gate = jnp.zeros((B, T, H), jnp.float32)
+    run = jnp.zeros((B, T, H), jnp.int32)
+    s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+    def loss(eta, log_gamma):
+        o, s = decayed_delta_rule(q, q, q, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
+                                  layout="BTHD", config=KernelConfig(gate_transpose="pallas"))
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(gate, gate).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "gate_transpose" in text
+    forward = [line for line in text.splitlines() if "stablehlo.transpose" in line and f"tensor<{B}x{T}x{H}xf32>" in
+               line.split("->")[0]]
+    assert not forward, forward[:2]
 
 
 @pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads,tri_dtype", [

@@ -139,6 +139,11 @@ class KernelConfig:
     # 8x2048x16x128, Falcon-2 fwd 8.07 vs 18.06 ms, fwd+bwd 41.0 vs 82.2; Falcon-2A 5.49 / 21.7 vs 9.48 / 27.1)
     # or "rows" (serial loops over the chunk's rows, the default until the eleventh run)
     column_solve: str = "blocked"
+    # in place ([B, T, H, d] tokens, GPU): the gates' transpose to the kernels' [B·H, T], "xla" (jnp.swapaxes; XLA
+    # may fold it into the gates' producer — Falcon-1's ‖x‖² reduction then wrote time-minor, 271 µs of the whole
+    # op's 2.0 ms forward at 1x32768x16x128 on the H200, eleventh run) or "pallas" (a transpose kernel, so the
+    # producer writes row-major; eleventh-session CPU work, not yet timed on the H200)
+    gate_transpose: str = "xla"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -147,6 +152,7 @@ class KernelConfig:
                               ("outputs", ("auto", "pallas", "xla", "split")),
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
+                              ("gate_transpose", ("xla", "pallas")),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
             if getattr(self, name) not in allowed:
@@ -458,7 +464,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
 
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued.  In place the
     # tokens stay [B, L, H, d] (padded in time only); the gates are [B·H, L] either way.
-    tokens, gates = kernel_operands(in_place, L)
+    tokens, gates = kernel_operands(in_place, L, gate_kernel=config.gate_transpose == "pallas",
+                                    interpret=bool(interpret))
     f32 = jnp.float32
     o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
                           gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
