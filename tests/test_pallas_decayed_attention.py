@@ -18,7 +18,7 @@ from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention.api import KernelConfig
 from pallas_kernels.decayed_attention.pallas_gpu import poisoned_outputs
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
-from tests.helpers import bf16_gradient_errors, time_major
+from tests.helpers import assert_pallas_matches_xla_chunk_form, bf16_gradient_errors, time_major
 
 FP32_TOL = 2e-5
 
@@ -178,26 +178,9 @@ def test_falcon_pallas_equals_xla_chunk_form(variant, options):
     if options.pop("clamp", False):
         lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
     kw = dict(variant=variant, chunk_size=16, return_final_state=True, **options)
-    # continue from a non-trivial state so the initial-state path is exercised
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    with poisoned_outputs():
-        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
-    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
-    assert rel_err(got, want) < FP32_TOL
-    assert rel_err(got_state.S, want_state.S) < FP32_TOL
-    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
-    for field in ("tail_x", "tail_y", "tail_valid"):  # the window tail the next segment continues from
-        np.testing.assert_array_equal(getattr(got_state, field), getattr(want_state, field), err_msg=field)
-
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            return jnp.sum(falcon(*a, impl=impl, **{**kw, "return_final_state": False}) * ct)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
+    # continue from a non-trivial state so the initial-state path is exercised; the window tail too
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, True, rng, tol=FP32_TOL,
+                                         same=("last_key", "tail_x", "tail_y", "tail_valid"))
 
 
 def test_linear_attention_baseline_through_kernel():

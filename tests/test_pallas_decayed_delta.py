@@ -20,7 +20,7 @@ from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, deca
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference, windowed_delta_rule_reference)
-from tests.helpers import bf16_gradient_errors, time_major
+from tests.helpers import assert_pallas_matches_xla_chunk_form, bf16_gradient_errors, time_major
 
 FP32_TOL = 1e-5
 
@@ -322,24 +322,7 @@ def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng):
     if options.pop("clamp", False):
         lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
     kw = dict(variant="1", chunk_size=16, return_final_state=True, **options)
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    with poisoned_outputs():
-        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
-    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
-    assert rel_err(got, want) < FP32_TOL
-    assert rel_err(got_state.S, want_state.S) < FP32_TOL
-    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
-    if not check_grads:
-        return
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL)
 
 
 @pytest.mark.parametrize("window", [1, 3])
@@ -813,23 +796,7 @@ def test_falcon2_pallas_equals_xla_chunk_form(options, check_grads, rng):
     if options.pop("clamp", False):
         lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
     kw = dict(variant="2", chunk_size=16, return_final_state=True, **options)
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    with poisoned_outputs():
-        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
-    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
-    assert rel_err(got, want) < FP32_TOL
-    assert rel_err(got_state.S, want_state.S) < FP32_TOL
-    if not check_grads:
-        return
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL, same=())
 
 
 def test_falcon2_tied_gains_equal_falcon1(rng):
@@ -961,24 +928,7 @@ def test_falcon2a_pallas_equals_xla_chunk_form(options, check_grads, rng):
     if options.pop("clamp", False):
         lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
     kw = dict(variant="2A", chunk_size=16, return_final_state=True, **options)
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    with poisoned_outputs():
-        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
-    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
-    assert rel_err(got, want) < FP32_TOL
-    assert rel_err(got_state.S, want_state.S) < FP32_TOL
-    np.testing.assert_array_equal(got_state.last_key, want_state.last_key)
-    if not check_grads:
-        return
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL)
 
 
 def test_falcon2a_tied_gains_equal_falcon1a(rng):
@@ -1134,25 +1084,8 @@ def test_falcon3_pallas_equals_xla_chunk_form(window, options, check_grads, rng)
         beta = jnp.full_like(beta, 1.99)
         lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
     kw = dict(variant="3", window=window, chunk_size=16, return_final_state=True, **options)
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    with poisoned_outputs():
-        got, got_state = falcon(q, k, v, beta, lam, impl="pallas", initial_state=state, **kw)
-    want, want_state = falcon(q, k, v, beta, lam, impl="xla", initial_state=state, **kw)
-    assert rel_err(got, want) < FP32_TOL
-    assert rel_err(got_state.S, want_state.S) < FP32_TOL
-    for name in ("tail_x", "tail_y", "tail_valid", "last_key"):
-        np.testing.assert_array_equal(getattr(got_state, name), getattr(want_state, name))
-    if not check_grads:
-        return
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            return jnp.sum(falcon(*a, impl=impl, initial_state=state, **{**kw, "return_final_state": False}) * ct)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, lam)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL,
+                                         same=("tail_x", "tail_y", "tail_valid", "last_key"))
 
 
 def test_falcon3_window1_equals_falcon1(rng):

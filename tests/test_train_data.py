@@ -93,7 +93,7 @@ def test_packed_rows_do_not_leak_across_segments():
     from flax import nnx
 
     from falcon_jax.nn import FalconLM, LMConfig
-    from train.evaluate import loss_terms
+    from train.evaluate import loss_terms as loss_terms_eager
 
     cfg = LMConfig.preset("falcon-1A.3-tiny", vocab_size=32, chunk_size=8, dtype="float32", param_dtype="float32")
     model = FalconLM(cfg, rngs=nnx.Rngs(0))
@@ -101,9 +101,12 @@ def test_packed_rows_do_not_leak_across_segments():
     d1, d2 = rng.integers(3, 32, 11), rng.integers(3, 32, 13)
     row = np.concatenate([d1, d2])[None].astype(np.int32)
     seg = np.concatenate([np.zeros(11), np.ones(13)])[None].astype(np.int32)
-    packed = np.asarray(model(jnp.asarray(row), segment_ids=jnp.asarray(seg)))
-    alone1 = np.asarray(model(jnp.asarray(d1[None].astype(np.int32))))
-    alone2 = np.asarray(model(jnp.asarray(d2[None].astype(np.int32))))
+    # jitted: eager, the six calls below dispatched op by op for over a minute on the 2-core CI machine
+    logits = nnx.jit(lambda m, tokens, segment_ids: m(tokens, segment_ids=segment_ids))
+    loss_terms = nnx.jit(loss_terms_eager)
+    packed = np.asarray(logits(model, jnp.asarray(row), jnp.asarray(seg)))
+    alone1 = np.asarray(logits(model, jnp.asarray(d1[None].astype(np.int32)), None))
+    alone2 = np.asarray(logits(model, jnp.asarray(d2[None].astype(np.int32)), None))
     np.testing.assert_allclose(packed[0, :11], alone1[0], atol=2e-5)
     np.testing.assert_allclose(packed[0, 11:], alone2[0], atol=2e-5)
     # the loss of the packed row = the two documents' losses (the crossing pair is left out)
