@@ -204,7 +204,7 @@ def test_gate_transpose_option_matches_reference(H, rng):
         return jnp.sum(o * ct_o) + jnp.sum(s), (o, s)
 
     argnums = tuple(range(6))
-    (_, (o, s)), got = jax.value_and_grad(loss_tm, argnums=argnums, has_aux=True)(
+    (_, (o, s)), got = jax.jit(jax.value_and_grad(loss_tm, argnums=argnums, has_aux=True))(
         *(jnp.asarray(time_major(a), jnp.float32) for a in (q, x, y, eta, log_gamma)), jnp.asarray(s0, jnp.float32))
     (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
         *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
