@@ -96,9 +96,9 @@ _gate_transpose_diff.defvjp(_gate_transpose_fwd, _gate_transpose_bwd)
 def transpose_gates(a, *, interpret: bool):
     """``[B, L, H]`` -> ``[B, H, L]`` by a Pallas Triton kernel (``H`` a power of two, ``L`` a multiple of 16).
 
-    Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates is
-    written time-major.  With ``jnp.swapaxes`` XLA's layout assignment folds the transpose into the producer
-    instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
+    Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates should
+    write them time-major (not yet confirmed on a GPU: ``h200_run.sh next32``).  With ``jnp.swapaxes`` XLA's
+    layout assignment folds the transpose into the producer instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
     its output time-minor, one 271 µs fusion on the H200 (eleventh run, ``benchmarks/profile_kernels.py``;
     a ``lax.optimization_barrier`` did not stop it).  Differentiable (the cotangent is transposed by XLA).
     """
