@@ -125,6 +125,10 @@ VARIANTS = {
     "kernel only, triangular inverse 4 warps": dict(config=KernelConfig(tri_warps=4)),  # the default until run 7
     "kernel only, triangular inverse 2 warps": dict(config=KernelConfig(tri_warps=2)),
     "kernel only, Pallas chunk gradients 8 warps": dict(config=KernelConfig(grad_warps=8)),
+    # the stored-P/dR chunk gradients, the largest pass in the eleventh run's profile (966 us at 8x2048)
+    "kernel only, chunk gradients 2 stages": dict(config=KernelConfig(grad_stages=2)),
+    "kernel only, chunk gradients 16 key columns": dict(config=KernelConfig(grad_block_k=16)),
+    "kernel only, chunk gradients 8 warps, 64 key columns": dict(config=KernelConfig(grad_warps=8, grad_block_k=64)),
     "kernel only, state walk 8 warps": dict(config=KernelConfig(state_warps=8)),
     "kernel only, state walk 2 warps": dict(config=KernelConfig(state_warps=2)),
     "kernel only, forward walk 2 warps": dict(config=KernelConfig(fwd_warps=2)),

@@ -321,6 +321,11 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --impls "falcon-1" --top 8 --kernel-config gate_transpose=pallas --out "$out/$part/profile_gates.json"
     step bench_gates 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "ninth-run,bf16 V" \
       --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench_gates.json"
+    # launch choices of the stored chunk-gradient kernel, the largest pass (966 us at 8x2048 in next29)
+    step bench_grads 150 python3 benchmarks/bench_regression.py --shapes 8x2048x16x128,1x32768x16x128 \
+      --memory-shapes "" --skip "ninth-run,bf16 V,jla,fla,falcon-" \
+      --rows "kernel only (decayed;chunk gradients 2 stages;chunk gradients 16 key;chunk gradients 8 warps" \
+      --out "$out/$part/bench_grads.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32)"; exit 2 ;;
 esac
