@@ -192,12 +192,13 @@ def poisoned_outputs():
 
 
 def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
-    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs."""
+    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs (integer ones: their most negative value)."""
     if not _POISON_OUTPUTS[-1]:
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               compiler_params=compiler_params, interpret=interpret, name=name)(*args)
     n_in, n_out = len(args), len(out_shape)
-    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+    poison = [jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else jnp.iinfo(s.dtype).min, s.dtype)
+              for s in out_shape]  # integer outputs (run indices): the most negative value, never a run index
 
     def kernel_skipping_poison(*refs):
         kernel(*refs[:n_in], *refs[n_in + n_out:])
