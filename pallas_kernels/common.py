@@ -192,7 +192,8 @@ def poisoned_outputs():
 
 
 def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
-    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs (integer ones: their most negative value)."""
+    """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs (integer ones:
+    their most negative value)."""
     if not _POISON_OUTPUTS[-1]:
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               compiler_params=compiler_params, interpret=interpret, name=name)(*args)
