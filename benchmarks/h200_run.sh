@@ -326,6 +326,11 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --memory-shapes "" --skip "ninth-run,bf16 V,jla,fla,falcon-" \
       --rows "kernel only (decayed;chunk gradients 2 stages;chunk gradients 16 key;chunk gradients 8 warps" \
       --out "$out/$part/bench_grads.json"
+    # pieces at 1x32768 again (they lost in the seventh run, before the walks' bf16 operands and bf16 T): jla
+    # forms its piece maps with the same augmented walk, 201 us there (next29)
+    step bench_pieces 120 python3 benchmarks/bench_regression.py --shapes 1x32768x16x128 --memory-shapes "" \
+      --skip "ninth-run,bf16 V,jla,fla,falcon-" --rows "kernel only (decayed;pieces to" \
+      --out "$out/$part/bench_pieces.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32)"; exit 2 ;;
 esac
