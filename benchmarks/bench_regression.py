@@ -135,7 +135,6 @@ VARIANTS = {
     # how far to cut the sequence into pieces when batch·heads·value blocks leave the GPU idle
     "kernel only, no pieces": dict(config=KernelConfig(target_programs=1)),
     "kernel only, pieces to 128 programs": dict(config=KernelConfig(target_programs=128)),
-    "kernel only, pieces to 256 programs": dict(config=KernelConfig(target_programs=256)),  # eleventh session
     "kernel only, pieces to 256 programs": dict(config=KernelConfig(target_programs=256)),
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
     "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
