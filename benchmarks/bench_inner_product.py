@@ -21,8 +21,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch, with_kernel_config,
-                               write_json)
+from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch,
+                               with_kernel_config, write_json)
 from falcon_jax import falcon
 from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention.api import KernelConfig

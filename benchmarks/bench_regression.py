@@ -177,6 +177,30 @@ COLUMN_VARIANTS = {
 }
 
 
+def fla_delta_rule_calls(B, T, H, D):
+    """fla 0.6.0 on CUDA torch inputs drawn as :func:`make_inputs` draws ours (unit keys, bf16 q, k, v, β; fp32
+    log decay): ``(gated forward, delta-rule forward, delta-rule forward + backward)``, each a no-argument call.
+    Raises ImportError without torch or fla."""
+    import torch
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
+    tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", dtype=torch.float32), dim=-1)
+    tk = tk.to(torch.bfloat16)
+    tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    tg = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
+    tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
+
+    def fwd_bwd():
+        o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
+        o.sum().backward()
+
+    return (lambda: chunk_gated_delta_rule(tq, tk, tv, g=tg, beta=tb), lambda: chunk_delta_rule(tq, tk, tv, beta=tb),
+            fwd_bwd)
+
+
 def jla_op(kind):
     def op(q, k, v, beta, log_decay):
         import jla.ops
@@ -273,33 +297,18 @@ def main() -> int:
         fla_rows = ("fla 0.6.0 chunk_gated_delta_rule", "fla 0.6.0 chunk_delta_rule")
         if not args.smoke and any(wanted(r) for r in fla_rows):  # --skip fla: not imported
             try:
-                import torch
-                from fla.ops.delta_rule import chunk_delta_rule
-                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-                tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
-                tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", dtype=torch.float32), dim=-1)
-                tk = tk.to(torch.bfloat16)
-                tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-                tg = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
-                tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+                gated_fwd, delta_fwd, delta_fwd_bwd = fla_delta_rule_calls(B, T, H, D)
                 row = {"impl": "fla 0.6.0 chunk_gated_delta_rule", "shape": "x".join(map(str, shape))}
                 try:
-                    row["fwd_ms"] = time_torch(lambda: chunk_gated_delta_rule(tq, tk, tv, g=tg, beta=tb))
+                    row["fwd_ms"] = time_torch(gated_fwd)
                 except Exception as e:  # noqa: BLE001
                     record_error(f"fla gated fwd {shape}", e)
                 rows.append(row)
                 print(row, flush=True)
                 row = {"impl": "fla 0.6.0 chunk_delta_rule", "shape": "x".join(map(str, shape))}
                 try:
-                    row["fwd_ms"] = time_torch(lambda: chunk_delta_rule(tq, tk, tv, beta=tb))
-                    leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
-
-                    def fwd_bwd():
-                        o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
-                        o.sum().backward()
-
-                    row["fwd_bwd_ms"] = time_torch(fwd_bwd)
+                    row["fwd_ms"] = time_torch(delta_fwd)
+                    row["fwd_bwd_ms"] = time_torch(delta_fwd_bwd)
                 except Exception as e:  # noqa: BLE001
                     record_error(f"fla delta fwd/bwd {shape}", e)
                 rows.append(row)

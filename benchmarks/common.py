@@ -99,10 +99,10 @@ def with_kernel_config(op, config):
     """``op`` with ``falcon(impl="pallas")``'s regression kernels on ``config`` while it runs (and traces)."""
     from falcon_jax.forms import chunk_pallas
 
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         saved, chunk_pallas.KERNEL_CONFIG = chunk_pallas.KERNEL_CONFIG, config
         try:
-            return op(*args)
+            return op(*args, **kwargs)
         finally:
             chunk_pallas.KERNEL_CONFIG = saved
     return wrapped

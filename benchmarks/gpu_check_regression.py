@@ -14,8 +14,8 @@ Checks (exit 1 if any fails):
   * T = 65536 bf16: forward and backward finite;
   * Falcon-2 (per-column gains, the per-column kernel): fp32 outputs and final state at T = 8192 vs
     the float64 XLA chunk form, rel. error <= 1e-4;
-  * Falcon-2 and Falcon-2A gradients (T = 2048, d = 64) of both per-column solves (rows, 16-row blocks): fp32 vs float64
-    rel. error <= 1e-4; bf16, the blocked solve's error within 2x the row-by-row solve's + 2^-8;
+  * Falcon-2 and Falcon-2A gradients (T = 2048, d = 64) of both per-column solves (rows, 16-row blocks):
+    fp32 vs float64 rel. error <= 1e-4; bf16, the blocked solve's error within 2x the row-by-row solve's + 2^-8;
   * Falcon-3 (window 4, the windowed kernel), continuing from a state with a window tail: fp32 outputs
     and final state at T = 8192 vs the float64 XLA chunk form, rel. error <= 1e-4;
   * the op's opt-in pass choices (``KernelConfig``): outputs and chunk gradients as XLA passes, fp32 values
@@ -37,7 +37,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import kernel_config, write_json  # noqa: E402
+from benchmarks.common import kernel_config, with_kernel_config, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
@@ -63,8 +63,8 @@ def to32(tree):
 
 
 # the check groups, in the order they run (names for --skip / --only)
-GROUPS = ("fp32 values", "falcon-2 values", "falcon-2 grads", "falcon-3 values", "bf16", "long bf16", "extreme op", "segments",
-          "bf16 grads", "fp32 grads", "pass choices")
+GROUPS = ("fp32 values", "falcon-2 values", "falcon-2 grads", "falcon-3 values", "bf16", "long bf16", "extreme op",
+          "segments", "bf16 grads", "fp32 grads", "pass choices")
 
 
 def main() -> int:
@@ -251,27 +251,23 @@ def main() -> int:
         xs64 = jax.device_put(xs64, host)
         ct = jax.device_put(jnp.asarray(rng.normal(size=(B, Tg, H, dg32))), host)
         bf = [a.astype(jnp.bfloat16) for a in xs64[:3]] + [a.astype(jnp.float32) for a in xs64[3:]]
-        saved = chunk_pallas.KERNEL_CONFIG
-        base = saved or KernelConfig()
+        base = chunk_pallas.KERNEL_CONFIG or KernelConfig()
         for variant in ("2", "2A"):
             _, s0 = jax.jit(lambda *a: falcon(*a, impl="xla", variant=variant, return_final_state=True))(
                 *[a[:, :64] for a in xs64])
             g_ref = grads("xla", xs64, s0, ct, variant=variant)
             on_gpu = [jax.device_put(a, gpu) for a in (to32(s0), ct.astype(jnp.float32))]
             worst = {}
-            try:
-                for solve in ("rows", "blocked"):
-                    chunk_pallas.KERNEL_CONFIG = dataclasses.replace(base, column_solve=solve)
-                    g32 = grads("pallas", jax.device_put([a.astype(jnp.float32) for a in xs64], gpu), *on_gpu,
-                                variant=variant)
-                    for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
-                        check(f"falcon-{variant} {solve} fp32 T={Tg} d{dg32} grad {name} rel err", rel(a, b), 1e-4)
-                    gbf = grads("pallas", jax.device_put(bf, gpu), *on_gpu, variant=variant)
-                    worst[solve] = [rel(a, b) for a, b in zip(gbf, g_ref)]
-                    print(f"      falcon-{variant} {solve} bf16 gradient rel errs (q k v beta lam S0): "
-                          + " ".join(f"{e:.2e}" for e in worst[solve]), flush=True)
-            finally:
-                chunk_pallas.KERNEL_CONFIG = saved
+            for solve in ("rows", "blocked"):
+                solve_grads = with_kernel_config(grads, dataclasses.replace(base, column_solve=solve))
+                g32 = solve_grads("pallas", jax.device_put([a.astype(jnp.float32) for a in xs64], gpu), *on_gpu,
+                                  variant=variant)
+                for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
+                    check(f"falcon-{variant} {solve} fp32 T={Tg} d{dg32} grad {name} rel err", rel(a, b), 1e-4)
+                gbf = solve_grads("pallas", jax.device_put(bf, gpu), *on_gpu, variant=variant)
+                worst[solve] = [rel(a, b) for a, b in zip(gbf, g_ref)]
+                print(f"      falcon-{variant} {solve} bf16 gradient rel errs (q k v beta lam S0): "
+                      + " ".join(f"{e:.2e}" for e in worst[solve]), flush=True)
             results[f"falcon-{variant} bf16 gradient errors"] = worst
             check(f"falcon-{variant} blocked bf16 grad error - 2 x rows', worst (<= one bf16 unit)",
                   max(b - 2 * r for b, r in zip(worst["blocked"], worst["rows"])), 2.0**-8)
@@ -359,8 +355,8 @@ def main() -> int:
             check(f"bf16 {label}: gradient error - 2 x fp32-operand path's, worst (<= one bf16 unit)", worst,
                   2.0**-8)
 
-    for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon2_grads, falcon3_values, bf16, long_bf16, extreme_op, segments,
-                                 bf16_grads, fp32_grads, pass_choices)):
+    for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon2_grads, falcon3_values, bf16, long_bf16,
+                                 extreme_op, segments, bf16_grads, fp32_grads, pass_choices)):
         if name in skip or (only and name not in only):
             continue
         if name == "bf16" and "out" not in ref:

@@ -21,13 +21,14 @@ import time
 
 import jax
 
-from benchmarks.bench_regression import fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs, ours_falcon
+from benchmarks.bench_regression import (fla_delta_rule_calls, fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs,
+                                         ours_falcon)
 from benchmarks.common import kernel_config, time_jax, time_torch, write_json
 from falcon_jax.forms import chunk_pallas
 
 
 def kernel_times(run, sync, iters):
-    """{kernel name: [calls, µs]} per iteration of ``run`` (after one warm-up call), and the wall ms."""
+    """{kernel name: [calls, µs]} per iteration of ``run`` (after one warm-up call), ``sync`` waiting for it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,23 +120,10 @@ def main() -> int:
         if not want("fla 0.6.0 chunk_delta_rule"):
             continue
         try:
-            from fla.ops.delta_rule import chunk_delta_rule
+            _, fla_fwd, fla_fwd_bwd = fla_delta_rule_calls(B, T, H, D)
         except Exception as e:  # noqa: BLE001
             print(f"fla: {e!r}"[:300], flush=True)
             continue
-        tq = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) / D**0.5
-        tk = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).to(torch.bfloat16)
-        tv = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-        tb = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-        leaves = [t.detach().clone().requires_grad_(True) for t in (tq, tk, tv, tb)]
-
-        def fla_fwd():
-            return chunk_delta_rule(tq, tk, tv, beta=tb)
-
-        def fla_fwd_bwd():
-            o, _ = chunk_delta_rule(*leaves[:3], beta=leaves[3])
-            o.sum().backward()
-
         for mode, fn in (("fwd", fla_fwd), ("fwd+bwd", fla_fwd_bwd)):
             try:
                 wall = time_torch(fn)

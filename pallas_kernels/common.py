@@ -98,9 +98,10 @@ def transpose_gates(a, *, interpret: bool):
 
     Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates should
     write them time-major (not yet confirmed on a GPU: ``h200_run.sh next32``).  With ``jnp.swapaxes`` XLA's
-    layout assignment folds the transpose into the producer instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
-    its output time-minor, one 271 µs fusion on the H200 (eleventh run, ``benchmarks/profile_kernels.py``;
-    a ``lax.optimization_barrier`` did not stop it).  Differentiable (the cotangent is transposed by XLA).
+    layout assignment folds the transpose into the producer instead, and for Falcon-1 that producer is the ‖x‖²
+    reduction over ``[1, 32768, 16, 128]``: it then wrote its output time-minor, one 271 µs fusion on the H200
+    (eleventh run, ``benchmarks/profile_kernels.py``; a ``lax.optimization_barrier`` did not stop it).
+    Differentiable (the cotangent is transposed by XLA).
     """
     if not jnp.issubdtype(a.dtype, jnp.floating):
         return _gate_transpose_call(a, interpret)  # integer gates (run indices) have no gradient
@@ -116,8 +117,7 @@ def kernel_operands(in_place: bool, length: int, gate_kernel: bool = False, inte
     ``interpret`` mode or not) instead of by XLA."""
     def gates(a, mode="constant"):
         if in_place and gate_kernel and a.ndim == 3 and a.shape[2] & (a.shape[2] - 1) == 0:
-            a = transpose_gates(pad_time(a, length, mode), interpret=interpret)
-            return a.reshape(a.shape[0] * a.shape[1], length)
+            return flatten_pad(transpose_gates(pad_time(a, length, mode), interpret=interpret), length, mode)
         return flatten_pad(swap_time_heads(a) if in_place else a, length, mode)
 
     def tokens(a, mode="constant"):
