@@ -66,14 +66,19 @@ def _gate_transpose_kernel(a_ref, o_ref):
     o_ref[...] = a_ref[...].T
 
 
-def _gate_transpose_call(a, interpret):
-    B, L, H = a.shape
+def _gate_transpose_call(a, interpret, heads_first: bool = True):
+    """``[B, L, H]`` -> ``[B, H, L]`` (``heads_first``) or ``[B, H, L]`` -> ``[B, L, H]``."""
+    B = a.shape[0]
+    H, L = (a.shape[2], a.shape[1]) if heads_first else (a.shape[1], a.shape[2])
     rows = min(L & -L, 256)  # the largest power of two dividing L (a multiple of the chunk), at most 256
-    (out,) = call(_gate_transpose_kernel, grid=(B, L // rows),
-                  in_specs=[pl.BlockSpec((None, rows, H), lambda b, i: (b, i, 0))],
-                  out_specs=[pl.BlockSpec((None, H, rows), lambda b, i: (b, 0, i))],
-                  out_shape=[jax.ShapeDtypeStruct((B, H, L), a.dtype)], args=(a,),
-                  compiler_params=triton_params(4, 1), interpret=interpret, name="gate_transpose")
+    time_major = pl.BlockSpec((None, rows, H), lambda b, i: (b, i, 0))
+    heads_major = pl.BlockSpec((None, H, rows), lambda b, i: (b, 0, i))
+    src, dst = (time_major, heads_major) if heads_first else (heads_major, time_major)
+    out_shape = (B, H, L) if heads_first else (B, L, H)
+    (out,) = call(_gate_transpose_kernel, grid=(B, L // rows), in_specs=[src], out_specs=[dst],
+                  out_shape=[jax.ShapeDtypeStruct(out_shape, a.dtype)], args=(a,),
+                  compiler_params=triton_params(4, 1), interpret=interpret,
+                  name="gate_transpose" if heads_first else "gate_transpose_back")
     return out
 
 
@@ -87,7 +92,9 @@ def _gate_transpose_fwd(a, interpret):
 
 
 def _gate_transpose_bwd(interpret, _, ct):
-    return (swap_time_heads(ct),)  # the cotangent's transpose is left to XLA (nothing heavy is fused into it)
+    # a kernel again: with swap_time_heads XLA fused the transpose into the gates' elementwise backward (the
+    # β / λ / ‖x‖² chain of Falcon-1), one 271 µs fusion at 1x32768 on the H200 (twelfth run, next32)
+    return (_gate_transpose_call(ct, interpret, heads_first=False),)
 
 
 _gate_transpose_diff.defvjp(_gate_transpose_fwd, _gate_transpose_bwd)
@@ -97,11 +104,11 @@ def transpose_gates(a, *, interpret: bool):
     """``[B, L, H]`` -> ``[B, H, L]`` by a Pallas Triton kernel (``H`` a power of two, ``L`` a multiple of 16).
 
     Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates should
-    write them time-major (not yet confirmed on a GPU: ``h200_run.sh next32``).  With ``jnp.swapaxes`` XLA's
-    layout assignment folds the transpose into the producer instead, and for Falcon-1 that producer is the ‖x‖²
-    reduction over ``[1, 32768, 16, 128]``: it then wrote its output time-minor, one 271 µs fusion on the H200
-    (eleventh run, ``benchmarks/profile_kernels.py``; a ``lax.optimization_barrier`` did not stop it).
-    Differentiable (the cotangent is transposed by XLA).
+    write them time-major.  With ``jnp.swapaxes`` XLA's layout assignment folds the transpose into the producer
+    instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
+    its output time-minor, one 271 µs fusion on the H200 (eleventh run, ``benchmarks/profile_kernels.py``; a
+    ``lax.optimization_barrier`` did not stop it; the kernel took the forward's fusion to 70 µs, twelfth run).
+    Differentiable: the cotangent goes back through the same kernel with the blocks swapped.
     """
     if not jnp.issubdtype(a.dtype, jnp.floating):
         return _gate_transpose_call(a, interpret)  # integer gates (run indices) have no gradient

@@ -89,6 +89,7 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     (32, 1, 16, "pallas_gpu", "pallas_split", "pallas", {}), (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {}),
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"save_tri": True, "stored_v": "input"}),
+    (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -97,7 +98,8 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     the per-chunk gradient pass as a kernel and as batched XLA matmuls; the state-gradient walk fused and
     split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces;
     ``chunk_grads="pallas_stored"`` (the GPU default): P and dR stored by either walk, with and without
-    pieces; the forward's T kept for the backward (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32)."""
+    pieces, and as two programs per chunk (``"pallas_stored_split"``); the forward's T kept for the backward
+    (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32).  Outputs poisoned: every element written."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -110,9 +112,10 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
 
     argnums = tuple(range(6))
     config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads, state_grads=state_grads, **extra)
-    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
-                                          implementation=implementation)), argnums=argnums)(
-        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+    with poisoned_outputs():
+        got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
+                                              implementation=implementation)), argnums=argnums)(
+            *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
     want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
         *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
     for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
@@ -175,25 +178,26 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 def test_gate_transpose_kernel(dtype, rng):
     """``transpose_gates``: [B, L, H] -> [B, H, L] by the Pallas kernel (interpret mode, outputs poisoned
     first: every element written), equal to ``swapaxes`` exactly, with L = 96 (blocks of 32 rows) and
-    L = 2048 (256); its gradient is the transposed cotangent."""
+    L = 2048 (256); its gradient is the transposed cotangent (the kernel with the blocks swapped, poisoned too)."""
     for B, L, H in ((2, 96, 4), (1, 2048, 8)):
         a = jnp.asarray(rng.normal(size=(B, L, H)) * 100, dtype)
         with poisoned_outputs():
             got = transpose_gates(a, interpret=True)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.swapaxes(a, 1, 2)))
-    ct = jnp.asarray(rng.normal(size=(2, 4, 96)), jnp.float32)
-    a = jnp.asarray(rng.normal(size=(2, 96, 4)), jnp.float32)
-    grad = jax.grad(lambda a: jnp.sum(transpose_gates(a, interpret=True) * ct))(a)
-    np.testing.assert_array_equal(np.asarray(grad), np.asarray(jnp.swapaxes(ct, 1, 2)))
+        if dtype == jnp.float32:  # the cotangent comes back through the kernel, blocks swapped
+            ct = jnp.asarray(rng.normal(size=(B, H, L)), jnp.float32)
+            with poisoned_outputs():
+                grad = jax.grad(lambda a: jnp.sum(transpose_gates(a, interpret=True) * ct))(a)
+            np.testing.assert_array_equal(np.asarray(grad), np.asarray(jnp.swapaxes(ct, 1, 2)))
 
 
-@pytest.mark.parametrize("H", [4, 3])
-def test_gate_transpose_option_matches_reference(H, rng):
-    """``KernelConfig(gate_transpose="pallas")``, in place: values, state and gradients equal the float64
+@pytest.mark.parametrize("H,mode", [(4, "pallas"), (3, "pallas"), (4, "xla")])
+def test_gate_transpose_option_matches_reference(H, mode, rng):
+    """``KernelConfig(gate_transpose=mode)``, in place: values, state and gradients equal the float64
     reference with segments and odd T; H = 3 (not a power of two) falls back to XLA's transpose."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, H=H, T=53, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
-    config = KernelConfig(gate_transpose="pallas")
+    config = KernelConfig(gate_transpose=mode)
 
     def loss_tm(*a):
         o, s = kernel(*a[:5], time_major(run), a[5], layout="BTHD", config=config)
@@ -215,7 +219,8 @@ def test_gate_transpose_option_matches_reference(H, rng):
 
 def test_gate_transpose_kernel_lowers_for_triton():
     """Cross-lowered for Triton (bf16 tokens, d = 128, H = 4): with ``gate_transpose="pallas"`` the gates
-    reach the kernels through the transpose kernel and no [B, T, H] gate is transposed by XLA."""
+    reach the kernels through the transpose kernel, their cotangents come back through it, and no [B, T, H]
+    gate nor [B, H, T] cotangent is transposed by XLA."""
     B, T, H, D = 1, 256, 4, 128
     q = jnp.zeros((B, T, H, D), jnp.bfloat16)
     gate = jnp.zeros((B, T, H), jnp.float32)
@@ -230,9 +235,10 @@ def test_gate_transpose_kernel_lowers_for_triton():
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(gate, gate).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "gate_transpose" in text
-    forward = [line for line in text.splitlines() if "stablehlo.transpose" in line and f"tensor<{B}x{T}x{H}xf32>" in
-               line.split("->")[0]]
-    assert not forward, forward[:2]
+    assert "gate_transpose_back" in text  # the cotangents go back through the kernel too
+    swapped = [line for line in text.splitlines() if "stablehlo.transpose" in line
+               and any(f"tensor<{B}x{a}x{b}xf32>" in line.split("->")[0] for a, b in ((T, H), (H, T)))]
+    assert not swapped, swapped[:2]
 
 
 @pytest.mark.parametrize("dtype,pieces,walk_operands,chunk_grads,tri_dtype", [
@@ -453,7 +459,8 @@ def test_split_walks_lower_for_triton(dtype, pieces, heads):
 
 
 @pytest.mark.parametrize("name,value", [("outputs", "split"), ("state_grads", "split"),
-                                        ("chunk_grads", "pallas_split"), ("chunk_grads", "pallas_stored")])
+                                        ("chunk_grads", "pallas_split"), ("chunk_grads", "pallas_stored"),
+                                        ("chunk_grads", "pallas_stored_split")])
 def test_split_passes_are_gpu_only(name, value, rng):
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=20)
     with pytest.raises(NotImplementedError, match=f"{name}='{value}'"):

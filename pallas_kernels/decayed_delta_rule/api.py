@@ -115,7 +115,8 @@ class KernelConfig:
     # "pallas_stored" (GPU: one program per chunk reading P and dR as the recompute and state-gradient walks
     # stored them, instead of forming them again from T and the scores) or "auto": "pallas_stored" on the GPU
     # (H200, 8x2048x16x128 bf16: 0.86 ms vs "pallas_split" 1.51, XLA 2.75; op fwd+bwd 2.16 vs 2.72, next20),
-    # "pallas" on the TPU
+    # "pallas" on the TPU; "pallas_stored_split" (GPU: "pallas_stored" as two programs per chunk, the value sums
+    # through memory: 510 + 653 us vs 977 fused at 8x2048, op fwd+bwd 2.235 vs 2.038 ms; next33)
     chunk_grads: str = "auto"
     # the forward's outputs: "pallas" (inside the walk), "xla" (the walk stores chunk states; slower on the H200),
     # "split" (GPU: W, U per chunk, a state-only walk, then an output kernel — the peers' split) or "auto":
@@ -139,16 +140,19 @@ class KernelConfig:
     # 8x2048x16x128, Falcon-2 fwd 8.07 vs 18.06 ms, fwd+bwd 41.0 vs 82.2; Falcon-2A 5.49 / 21.7 vs 9.48 / 27.1)
     # or "rows" (serial loops over the chunk's rows, the default until the eleventh run)
     column_solve: str = "blocked"
-    # in place ([B, T, H, d] tokens, GPU): the gates' transpose to the kernels' [B·H, T], "xla" (jnp.swapaxes; XLA
-    # may fold it into the gates' producer — Falcon-1's ‖x‖² reduction then wrote time-minor, 271 µs of the whole
-    # op's 2.0 ms forward at 1x32768x16x128 on the H200, eleventh run) or "pallas" (a transpose kernel, so the
-    # producer writes row-major; eleventh-session CPU work, not yet timed on the H200)
-    gate_transpose: str = "xla"
+    # in place ([B, T, H, d] tokens, GPU, power-of-two H): the gates' transpose to the kernels' [B·H, T] and their
+    # cotangents' back, "pallas" (a transpose kernel both ways) or "xla" (jnp.swapaxes, the default until the
+    # twelfth run: XLA folded it into the gates' producer and its backward — Falcon-1's ‖x‖² reduction and the
+    # β / λ gradient chain — one 271 µs fusion each way at 1x32768x16x128 on the H200).  H200 bf16 whole op,
+    # pallas vs xla: 1x32768 fwd 1.751 vs 2.026 ms, fwd+bwd 5.685 vs 5.972; 8x2048 0.533 / 2.038 vs 0.524 / 2.035;
+    # 2x8192 0.714 / 2.353 vs 0.713 / 2.338 (next33)
+    gate_transpose: str = "pallas"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored")),
+        for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored",
+                                               "pallas_stored_split")),
                               ("outputs", ("auto", "pallas", "xla", "split")),
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
@@ -261,7 +265,7 @@ def _piece_starts(M, E, s0):
 
 
 def _check_split(config, backend):
-    gpu_only = ("split", "pallas_split", "pallas_stored")
+    gpu_only = ("split", "pallas_split", "pallas_stored", "pallas_stored_split")
     for name in ("outputs", "state_grads", "chunk_grads"):
         if getattr(config, name) in gpu_only and backend != "pallas_gpu":
             raise NotImplementedError(f"{backend}: KernelConfig({name}={getattr(config, name)!r}) is a GPU kernel; "
@@ -313,7 +317,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     chunk_grads = config.chunk_grads_for(backend)
-    stored = chunk_grads == "pallas_stored"  # the walks below store P and dR for the chunk gradients
+    # the walks below store P and dR for the chunk gradients
+    stored = chunk_grads in ("pallas_stored", "pallas_stored_split")
     # 1) T and the state at every chunk start, recomputed from each piece's true initial state (the fused walk:
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     if saved_tinv is None:
@@ -353,7 +358,9 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
     if stored:
-        dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_stored_pass(
+        stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
+                       else kernels.chunk_grad_stored_split_pass)
+        dq, dx, dy, deta, dg, dgp = stored_pass(
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, **_layout_kw(heads))

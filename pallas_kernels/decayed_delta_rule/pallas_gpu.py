@@ -446,6 +446,15 @@ def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
                block_k=block_k, precision=precision, group=group, lo=lo)
 
 
+def _chunk_grad_stored_values_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref,
+                                     dr_ref, dy_ref, *sum_refs, chunk, block_v, precision, lo=None):
+    """The value half of :func:`_chunk_grad_stored_kernel` as its own program: dy and the value sums, stored
+    (two ``[C, C]`` fp32 tiles and four rows per chunk) for :func:`_chunk_grad_keys_kernel`."""
+    sums, _ = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
+                                 dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
+    _store_value_sums(sum_refs, sums, chunk)
+
+
 def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
     """One chunk's ``W = T (η c⁻ ⊙ X)`` and ``U = T (η ⊙ Y)``, so that ``P = U − W S_0`` (the split forward).
     (Forming T here instead of reading it was slower on the H200: 0.48 vs 0.13 + 0.24 ms at 8x2048x16x128.)"""
@@ -805,4 +814,28 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
         args=(q, x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_stored")
+    return dq, dx, dy, deta, dg, dgp
+
+
+def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
+                                 num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+    """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
+    (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and four rows, fp32), then :func:`chunk_grad_keys`.  Fewer
+    live tiles per program than the fused kernel, for one more round trip of the sums.  Same returns."""
+    BH, L, _ = token_dims(q, heads)
+    sp = chunk_specs(q, y.shape[-1], chunk, heads)
+    vec = jax.ShapeDtypeStruct((BH, L), F32)
+    sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
+    values = functools.partial(_chunk_grad_stored_values_kernel, chunk=chunk, block_v=block_v,
+                               precision=precision_for(q.dtype), lo=walk_operands)
+    dy, *sums = call(
+        values, grid=(BH, L // chunk),
+        in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
+        out_specs=[sp.v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec, vec, vec, vec],
+        args=(x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="falcon_delta_chunk_grads_stored_values")
+    dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, (p, dr, *sums), chunk=chunk,
+                                            interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                                            group=group, heads=heads, walk_operands=walk_operands, block_k=block_k)
     return dq, dx, dy, deta, dg, dgp
