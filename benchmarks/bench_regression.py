@@ -129,6 +129,13 @@ VARIANTS = {
     "kernel only, chunk gradients 2 stages": dict(config=KernelConfig(grad_stages=2)),
     "kernel only, chunk gradients 16 key columns": dict(config=KernelConfig(grad_block_k=16)),
     "kernel only, chunk gradients 8 warps, 64 key columns": dict(config=KernelConfig(grad_warps=8, grad_block_k=64)),
+    "kernel only, chunk gradients 2 warps": dict(config=KernelConfig(grad_warps=2)),
+    # twelfth session: the same kernel as two programs per chunk (value sums through memory, then key columns)
+    "kernel only, chunk gradients stored split": dict(config=KernelConfig(chunk_grads="pallas_stored_split")),
+    "kernel only, chunk gradients stored split, 64 key columns":
+        dict(config=KernelConfig(chunk_grads="pallas_stored_split", grad_block_k=64)),
+    "kernel only, chunk gradients stored split, 8 warps":
+        dict(config=KernelConfig(chunk_grads="pallas_stored_split", grad_warps=8)),
     "kernel only, state walk 8 warps": dict(config=KernelConfig(state_warps=8)),
     "kernel only, state walk 2 warps": dict(config=KernelConfig(state_warps=2)),
     "kernel only, forward walk 2 warps": dict(config=KernelConfig(fwd_warps=2)),
@@ -165,6 +172,8 @@ WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), ninth-run default (fp32 triangular inverse)": KernelConfig(tri_dtype="fp32"),
     "falcon-1 pallas (ours), bf16 V + saved inverse": KernelConfig(stored_v="input", save_tri=True),
     "falcon-1 pallas (ours), gate transpose kernel": KernelConfig(gate_transpose="pallas"),  # eleventh session
+    "falcon-1 pallas (ours), gate transpose kernel, stored split chunk gradients":
+        KernelConfig(gate_transpose="pallas", chunk_grads="pallas_stored_split"),
 }
 
 

@@ -1,6 +1,7 @@
 """Print the XLA fusions of the whole Falcon-1 op that profile_kernels.py names (run on the GPU).
 
-    python benchmarks/dump_fusions.py [--shape 1x32768x16x128] [--names input_transpose_fusion_1,...] [--out DIR]
+    python benchmarks/dump_fusions.py [--shape 1x32768x16x128] [--names input_transpose_fusion.1,...] [--out DIR]
+                                      [--kernel-config gate_transpose=pallas]
 
 profile_kernels.py reports kernels by XLA's fusion names; this compiles the same jitted ``falcon(variant="1",
 impl="pallas")`` forward and forward+backward, writes each optimized HLO module to ``DIR`` and prints the
@@ -18,6 +19,8 @@ import sys
 import jax
 
 from benchmarks.bench_regression import fwd_and_bwd, make_inputs, ours_falcon
+from benchmarks.common import kernel_config
+from falcon_jax.forms import chunk_pallas
 
 
 def computations(hlo: str) -> dict[str, str]:
@@ -41,7 +44,9 @@ def main() -> int:
     parser.add_argument("--names", default="", help="comma-separated fusion names (from profile_kernels.py)")
     parser.add_argument("--min-ops", type=int, default=0)
     parser.add_argument("--out", default="fusions")
+    parser.add_argument("--kernel-config", default="", help="the op's KernelConfig, e.g. gate_transpose=pallas")
     args = parser.parse_args()
+    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
     os.makedirs(args.out, exist_ok=True)
     shape = tuple(int(n) for n in args.shape.split("x"))
     q, k, v, beta, lam, _ = make_inputs(*shape)

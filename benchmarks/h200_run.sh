@@ -20,7 +20,14 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next32      # not yet run: the gates' transpose as a Pallas kernel, checked and timed
+#   bash benchmarks/h200_run.sh next37      # not yet run: Nsight Compute again, without JAX's preallocated pool
+#   bash benchmarks/h200_run.sh next36      # not yet run as it stands: registers and spills of every kernel (ptxas -v
+#                                           # on the PTX Pallas compiles; the first try read XLA's dump: no PTX)
+#   bash benchmarks/h200_run.sh next35      # twelfth run: the buffers live at the peak memory, ours and jla
+#   bash benchmarks/h200_run.sh next34      # twelfth run, cut: ncu under JAX wrote nothing in 600 s (the call's limit)
+#   bash benchmarks/h200_run.sh next33      # twelfth run: the gates' cotangents through the kernel too; the stored
+#                                           # chunk gradients as two programs per chunk
+#   bash benchmarks/h200_run.sh next32      # twelfth run: the gates' transpose as a Pallas kernel, checked and timed
 #   bash benchmarks/h200_run.sh next31      # eleventh run: a barrier before the gates' transpose (no change; reverted)
 #   bash benchmarks/h200_run.sh next30      # eleventh run: the XLA glue fusions of the whole op, printed
 #   bash benchmarks/h200_run.sh next29      # eleventh run: per-kernel GPU time of ours, jla and fla (CUPTI)
@@ -47,7 +54,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -332,6 +339,60 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "ninth-run,bf16 V,jla,fla,falcon-" --rows "kernel only (decayed;pieces to" \
       --out "$out/$part/bench_pieces.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32)"; exit 2 ;;
+  next33)  # twelfth run: next32 left the 271 us fusion in fwd+bwd (the gates' cotangents went back through an XLA
+    # transpose, fused into the β/λ/‖x‖² backward); now a kernel too.  And the stored chunk gradients split in two.
+    step check_gates 150 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16" \
+      --kernel-config gate_transpose=pallas --out "$out/$part/check_gates.json"
+    step check_stored_split 100 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16" \
+      --kernel-config chunk_grads=pallas_stored_split --out "$out/$part/check_stored_split.json"
+    step profile 120 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,8x2048x16x128 \
+      --impls "falcon-1" --top 10 --kernel-config gate_transpose=pallas,chunk_grads=pallas_stored_split \
+      --out "$out/$part/profile.json"
+    step bench_whole 200 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "ninth-run,bf16 V" \
+      --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench_whole.json"
+    step bench_split 120 python3 benchmarks/bench_regression.py --shapes 8x2048x16x128,1x32768x16x128 \
+      --memory-shapes "" --skip "ninth-run,bf16 V,jla,fla,falcon-" \
+      --rows "kernel only (decayed;chunk gradients stored split" --out "$out/$part/bench_split.json"
+    ;;
+  next34)  # twelfth run: why the chunk gradients and the walks are slow (registers, occupancy, throughput, stalls;
+    # ncu reads the counters on this machine's runtime), and which buffers make the peak memory (ours 1.30x jla)
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    spills="--metrics l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
+    # shellcheck disable=SC2086
+    step ncu_short 200 "$ncu_bin" --clock-control none --launch-count 5 $sections $spills \
+      -k "regex:falcon_delta_(chunk_grads_stored|dstate_walk|dstate_prepare|fwd|tri_inverse)" \
+      python3 benchmarks/ncu_op.py --shape 8x2048x16x128 --calls 1
+    # shellcheck disable=SC2086
+    step ncu_long 150 "$ncu_bin" --clock-control none --launch-count 2 $sections $spills \
+      -k "regex:falcon_delta_(state_walk|dstate_walk)" python3 benchmarks/ncu_op.py --shape 1x32768x16x128 --calls 1
+    step memory_ours 120 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
+    step memory_jla 120 python3 benchmarks/memory_report.py --peer jla --out /tmp/memdump_jla
+    step bench_warps 60 python3 benchmarks/bench_regression.py --shapes 8x2048x16x128 --memory-shapes "" \
+      --skip "ninth-run,bf16 V,jla,fla,falcon-" --rows "kernel only (decayed;chunk gradients 2 warps" \
+      --out "$out/$part/bench_warps.json"
+    ;;
+  next35)  # twelfth run: next34's memory steps alone (its first step, ncu, used the whole call)
+    step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
+    step memory_jla 110 python3 benchmarks/memory_report.py --peer jla --out /tmp/memdump_jla
+    ;;
+  next36)  # twelfth run: registers / spills / shared memory per kernel, from the PTX XLA compiled (no ncu needed)
+    # (first try read XLA's --xla_dump_to, which holds no PTX of these kernels; now the PTX Pallas compiles)
+    step resources_short 60 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --out /tmp/kdump_short
+    step resources_long 50 python3 benchmarks/kernel_resources.py --shape 1x32768x16x128 --out /tmp/kdump_long
+    ;;
+  next37)  # next34's ncu, made to finish: no preallocated pool (ncu's kernel replay saves and restores the memory a
+    # kernel may write; with JAX's 75% pool that is ~100 GB per pass — the likely reason next34 wrote nothing),
+    # no autotuning or command buffers (kernels launched plainly), and a hard kill
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
+    step ncu_grads 150 timeout -k 5 140 "$ncu_bin" --clock-control none --launch-count 1 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --metrics l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \
+      -k "regex:falcon_delta_chunk_grads_stored" python3 benchmarks/ncu_op.py --shape 8x2048x16x128 --calls 1
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
