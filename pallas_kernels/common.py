@@ -70,7 +70,9 @@ def _gate_transpose_call(a, interpret, heads_first: bool = True):
     """``[B, L, H]`` -> ``[B, H, L]`` (``heads_first``) or ``[B, H, L]`` -> ``[B, L, H]``."""
     B = a.shape[0]
     H, L = (a.shape[2], a.shape[1]) if heads_first else (a.shape[1], a.shape[2])
-    rows = min(L & -L, 256)  # the largest power of two dividing L (a multiple of the chunk), at most 256
+    # rows per block: a power of two dividing L (a multiple of the chunk), at most 256 and at most 8192 elements
+    # per block (H a power of two), so that many heads do not make one block spill
+    rows = min(L & -L, 256, max(8192 // H, 1))
     time_major = pl.BlockSpec((None, rows, H), lambda b, i: (b, i, 0))
     heads_major = pl.BlockSpec((None, H, rows), lambda b, i: (b, 0, i))
     src, dst = (time_major, heads_major) if heads_first else (heads_major, time_major)

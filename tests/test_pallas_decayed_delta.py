@@ -177,9 +177,10 @@ def test_time_major_layout_matches_reference(T, pieces, per_column, implementati
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
 def test_gate_transpose_kernel(dtype, rng):
     """``transpose_gates``: [B, L, H] -> [B, H, L] by the Pallas kernel (interpret mode, outputs poisoned
-    first: every element written), equal to ``swapaxes`` exactly, with L = 96 (blocks of 32 rows) and
-    L = 2048 (256); its gradient is the transposed cotangent (the kernel with the blocks swapped, poisoned too)."""
-    for B, L, H in ((2, 96, 4), (1, 2048, 8)):
+    first: every element written), equal to ``swapaxes`` exactly, with L = 96 (blocks of 32 rows),
+    L = 2048 (256) and 64 heads (blocks of 128 rows); its gradient is the transposed cotangent (the kernel
+    with the blocks swapped, poisoned too)."""
+    for B, L, H in ((2, 96, 4), (1, 2048, 8), (1, 512, 64)):
         a = jnp.asarray(rng.normal(size=(B, L, H)) * 100, dtype)
         with poisoned_outputs():
             got = transpose_gates(a, interpret=True)
