@@ -168,7 +168,6 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
         rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
         x = x_ref[rows, :]
-        xf = x.astype(F32)
         if write_h:
             h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
@@ -180,7 +179,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
             o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, S, p32, lo)
             o_ref[rows, :] = o.astype(o_ref.dtype)
-        return a_last * S + _sdot((xf * w_last[:, None]).T, P, p32, lo)
+        return a_last * S + _sdot(x.T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
@@ -207,8 +206,10 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         if write_dr:
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
-        return (a_last * dS + _sdot((q.astype(F32) * cont[:, None]).T, do, p32, lo)
-                - _sdot((x.astype(F32) * (eta * cont_p)[:, None]).T, dR, p32, lo))
+        # the row scales go on the narrow dO and dR blocks ([C, block_v]), not on the keys ([C, dk], in every
+        # program of a head, every step)
+        return (a_last * dS + _sdot(q.T, cont[:, None] * do, p32, lo)
+                - _sdot(x.T, (eta * cont_p)[:, None] * dR, p32, lo))
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
@@ -480,7 +481,7 @@ def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_
         a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
         h_ref[c, :, :] = S.astype(h_ref.dtype)
         P = u_ref[rows, :].astype(F32) - _sdot(w_ref[rows, :], S, p32, lo)
-        return a_last * S + _sdot((x_ref[rows, :].astype(F32) * w_last[:, None]).T, P, p32, lo)
+        return a_last * S + _sdot(x_ref[rows, :].T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
