@@ -171,9 +171,9 @@ MEMORY_VARIANTS = ("kernel only, one-program Pallas chunk gradients",
 WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), ninth-run default (fp32 triangular inverse)": KernelConfig(tri_dtype="fp32"),
     "falcon-1 pallas (ours), bf16 V + saved inverse": KernelConfig(stored_v="input", save_tri=True),
-    "falcon-1 pallas (ours), gate transpose kernel": KernelConfig(gate_transpose="pallas"),  # eleventh session
-    "falcon-1 pallas (ours), gate transpose kernel, stored split chunk gradients":
-        KernelConfig(gate_transpose="pallas", chunk_grads="pallas_stored_split"),
+    # the default until the twelfth run (gate_transpose="pallas" since: next33)
+    "falcon-1 pallas (ours), XLA gate transpose": KernelConfig(gate_transpose="xla"),
+    "falcon-1 pallas (ours), stored split chunk gradients": KernelConfig(chunk_grads="pallas_stored_split"),
 }
 
 
