@@ -149,7 +149,9 @@ def plots(suite: str, rows: list[dict], runs: dict, prefix: str) -> list[str]:
             s = sorted(r["train"])
             ax.plot(s, [r["train"][i]["loss"] for i in s], lw=1, label=name)
     ax.set_xlabel("step"), ax.set_ylabel("training loss (nats/token)"), ax.set_yscale("log")
-    ax.legend(fontsize=6, ncol=2), fig.tight_layout()
+    if ax.get_legend_handles_labels()[0]:  # runs without training records draw nothing to label
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
     fig.savefig(prefix + "-loss.png", dpi=110), plt.close(fig)
     written.append(prefix + "-loss.png")
     if suite != "lm":
@@ -158,7 +160,9 @@ def plots(suite: str, rows: list[dict], runs: dict, prefix: str) -> list[str]:
             w = sorted(r["exact_by_width"])
             ax.plot(w, [100 * r["exact_by_width"][i] for i in w], ".-", lw=1, label=r["run"])
         ax.set_xlabel("digit width"), ax.set_ylabel("teacher-forced exact match (%)")
-        ax.legend(fontsize=6, ncol=2), fig.tight_layout()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
         fig.savefig(prefix + "-accuracy-vs-width.png", dpi=110), plt.close(fig)
         written.append(prefix + "-accuracy-vs-width.png")
     return written
