@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next39      # not yet run: the same row-scale move in the inner-product walks (1A, 3A)
 #   bash benchmarks/h200_run.sh next38      # not yet run: the walks' row scales moved onto the narrow value blocks
 #                                           # (twelfth session, untimed): checked, profiled, timed; kernel resources
 #   bash benchmarks/h200_run.sh next37      # not yet run: Nsight Compute again, without JAX's preallocated pool
@@ -56,7 +57,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -405,6 +406,11 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench.json"
     step resources 60 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --out /tmp/kdump_short
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38)"; exit 2 ;;
+  next39)  # for the thirteenth run: decayed_attention's forward and reverse walks scale the value block instead of the
+    # keys (twelfth session, CPU-tested only); compare with the README's inner-product rows (same script)
+    step check_inner 150 python3 benchmarks/gpu_check_inner_product.py --out "$out/$part/check_inner.json"
+    step bench_inner 260 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

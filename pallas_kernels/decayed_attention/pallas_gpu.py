@@ -73,7 +73,8 @@ def _forward_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk
             o = _dot(scores.astype(y.dtype), y, precision) + jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None] * inter
             o_ref[rows, :] = o.astype(o_ref.dtype)
         w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
-        write = _dot((x * w_last[:, None]).astype(x.dtype).T, y, precision)
+        # the row scale on the value block ([C, block_v]), not on the [C, dk] keys every program of a head reloads
+        write = _dot(x.T, (y * w_last[:, None]).astype(y.dtype), precision)
         return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * S + write
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(jnp.float32))
@@ -93,8 +94,8 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
             dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         q = q_ref[rows, :]
         do = do_ref[rows, :]
-        qw = (q * jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None]).astype(do.dtype)
-        return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * dS + _dot(qw.T, do, precision)
+        do_c = (do * jnp.where(rl == 0, jnp.exp(g), 0.0)[:, None]).astype(do.dtype)  # scale the narrow block
+        return jnp.where(rl_last == 0, jnp.exp(g_last), 0.0) * dS + _dot(q.astype(do.dtype).T, do_c, precision)
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(jnp.float32))
 
