@@ -25,7 +25,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import compiled_memory, print_table, time_jax, time_torch, with_kernel_config, write_json
+from benchmarks.common import (compiled_memory, kernel_config, parse_shape, print_table, time_jax, time_torch,
+                               with_kernel_config, write_json)
 from falcon_jax import falcon
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
@@ -61,6 +62,18 @@ def fwd_and_bwd(op, n_diff):
 
 def ours_falcon(q, k, v, beta, lam):
     return falcon(q, k, v, beta, lam, variant="1", impl="pallas")
+
+
+def falcon1_programs(shape_text: str, config_text: str = ""):
+    """The diagnostic scripts' program: ``(fwd, fwd+bwd, operands)`` of the whole Falcon-1 op (``ours_falcon``)
+    on a ``"BxTxHxD"`` shape, with ``falcon(impl="pallas")``'s kernels on the ``--kernel-config`` text (set for
+    the rest of the process)."""
+    from falcon_jax.forms import chunk_pallas
+
+    chunk_pallas.KERNEL_CONFIG = kernel_config(config_text)
+    q, k, v, beta, lam, _ = make_inputs(*parse_shape(shape_text))
+    fwd, both = fwd_and_bwd(ours_falcon, 5)
+    return fwd, both, (q, k, v, beta, lam)
 
 
 def ours_falcon2(q, k, v, beta, lam):
@@ -238,7 +251,7 @@ def main() -> int:
 
     def shape_list(text, flag):
         try:
-            return [tuple(int(n) for n in item.split("x")) for item in text.split(",") if item.strip()]
+            return [parse_shape(item) for item in text.split(",") if item.strip()]
         except ValueError:
             parser.error(f"{flag}: expected comma-separated BxTxHxD shapes such as 2x8192x16x128, got {text!r}")
 

@@ -73,6 +73,14 @@ def write_json(path: str, payload) -> None:
         json.dump(payload, f, indent=2, default=str)
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"2x8192x16x128"`` -> ``(2, 8192, 16, 128)`` (a ValueError names the text otherwise)."""
+    try:
+        return tuple(int(n) for n in text.strip().split("x"))
+    except ValueError:
+        raise ValueError(f"expected a BxTxHxD shape such as 2x8192x16x128, got {text!r}") from None
+
+
 def kernel_config(text: str):
     """``KernelConfig`` of the regression kernels from ``"name=value,..."`` (ints as ints, True/False/None as
     themselves; empty: None, the defaults), e.g. ``"tri_dtype=input,save_tri=True"``; an unknown name or value is

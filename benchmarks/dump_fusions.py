@@ -18,9 +18,7 @@ import sys
 
 import jax
 
-from benchmarks.bench_regression import fwd_and_bwd, make_inputs, ours_falcon
-from benchmarks.common import kernel_config
-from falcon_jax.forms import chunk_pallas
+from benchmarks.bench_regression import falcon1_programs
 
 
 def computations(hlo: str) -> dict[str, str]:
@@ -46,14 +44,11 @@ def main() -> int:
     parser.add_argument("--out", default="fusions")
     parser.add_argument("--kernel-config", default="", help="the op's KernelConfig, e.g. gate_transpose=pallas")
     args = parser.parse_args()
-    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
     os.makedirs(args.out, exist_ok=True)
-    shape = tuple(int(n) for n in args.shape.split("x"))
-    q, k, v, beta, lam, _ = make_inputs(*shape)
-    f, b = fwd_and_bwd(ours_falcon, 5)
+    f, b, operands = falcon1_programs(args.shape, args.kernel_config)
     wanted = [n for n in args.names.split(",") if n]
     for mode, fn in (("fwd", f), ("fwd_bwd", b)):
-        hlo = jax.jit(fn).lower(q, k, v, beta, lam).compile().as_text()
+        hlo = jax.jit(fn).lower(*operands).compile().as_text()
         with open(os.path.join(args.out, f"falcon1_{mode}_{args.shape}.hlo.txt"), "w") as fh:
             fh.write(hlo)
         comps = computations(hlo)

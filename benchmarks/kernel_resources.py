@@ -5,8 +5,9 @@
 Under jaxlib > 0.10.2 Pallas compiles each Triton kernel itself (``jax._src.lib.triton.compile``) while
 lowering; this wraps that call to keep every kernel's PTX, and ``ptxas -v`` (the CUDA toolkit's, else
 Triton's) reports each function's registers, stack frame and spill stores / loads for sm_90a.  (XLA's
-``--xla_dump_to`` does not write these kernels' PTX: tried in the twelfth run.)  A kernel that spills (or runs at 255 registers) holds more live tiles than the
-register file: the first thing to check when a kernel is far from its memory or MMA roofline.
+``--xla_dump_to`` does not write these kernels' PTX: tried in the twelfth run.)  A kernel that spills (or runs
+at 255 registers) holds more live tiles than the register file: the first thing to check when a kernel is far
+from its memory or MMA roofline.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from benchmarks.bench_regression import fwd_and_bwd, make_inputs, ours_falcon
-    from benchmarks.common import kernel_config
-    from falcon_jax.forms import chunk_pallas
+    from benchmarks.bench_regression import falcon1_programs
 
     compile_kernel = getattr(getattr(registration, "triton", None), "compile", None)
     if compile_kernel is None:
@@ -92,10 +91,8 @@ def main() -> int:
         return result
 
     registration.triton.compile = keep_ptx
-    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
-    q, k, v, beta, lam, _ = make_inputs(*(int(n) for n in args.shape.split("x")))
-    _, both = fwd_and_bwd(ours_falcon, 5)
-    both.lower(q, k, v, beta, lam)
+    _, both, operands = falcon1_programs(args.shape, args.kernel_config)
+    both.lower(*operands)
     ptxas = ptxas_binary()
     print(f"{args.shape}: {len(files)} kernel(s) compiled while lowering, ptxas {ptxas}", flush=True)
     if not files:

@@ -4,8 +4,9 @@
 
 ``benchmarks/bench_regression.py`` reports the compiled fwd+bwd's temporary + output bytes; this compiles the
 same program with XLA's dumps on (``--xla_dump_to``) and prints the buffers live at the peak (XLA's live-range
-dump) with their shapes and the operations that made them, so the peak can be traced to the arrays behind it.  With
-``--peer jla`` it does the same for jax-linear-attention's ``gated_deltanet`` (installed from ``.whl``).
+dump) with their shapes and the operations that made them, so the peak can be traced to the arrays behind it.
+With ``--peer jla`` it does the same for jax-linear-attention's ``gated_deltanet`` (installed from ``.whl``;
+``--kernel-config`` is ours only).
 """
 
 from __future__ import annotations
@@ -28,21 +29,18 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     # before jax is imported: the dump flags are read when the backend starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.out}"
-                               " --xla_dump_hlo_module_re=.*both.* --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()
+                               " --xla_dump_hlo_module_re=.*both.* --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_pass_re=^$").strip()
 
-    from benchmarks.bench_regression import fwd_and_bwd, make_inputs, ours_falcon
-    from benchmarks.common import kernel_config
-    from falcon_jax.forms import chunk_pallas
+    from benchmarks.bench_regression import falcon1_programs, fwd_and_bwd, jla_op, make_inputs
+    from benchmarks.common import parse_shape
 
-    shape = tuple(int(n) for n in args.shape.split("x"))
-    q, k, v, beta, lam, log_decay = make_inputs(*shape)
     if args.peer == "jla":
-        from benchmarks.bench_regression import jla_op
-        op, operands, n_diff = jla_op("gated_deltanet"), (q, k, v, beta, log_decay), 5
+        q, k, v, beta, _, log_decay = make_inputs(*parse_shape(args.shape))
+        _, both = fwd_and_bwd(jla_op("gated_deltanet"), 5)
+        operands = (q, k, v, beta, log_decay)
     else:
-        chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
-        op, operands, n_diff = ours_falcon, (q, k, v, beta, lam), 5
-    _, both = fwd_and_bwd(op, n_diff)
+        _, both, operands = falcon1_programs(args.shape, args.kernel_config)
     compiled = both.lower(*operands).compile()
     analysis = compiled.memory_analysis()
     mb = 1e-6
@@ -51,7 +49,13 @@ def main() -> int:
           flush=True)
     for path in sorted(glob.glob(os.path.join(args.out, "*both*after_optimizations-live-range.txt"))):
         hlo_path = path.replace("-live-range.txt", ".txt")
-        hlo = open(hlo_path).read() if os.path.exists(hlo_path) else ""
+        # each instruction's defining line, by name (to print a peak buffer's shape and the op that made it)
+        defs = {}
+        if os.path.exists(hlo_path):
+            for ln in open(hlo_path).read().splitlines():
+                head = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", ln)
+                if head:
+                    defs.setdefault(head.group(1), ln)
         text = open(path).read()
         start = text.find("(peak):")
         if start < 0:
@@ -59,7 +63,7 @@ def main() -> int:
         print(f"== {os.path.basename(path)}: buffers live at the peak, largest first")
         rows = re.findall(r"^\s+(\S+)\{(\d*)\}: (\d+) bytes", text[start:].split("Stack trace")[0], re.M)
         for name, index, size in sorted(rows, key=lambda r: -int(r[2]))[:args.lines]:
-            line = next((ln for ln in hlo.splitlines() if re.match(rf"\s*(ROOT )?%?{re.escape(name)} = ", ln)), "")
+            line = defs.get(name, "")
             shape = line.split(" = ", 1)[1].split(" ", 1)[0][:60] if line else "?"
             op = re.search(r'op_name="([^"]*)"', line)
             print(f"  {int(size) * mb:9.1f} MB  {name}{{{index}}}  {shape}  {op.group(1)[-110:] if op else ''}")

@@ -12,9 +12,7 @@ import sys
 
 import jax
 
-from benchmarks.bench_regression import fwd_and_bwd, make_inputs, ours_falcon
-from benchmarks.common import kernel_config
-from falcon_jax.forms import chunk_pallas
+from benchmarks.bench_regression import falcon1_programs
 
 
 def main() -> int:
@@ -23,11 +21,9 @@ def main() -> int:
     parser.add_argument("--kernel-config", default="")
     parser.add_argument("--calls", type=int, default=2)
     args = parser.parse_args()
-    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
-    q, k, v, beta, lam, _ = make_inputs(*(int(n) for n in args.shape.split("x")))
-    _, both = fwd_and_bwd(ours_falcon, 5)
+    _, both, operands = falcon1_programs(args.shape, args.kernel_config)
     for _ in range(args.calls):
-        jax.block_until_ready(both(q, k, v, beta, lam))
+        jax.block_until_ready(both(*operands))
     print(f"ran {args.calls} calls at {args.shape}", flush=True)
     return 0
 

@@ -23,7 +23,7 @@ import jax
 
 from benchmarks.bench_regression import (fla_delta_rule_calls, fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs,
                                          ours_falcon)
-from benchmarks.common import kernel_config, time_jax, time_torch, write_json
+from benchmarks.common import kernel_config, parse_shape, time_jax, time_torch, write_json
 from falcon_jax.forms import chunk_pallas
 
 
@@ -67,7 +67,7 @@ def main() -> int:
     def want(impl):
         return not wanted or any(s in impl for s in wanted)
 
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "torch": torch.__version__,
                "kernel config": repr(chunk_pallas.KERNEL_CONFIG), "cases": []}
     t_start = time.time()
