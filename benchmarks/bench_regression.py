@@ -187,6 +187,8 @@ WHOLE_OP_VARIANTS = {
     # the default until the twelfth run (gate_transpose="pallas" since: next33)
     "falcon-1 pallas (ours), XLA gate transpose": KernelConfig(gate_transpose="xla"),
     "falcon-1 pallas (ours), stored split chunk gradients": KernelConfig(chunk_grads="pallas_stored_split"),
+    "falcon-1 pallas (ours), chunk gradients 8 warps": KernelConfig(grad_warps=8),
+    "falcon-1 pallas (ours), triangular inverse 2 warps": KernelConfig(tri_warps=2),
 }
 
 

@@ -20,8 +20,10 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next39      # not yet run: the same row-scale move in the inner-product walks (1A, 3A)
-#   bash benchmarks/h200_run.sh next38      # not yet run: the walks' row scales moved onto the narrow value blocks
+#   bash benchmarks/h200_run.sh next40      # not yet run: fewer live tiles in the chunk gradients and the triangular
+#                                           # inverse (spills found on CPU by kernel_resources.py); 8 / 2-warp variants
+#   bash benchmarks/h200_run.sh next39      # thirteenth run: the same row-scale move in the inner-product walks (1A, 3A)
+#   bash benchmarks/h200_run.sh next38      # thirteenth run: the walks' row scales moved onto the narrow value blocks
 #                                           # (twelfth session, untimed): checked, profiled, timed; kernel resources
 #   bash benchmarks/h200_run.sh next37      # not yet run: Nsight Compute again, without JAX's preallocated pool
 #   bash benchmarks/h200_run.sh next36      # not yet run as it stands: registers and spills of every kernel (ptxas -v
@@ -57,7 +59,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -405,6 +407,17 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench 150 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "ninth-run,bf16 V,stored split" \
       --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench.json"
     step resources 60 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --out /tmp/kdump_short
+    ;;
+  next40)  # thirteenth run: the chunk gradients form one [C, C] tile at a time and read dO, P, dR per key block; the
+    # triangular inverse reads x's blocks where used (kernel_resources.py: spills 1996 -> 428 and 456 -> 192 bytes)
+    step check 200 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,fp32 grads,bf16" \
+      --out "$out/$part/check.json"
+    step profile 90 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,8x2048x16x128 \
+      --impls "falcon-1" --top 10 --out "$out/$part/profile.json"
+    step bench 230 python3 benchmarks/bench_regression.py --memory-shapes "" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate" --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench.json"
+    step resources 40 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --out /tmp/kdump_short \
+      --json "$out/$part/resources.json"
     ;;
   next39)  # for the thirteenth run: decayed_attention's forward and reverse walks scale the value block instead of the
     # keys (twelfth session, CPU-tested only); compare with the README's inner-product rows (same script)
