@@ -313,36 +313,17 @@ def _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo):
 def _gate_grads(d_a, d_op, d_eta, d_cp, d_wl, h_dh, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk):
     """From one chunk's value sums: the Gram's gradient ``d_k`` (zero off A's support), dη, the gradient w.r.t.
     ``g⁻`` and the one w.r.t. ``g`` without its ``c ⊙ ⟨dO hᵀ, q⟩`` term (the callers sum that by key columns)."""
-    write = _write_grads(d_a, gram, gamma, eta)
-    deta, dgp, dg = _gate_rows(d_eta, d_cp, d_wl, h_dh, write, _read_grads(d_op, scores), eta, cont_p, w_last,
-                               a_last, chunk)
-    return write[0], deta, dgp, dg
-
-
-def _write_grads(d_a, gram, gamma, eta):
-    """The Gram's share of the gate gradients: ``d_k = dA ⊙ η ⊙ Γ`` and the sums of ``dA ⊙ Γ ⊙ XXᵀ`` (dη)
-    and of ``dA ⊙ A`` by rows (g⁻) and by columns (g).  Separate from :func:`_read_grads` so that a kernel
-    can form the Gram, use it and drop it before it forms the scores."""
-    d_ag = d_a * gamma
-    d_k = d_ag * eta[:, None]
+    d_k = d_a * eta[:, None] * gamma
     a_grad = d_k * gram  # dA ⊙ A
-    return d_k, jnp.sum(d_ag * gram, axis=1), jnp.sum(a_grad, axis=1), jnp.sum(a_grad, axis=0)
-
-
-def _read_grads(d_op, scores):
-    """The scores' share of the gradient w.r.t. g: row minus column sums of ``(dO Pᵀ) ⊙ QXᵀ ⊙ D``."""
     d_decay = d_op * scores
-    return jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0)
-
-
-def _gate_rows(d_eta, d_cp, d_wl, h_dh, write, read, eta, cont_p, w_last, a_last, chunk):
-    """dη, dg⁻ and dg (see :func:`_gate_grads`) from :func:`_write_grads`' and :func:`_read_grads`' sums."""
-    _, eta_gram, a_rows, a_cols = write
     wl_term = w_last * d_wl
     end = jnp.sum(wl_term) + a_last * h_dh
-    last = lax.broadcasted_iota(jnp.int32, (eta.shape[0],), 0) == chunk - 1
-    return (d_eta + eta_gram, eta * cont_p * d_cp + a_rows,
-            read - a_cols - wl_term + jnp.where(last, end, 0.0))
+    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+    deta = d_eta + jnp.sum(d_a * gram * gamma, axis=1)
+    dgp = eta * cont_p * d_cp + jnp.sum(a_grad, axis=1)
+    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0) - wl_term
+          + jnp.where(last, end, 0.0))
+    return d_k, deta, dgp, dg
 
 
 def _in_dot(a, b, precision, p32):
@@ -380,44 +361,27 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
 
 
 def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
-                       chunk, block_v, precision, lo, squares=True):
+                       chunk, block_v, precision, lo):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
     (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
     with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  Returns (sums, the chunk's gate rows
-    :func:`_row_gates`, which the key half reuses).
-
-    The same terms as :func:`_value_block_terms`, each reduced as soon as its operands exist and X read per
-    block; the two ``[C, C]`` sums are whole-row dots after the loop (``squares=False``: left to the key half,
-    as None, which forms each where it is used) — held through the loop they cost 90 registers per thread and
-    made the kernel spill (benchmarks/kernel_resources.py)."""
+    :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
+    x = x_ref[...]
     rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
     eta, cont_p = rows[0], rows[5]
-    _, _, d_eta, d_cp, d_wl, h_dh = _value_sums_init(chunk)
+    sums = _value_sums_init(chunk)
     for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
-        dR = dr_ref[:, cols].astype(F32)
-        xh = _in_dot(x_ref[...], h_ref[:, cols], precision, p32)
-        # dη: ⟨dR, Y − c⁻ X h⟩; dc⁻: −⟨dR, X h⟩
-        d_eta += jnp.sum(dR * (y_ref[:, cols].astype(F32) - cont_p[:, None] * xh), axis=1)
-        d_cp -= jnp.sum(dR * xh, axis=1)
+        h, dh = h_ref[:, cols], dh_ref[:, cols]
+        P, dR = p_ref[:, cols].astype(F32), dr_ref[:, cols].astype(F32)
+        xh = _in_dot(x, h, precision, p32)
+        target = y_ref[:, cols].astype(F32) - cont_p[:, None] * xh
+        terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
+                                   _in_dot(x, dh, precision, p32), p32, lo)
+        sums = tuple(acc + t for acc, t in zip(sums, terms))
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
-        P = p_ref[:, cols]
-        d_wl += jnp.sum(_in_dot(x_ref[...], dh_ref[:, cols], precision, p32) * P.astype(F32), axis=1)
-        h_dh += jnp.sum(h_ref[:, cols].astype(F32) * dh_ref[:, cols].astype(F32))
-    d_a = _gram_sum(dr_ref, p_ref, p32, lo) if squares else None
-    d_op = _score_sum(do_ref, p_ref, p32, lo) if squares else None
-    return (d_a, d_op, d_eta, d_cp, d_wl, h_dh), rows
-
-
-def _gram_sum(dr_ref, p_ref, p32, lo):
-    """``dA = −dR Pᵀ`` ``[C, C]`` over every value column (stored P and dR)."""
-    return -_sdot(dr_ref[...], p_ref[...].T, p32, lo)
-
-
-def _score_sum(do_ref, p_ref, p32, lo):
-    """``dO Pᵀ`` ``[C, C]`` over every value column (the scores' gradient before the decay mask)."""
-    return _sdot(do_ref[...], p_ref[...].T, p32, lo)
+    return sums, rows
 
 
 def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
@@ -433,37 +397,29 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     and the chunk's gate ``rows`` (:func:`_row_gates`)."""
     dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    # Register pressure: one [C, C] product at a time (the Gram used and dropped before the scores are
-    # formed), the [C, C] MMA operands rounded once (bf16 when ``lo``), and dO, P, dR read per key block rather
-    # than held (held, the kernel ran at 255 registers, spilling ~2 KB per thread: benchmarks/kernel_resources.py).
     q, x = q_ref[...], x_ref[...]
     eta, g, gp, rl, cont, cont_p, w_last, a_last = rows
-    d_a, d_op, d_eta, d_cp, d_wl, h_dh = sums
-    op = F32 if lo is None else lo
-    if d_a is None:  # the fused stored kernel: each [C, C] sum formed where it is used
-        d_a = _gram_sum(dr_ref, p_ref, p32, lo)
-    write = _write_grads(d_a, dot(x, x.T, precision), _masks(gp, g, rl, rl, strict=True, group=group), eta)
-    d_sym = (write[0] + write[0].T).astype(op)
+    d_op = sums[1]
     decay = _masks(g, g, rl, rl, strict=False)
-    if d_op is None:
-        d_op = _score_sum(do_ref, p_ref, p32, lo)
-    read = _read_grads(d_op, dot(q, x.T, precision) * decay)
-    d_scores = (d_op * decay).astype(op)
-    d_scores_t = d_scores.T
-    deta, dgp, dg = _gate_rows(d_eta, d_cp, d_wl, h_dh, write, read, eta, cont_p, w_last, a_last, chunk)
+    gamma = _masks(gp, g, rl, rl, strict=True, group=group)
+    d_k, deta, dgp, dg = _gate_grads(*sums, dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta,
+                                     cont_p, w_last, a_last, chunk)
     deta_ref[...] = deta
     dgp_ref[...] = dgp
+    d_scores = d_op * decay
+    d_sym = d_k + d_k.T
+    do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
     q_do_h = jnp.zeros((chunk,), F32)
     for j in range(q.shape[-1] // block_k):  # static: a few blocks
         cols = pl.ds(j * block_k, block_k)
         h_t, dh_t = h_ref[cols, :].T, dh_ref[cols, :].T  # [dv, block_k]
-        q_j, x_j = q_ref[:, cols], x_ref[:, cols]
-        do_h = _in_dot(do_ref[...], h_t, precision, p32)
-        dr_h = _sdot(dr_ref[...], h_t, p32, lo)
-        p_dh = _sdot(p_ref[...], dh_t, p32, lo)
-        q_do_h += jnp.sum(do_h * q_j.astype(F32), axis=1)
+        q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
+        do_h = _in_dot(do, h_t, precision, p32)
+        dr_h = _sdot(dR, h_t, p32, lo)
+        p_dh = _sdot(P, dh_t, p32, lo)
+        q_do_h += jnp.sum(do_h * q_j, axis=1)
         dq = cont[:, None] * do_h + _sdot(d_scores, x_j, p32, lo)
-        dx = (_sdot(d_scores_t, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
+        dx = (_sdot(d_scores.T, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
               + _sdot(d_sym, x_j, p32, lo))
         dq_ref[:, cols] = dq.astype(dq_ref.dtype)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
@@ -482,11 +438,10 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
                               dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
-    """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value row sums
-    (:func:`_stored_value_sums`), then the key columns (:func:`_key_grads`, which forms the ``[C, C]`` sums)."""
+    """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
     sums, rows = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo,
-                                    squares=False)
+                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
     _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
                block_k=block_k, precision=precision, group=group, lo=lo)
 
