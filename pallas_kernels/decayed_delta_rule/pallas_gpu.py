@@ -89,19 +89,24 @@ def _gates(eta, g, gp, rl, g_last, rl_last):
     return cont, cont_p, w_last, a_last
 
 
-def _unit_lower_inverse(a, precision):
-    """``(I + a)⁻¹`` of a strictly lower ``[16, 16]`` block, by forward substitution row by row."""
-    del precision
-    n = a.shape[0]
+def _unit_lower_inverses(blocks):
+    """``(I + a)⁻¹`` of each strictly lower ``[16, 16]`` block ``a`` in ``blocks``, by forward substitution row by
+    row — all blocks in the same loop: their chains are independent, so one 15-step loop over the list (rather
+    than 15 steps per block, one block after another) lets the warp overlap their latencies."""
+    n = blocks[0].shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
-    def body(r, t):
+    def step(r, a, t):
         a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # row r of a (zero from column r on)
         new = jnp.sum(a_r[:, None] * t, axis=0)  # a_r @ t: rows < r of t are final
         return jnp.where(rows == r, t - new[None, :], t)  # row r: e_r − a_r t
 
-    return lax.fori_loop(jnp.int32(1), jnp.int32(n), body, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+    def body(r, ts):
+        return tuple(step(r, a, t) for a, t in zip(blocks, ts))
+
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
+    return list(lax.fori_loop(jnp.int32(1), jnp.int32(n), body, tuple(eye for _ in blocks)))
 
 
 def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
@@ -112,12 +117,15 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
     gp = [gp_ref[b] for b in blk]
     rl = [rl_ref[b] for b in blk]
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    T = {}
+
+    # x's blocks are read where used, not held: held, a [64, 128] bf16 tile is 128 registers of the one warp
+    def a_block(i, k):  # A_ik (k < i: every entry; k = i: strictly lower)
+        return (eta[i][:, None] * dot(x_ref[blk[i], :], x_ref[blk[k], :].T, precision)
+                * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None, group=group))
+
+    T = {(i, i): t for i, t in enumerate(_unit_lower_inverses([a_block(i, i) for i in range(nb)]))}
     for i in range(nb):
-        # x's blocks are read where used, not held: held, a [64, 128] bf16 tile is 128 registers of the one warp
-        A = [eta[i][:, None] * dot(x_ref[blk[i], :], x_ref[blk[k], :].T, precision)
-             * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None, group=group) for k in range(i + 1)]
-        T[i, i] = _unit_lower_inverse(A[i], p32)
+        A = [a_block(i, k) for k in range(i)]
         for k in range(i):  # block forward substitution: T_ik = −T_ii Σ_{k≤m<i} A_im T_mk
             acc = dot(A[k], T[k, k], p32)
             for m in range(k + 1, i):
