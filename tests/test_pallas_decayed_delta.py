@@ -482,6 +482,29 @@ def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
         KernelConfig(**kwargs)
 
 
+def test_kernel_resources_captures_every_triton_kernel():
+    """``benchmarks/kernel_resources.py`` (registers / spills on any machine) sees every Triton kernel of the
+    op's value and gradient, cross-lowered for CUDA, each with its own warps and stages, and puts the
+    lowering hooks back afterwards (compiling the TTIR needs a standalone Triton: not part of this test)."""
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.triton import lowering
+
+    from benchmarks.kernel_resources import lower_falcon1
+
+    before = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
+    modules = lower_falcon1("1x256x4x64", "tri_warps=2,grad_warps=8")
+    assert (lowering.lower_jaxpr_to_triton_module, mlir.custom_call) == before
+    by_name = {}
+    for m in modules:
+        assert m["ttir"].lstrip().startswith("module") and "tt.func" in m["ttir"], m.get("name")
+        by_name.setdefault(m["name"], []).append(m)
+    assert {"falcon_delta_tri_inverse", "falcon_delta_fwd", "falcon_delta_dstate_walk",
+            "falcon_delta_chunk_grads_stored", "gate_transpose", "gate_transpose_back"} <= set(by_name)
+    assert {m["num_warps"] for m in by_name["falcon_delta_tri_inverse"]} == {2}
+    assert {m["num_warps"] for m in by_name["falcon_delta_chunk_grads_stored"]} == {8}
+    assert all(isinstance(m["num_stages"], int) for m in modules)
+
+
 def test_benchmark_kernel_config_parser():
     """The H200 scripts' ``--kernel-config name=value,...``: ints, booleans and strings become a KernelConfig;
     a misspelt name or a bad value is an error naming it (a typo must not silently time the defaults)."""

@@ -21,8 +21,8 @@ become −inf before ``exp``), so nothing overflows at any decay.
 
 Kernels:
   * ``tri_inverse_pass`` — one program per chunk: ``T = (I + A)⁻¹`` by blocked
-    forward substitution over 16-row blocks (a diagonal block row by row; the
-    blocks below it by matmuls).  No powers of A are formed, so β near 2 (A's
+    forward substitution over 16-row blocks (the diagonal blocks row by row, all
+    in one loop; the blocks below them by matmuls).  No powers of A are formed, so β near 2 (A's
     entries near 2, alternating-sign inverse) stays exact to fp32 rounding.
   * ``forward_pass`` — one program per (batch·head, piece, value block) walks its
     chunks with ``S_0`` in registers (fp32), writing o, optionally each chunk's
