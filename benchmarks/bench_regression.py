@@ -189,6 +189,10 @@ WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), stored split chunk gradients": KernelConfig(chunk_grads="pallas_stored_split"),
     "falcon-1 pallas (ours), chunk gradients 8 warps": KernelConfig(grad_warps=8),
     "falcon-1 pallas (ours), triangular inverse 2 warps": KernelConfig(tri_warps=2),
+    # the stored chunk gradients' column loops as lax.fori_loop, so that Triton can pipeline their loads
+    "falcon-1 pallas (ours), chunk gradient fori loops": KernelConfig(grad_loops="fori"),
+    "falcon-1 pallas (ours), chunk gradient fori loops 2 stages": KernelConfig(grad_loops="fori", grad_stages=2),
+    "falcon-1 pallas (ours), chunk gradient fori loops 3 stages": KernelConfig(grad_loops="fori", grad_stages=3),
 }
 
 

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
+#   bash benchmarks/h200_run.sh next43      # not yet run: the stored chunk gradients' loops as fori loops (pipelined)
 #   bash benchmarks/h200_run.sh next42      # thirteenth run: the four diagonal inversions in one loop (triangular inverse)
 #   bash benchmarks/h200_run.sh next41      # thirteenth run: the final default (next38's chunk gradients, next40's inverse)
 #   bash benchmarks/h200_run.sh next40      # thirteenth run: fewer live tiles in the chunk gradients (slower: reverted) and
@@ -61,7 +62,7 @@
 # when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
-part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42}
+part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43}
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out/$part"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
@@ -409,6 +410,18 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench 150 python3 benchmarks/bench_regression.py --memory-shapes "" --skip "ninth-run,bf16 V,stored split" \
       --rows "falcon-1 pallas;jla 0.1.0 gated" --out "$out/$part/bench.json"
     step resources 60 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --out /tmp/kdump_short
+    ;;
+  next43)  # for the fourteenth run: KernelConfig(grad_loops="fori") — the stored chunk gradients' value / key column
+    # loops as lax.fori_loop, so that with grad_stages >= 2 Triton's pipeliner prefetches the next block (the
+    # unrolled loops give it nothing to pipeline; CPU: interpret-mode gradients pass, it lowers and compiles)
+    step check 130 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16" \
+      --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/check.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-1" --top 6 \
+      --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/profile.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes "" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps" --rows "falcon-1 pallas" --out "$out/$part/bench.json"
+    step resources 40 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --only chunk_grads \
+      --kernel-config "grad_loops=fori,grad_stages=2" --out /tmp/kdump_fori --json "$out/$part/resources.json"
     ;;
   next42)  # thirteenth run: the triangular inverse's four 16x16 diagonal substitutions in one 15-step loop (one
     # 60-step chain before); checks (segments: next40), profile at 8x2048, whole-op timing of ours

@@ -90,6 +90,9 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"save_tri": True, "stored_v": "input"}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {}),
+    (16, 2, 16, "pallas_gpu", "pallas_stored", "split", {"grad_loops": "fori", "grad_block_k": 16, "dk": 32}),
+    (32, 1, 16, "pallas_gpu", "pallas_stored_split", "pallas",
+     {"grad_loops": "fori", "grad_stages": 2, "grad_block_k": 16, "dk": 32}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -99,8 +102,11 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     split (``state_grads="split"``: V, B per chunk, a three-dot reverse walk), with and without pieces;
     ``chunk_grads="pallas_stored"`` (the GPU default): P and dR stored by either walk, with and without
     pieces, and as two programs per chunk (``"pallas_stored_split"``); the forward's T kept for the backward
-    (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32).  Outputs poisoned: every element written."""
-    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dv=32, segments=True)
+    (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32); the stored kernels' column loops as
+    ``lax.fori_loop`` (``grad_loops="fori"``, two value and two key blocks: dk = 32, an ``extra["dk"]``).
+    Outputs poisoned: every element written."""
+    extra = dict(extra)
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32, segments=True)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
 
@@ -485,14 +491,16 @@ def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
 def test_kernel_resources_captures_every_triton_kernel():
     """``benchmarks/kernel_resources.py`` (registers / spills on any machine) sees every Triton kernel of the
     op's value and gradient, cross-lowered for CUDA, each with its own warps and stages, and puts the
-    lowering hooks back afterwards (compiling the TTIR needs a standalone Triton: not part of this test)."""
+    lowering hooks back afterwards (compiling the TTIR needs a standalone Triton: not part of this test).
+    With ``grad_loops="fori"`` the stored chunk gradients' column loops reach Triton as ``scf.for`` loops
+    (what its pipeliner needs), unrolled by default."""
     from jax._src.interpreters import mlir
     from jax._src.pallas.triton import lowering
 
     from benchmarks.kernel_resources import lower_falcon1
 
     before = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
-    modules = lower_falcon1("1x256x4x64", "tri_warps=2,grad_warps=8")
+    modules = lower_falcon1("1x256x4x64", "tri_warps=2,grad_warps=8,grad_loops=fori,grad_stages=2")
     assert (lowering.lower_jaxpr_to_triton_module, mlir.custom_call) == before
     by_name = {}
     for m in modules:
@@ -501,7 +509,10 @@ def test_kernel_resources_captures_every_triton_kernel():
     assert {"falcon_delta_tri_inverse", "falcon_delta_fwd", "falcon_delta_dstate_walk",
             "falcon_delta_chunk_grads_stored", "gate_transpose", "gate_transpose_back"} <= set(by_name)
     assert {m["num_warps"] for m in by_name["falcon_delta_tri_inverse"]} == {2}
-    assert {m["num_warps"] for m in by_name["falcon_delta_chunk_grads_stored"]} == {8}
+    (grads,) = by_name["falcon_delta_chunk_grads_stored"]
+    assert (grads["num_warps"], grads["num_stages"]) == (8, 2) and grads["ttir"].count("scf.for") == 2
+    (unrolled,) = [m for m in lower_falcon1("1x256x4x64", "") if m["name"] == "falcon_delta_chunk_grads_stored"]
+    assert "scf.for" not in unrolled["ttir"]
     assert all(isinstance(m["num_stages"], int) for m in modules)
 
 

@@ -87,6 +87,10 @@ class KernelConfig:
     grad_warps: int = 4
     grad_stages: int = 1
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
+    # the stored chunk gradients' loops over value / key column blocks: "unrolled" (Python, static slices) or
+    # "fori" (lax.fori_loop: an scf.for whose loads Triton's pipeliner can issue a block ahead when grad_stages
+    # >= 2; the unrolled form gives it nothing to pipeline).  GPU only; not yet timed on the H200.
+    grad_loops: str = "unrolled"
     # chunk_grads="pallas_stored": the dtype the state-gradient walk stores dR in for bf16/fp16 inputs: "input"
     # (H200 bf16 fwd+bwd 2.16 / 2.45 / 5.97 ms at 8x2048 / 2x8192 / 1x32768 x16x128; dy = η dR is rounded twice,
     # 1.5x the fp32-dR error at d64) or "fp32" (2.55 / 2.80 / 6.59 ms, +8% peak memory; dy rounded once).
@@ -157,6 +161,7 @@ class KernelConfig:
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
+                              ("grad_loops", ("unrolled", "fori")),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
             if getattr(self, name) not in allowed:
@@ -363,7 +368,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         dq, dx, dy, deta, dg, dgp = stored_pass(
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
-            walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, **_layout_kw(heads))
+            walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
+            **_layout_kw(heads))
     elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,

@@ -369,7 +369,7 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
 
 
 def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
-                       chunk, block_v, precision, lo):
+                       chunk, block_v, precision, lo, loops="unrolled"):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
     (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
     with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  Returns (sums, the chunk's gate rows
@@ -378,18 +378,35 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
     x = x_ref[...]
     rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
     eta, cont_p = rows[0], rows[5]
-    sums = _value_sums_init(chunk)
-    for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
-        cols = pl.ds(j * block_v, block_v)
+
+    def value_block(j, sums):
+        cols = _column_block(j, block_v)
         h, dh = h_ref[:, cols], dh_ref[:, cols]
         P, dR = p_ref[:, cols].astype(F32), dr_ref[:, cols].astype(F32)
         xh = _in_dot(x, h, precision, p32)
         target = y_ref[:, cols].astype(F32) - cont_p[:, None] * xh
         terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
                                    _in_dot(x, dh, precision, p32), p32, lo)
-        sums = tuple(acc + t for acc, t in zip(sums, terms))
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
-    return sums, rows
+        return tuple(acc + t for acc, t in zip(sums, terms))
+
+    return _column_loop(y_ref.shape[-1] // block_v, value_block, _value_sums_init(chunk), loops), rows
+
+
+def _column_block(j, width):
+    """``pl.ds`` of column block ``j``: static for a Python int, else a traced start aligned to ``width``."""
+    return pl.ds(j * width if isinstance(j, int) else pl.multiple_of(j * width, width), width)
+
+
+def _column_loop(n, body, carry, loops):
+    """``carry = body(j, carry)`` for j < n: unrolled in Python (``"unrolled"``: static slices, straight-line
+    code) or a ``lax.fori_loop`` (``"fori"``: an ``scf.for`` in the Triton IR, whose loads Triton's pipeliner
+    can issue a block ahead when the kernel runs with ``num_stages`` ≥ 2)."""
+    if loops == "fori":
+        return lax.fori_loop(0, n, body, carry)
+    for j in range(n):
+        carry = body(j, carry)
+    return carry
 
 
 def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
@@ -399,7 +416,7 @@ def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
 
 
 def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, *, chunk, block_k, precision,
-               group, lo):
+               group, lo, loops="unrolled"):
     """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
     Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)
     and the chunk's gate ``rows`` (:func:`_row_gates`)."""
@@ -417,49 +434,51 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     d_scores = d_op * decay
     d_sym = d_k + d_k.T
     do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
-    q_do_h = jnp.zeros((chunk,), F32)
-    for j in range(q.shape[-1] // block_k):  # static: a few blocks
-        cols = pl.ds(j * block_k, block_k)
+
+    def key_block(j, q_do_h):
+        cols = _column_block(j, block_k)
         h_t, dh_t = h_ref[cols, :].T, dh_ref[cols, :].T  # [dv, block_k]
         q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
         do_h = _in_dot(do, h_t, precision, p32)
         dr_h = _sdot(dR, h_t, p32, lo)
         p_dh = _sdot(P, dh_t, p32, lo)
-        q_do_h += jnp.sum(do_h * q_j, axis=1)
         dq = cont[:, None] * do_h + _sdot(d_scores, x_j, p32, lo)
         dx = (_sdot(d_scores.T, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
               + _sdot(d_sym, x_j, p32, lo))
         dq_ref[:, cols] = dq.astype(dq_ref.dtype)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
+        return q_do_h + jnp.sum(do_h * q_j, axis=1)
+
+    q_do_h = _column_loop(q.shape[-1] // block_k, key_block, jnp.zeros((chunk,), F32), loops)
     dg_ref[...] = dg + cont * q_do_h
 
 
 def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
                             dop_ref, deta_in_ref, dcp_ref, dwl_ref, hdh_ref, *out_refs, chunk, block_k, precision,
-                            group, lo=None):
+                            group, lo=None, loops="unrolled"):
     """Second half of the split chunk gradients (:func:`_key_grads`) from the first half's stored sums."""
     sums = (da_ref[...], dop_ref[...], deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]))
     _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums,
                _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk), out_refs, chunk=chunk, block_k=block_k,
-               precision=precision, group=group, lo=lo)
+               precision=precision, group=group, lo=lo, loops=loops)
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None):
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled"):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
     (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
     sums, rows = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
+                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops)
     _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
-               block_k=block_k, precision=precision, group=group, lo=lo)
+               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
 
 
 def _chunk_grad_stored_values_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref,
-                                     dr_ref, dy_ref, *sum_refs, chunk, block_v, precision, lo=None):
+                                     dr_ref, dy_ref, *sum_refs, chunk, block_v, precision, lo=None, loops="unrolled"):
     """The value half of :func:`_chunk_grad_stored_kernel` as its own program: dy and the value sums, stored
     (two ``[C, C]`` fp32 tiles and four rows per chunk) for :func:`_chunk_grad_keys_kernel`."""
     sums, _ = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                 dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo)
+                                 dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops)
     _store_value_sums(sum_refs, sums, chunk)
 
 
@@ -772,14 +791,14 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
 
 
 def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, num_warps=4, num_stages=1, group=1,
-                    heads=None, walk_operands=None, block_k=32):
+                    heads=None, walk_operands=None, block_k=32, loops="unrolled"):
     """The key half of :func:`chunk_grad_split_pass` from the value half's ``sums``: dq, dx (like q, x) by
     blocks of ``block_k`` key columns, and fp32 dη, dg, dgp ``[BH, L]``."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, do.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
-                             precision=precision_for(q.dtype), group=group, lo=walk_operands)
+                             precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
     return call(
         keys, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v,
@@ -805,15 +824,16 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
 
 
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
-                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled"):
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
     ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
-    without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`."""
+    without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`.
+    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (:func:`_column_loop`)."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
@@ -826,7 +846,8 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
 
 
 def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
-                                 num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32):
+                                 num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32,
+                                 loops="unrolled"):
     """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
     (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and four rows, fp32), then :func:`chunk_grad_keys`.  Fewer
     live tiles per program than the fused kernel, for one more round trip of the sums.  Same returns."""
@@ -835,7 +856,7 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
     values = functools.partial(_chunk_grad_stored_values_kernel, chunk=chunk, block_v=block_v,
-                               precision=precision_for(q.dtype), lo=walk_operands)
+                               precision=precision_for(q.dtype), lo=walk_operands, loops=loops)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
@@ -845,5 +866,6 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
         interpret=interpret, name="falcon_delta_chunk_grads_stored_values")
     dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, (p, dr, *sums), chunk=chunk,
                                             interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                                            group=group, heads=heads, walk_operands=walk_operands, block_k=block_k)
+                                            group=group, heads=heads, walk_operands=walk_operands, block_k=block_k,
+                                            loops=loops)
     return dq, dx, dy, deta, dg, dgp
