@@ -1,9 +1,11 @@
-"""Registers, spills and shared memory of every Triton kernel in Falcon-1's forward+backward — on any machine.
+"""Registers, spills and shared memory of every Triton kernel in an op's forward+backward — on any machine.
 
-    python benchmarks/kernel_resources.py [--shape 8x2048x16x128] [--kernel-config ...] [--only NAME] [--out DIR]
+    python benchmarks/kernel_resources.py [--op delta|attention] [--shape 8x2048x16x128] [--kernel-config ...]
+                                          [--only NAME] [--out DIR] [--json FILE]
 
-The op (``decayed_delta_rule(implementation="pallas_gpu")`` on the model's ``[B, T, H, D]`` layout, bf16 tokens,
-fp32 gates, its value and gradient) is *cross-lowered* for CUDA, so no GPU is needed.  While lowering, each
+The op (``decayed_delta_rule`` — Falcon-1's kernels — or ``decayed_attention`` — Falcon-1A's — with
+``implementation="pallas_gpu"`` on the model's ``[B, T, H, D]`` layout, bf16 tokens, fp32 gates, its value and
+gradient) is *cross-lowered* for CUDA, so no GPU is needed.  While lowering, each
 ``pallas_call``'s Triton IR (TTIR, as text) is kept together with its ``num_warps`` / ``num_stages``; a
 standalone Triton (``pip install triton``; the H200 image has 3.6) compiles each module for ``--arch`` and
 Triton's own ``ptxas -v`` reports the function's registers, stack frame and spill stores / loads.
@@ -55,14 +57,21 @@ def captured_triton_modules():
         lowering.lower_jaxpr_to_triton_module, mlir.custom_call = lower, custom_call
 
 
-def lower_falcon1(shape_text: str, config_text: str) -> list[dict]:
-    """The Triton modules of the Falcon-1 kernels' value and gradient on ``BxTxHxD``, cross-lowered for CUDA."""
+def lower_falcon1(shape_text: str, config_text: str, op: str = "delta") -> list[dict]:
+    """The Triton modules of the value and gradient of Falcon-1's kernels (``op="delta"``, a
+    ``--kernel-config`` of the regression KernelConfig) or Falcon-1A's (``"attention"``, the defaults) on
+    ``BxTxHxD``, cross-lowered for CUDA."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.common import kernel_config, parse_shape
+    from pallas_kernels.decayed_attention.api import decayed_attention
     from pallas_kernels.decayed_delta_rule.api import decayed_delta_rule
 
+    if op not in ("delta", "attention"):
+        raise ValueError(f"op must be 'delta' or 'attention', got {op!r}")
+    if op == "attention" and config_text.strip():
+        raise ValueError("--kernel-config names the regression kernels' KernelConfig; --op attention takes none")
     B, T, H, D = parse_shape(shape_text)
     config = kernel_config(config_text)
     tokens = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
@@ -70,14 +79,18 @@ def lower_falcon1(shape_text: str, config_text: str) -> list[dict]:
     run = jnp.zeros((B, T, H), jnp.int32)
     s0 = jnp.zeros((B, H, D, D), jnp.float32)
 
-    def loss(q, k, v, eta, log_gamma):
-        o, s = decayed_delta_rule(q, k, v, eta, log_gamma, run, s0, implementation="pallas_gpu", interpret=False,
-                                  layout="BTHD", config=config)
+    def loss(q, k, v, *gates):  # (η, log γ) for the delta rule, (log γ,) for attention
+        if op == "delta":
+            o, s = decayed_delta_rule(q, k, v, *gates, run, s0, implementation="pallas_gpu", interpret=False,
+                                      layout="BTHD", config=config)
+        else:
+            o, s = decayed_attention(q, k, v, *gates, run, s0, implementation="pallas_gpu", interpret=False,
+                                     layout="BTHD")
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
+    args = (tokens, tokens, tokens) + (gate,) * (2 if op == "delta" else 1)
     with captured_triton_modules() as modules:
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(tokens, tokens, tokens, gate, gate).lower(
-            lowering_platforms=("cuda",))
+        jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(lowering_platforms=("cuda",))
     return modules
 
 
@@ -113,6 +126,8 @@ def compile_resources(module: dict, path: str, arch: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--op", default="delta", choices=("delta", "attention"),
+                        help="Falcon-1's kernels (decayed_delta_rule) or Falcon-1A's (decayed_attention)")
     parser.add_argument("--shape", default="8x2048x16x128")
     parser.add_argument("--kernel-config", default="", help="KernelConfig fields, e.g. 'grad_warps=8'")
     parser.add_argument("--only", default="", help="only kernels whose name contains this text")
@@ -126,7 +141,11 @@ def main() -> int:
         print("kernel_resources needs a standalone Triton to compile the captured IR: pip install triton")
         return 1
     os.makedirs(args.out, exist_ok=True)
-    modules = lower_falcon1(args.shape, args.kernel_config)
+    try:
+        modules = lower_falcon1(args.shape, args.kernel_config, args.op)
+    except ValueError as err:  # a bad --shape / --kernel-config: the message names it
+        print(f"kernel_resources: {err}")
+        return 2
     seen, rows = set(), []
     for i, module in enumerate(modules):
         name = module.get("name", f"kernel{i}")
@@ -141,7 +160,7 @@ def main() -> int:
             row = {"registers": None, "error": f"{type(err).__name__}: {str(err)[:300]}"}
         rows.append({"kernel": name, "num_warps": module.get("num_warps"), "num_stages": module.get("num_stages"),
                      **row})
-    print(f"{args.shape} {args.kernel_config or '(default config)'}: {len(rows)} distinct kernel(s), "
+    print(f"{args.op} {args.shape} {args.kernel_config or '(default config)'}: {len(rows)} distinct kernel(s), "
           f"standalone triton {triton.__version__}, {args.arch}")
     print(f"  {'registers':>9} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>7} {'warps':>5}  kernel")
     for r in sorted(rows, key=lambda r: (-r.get("spill_stores", 0), -(r["registers"] or 0))):
@@ -153,7 +172,7 @@ def main() -> int:
               f"{r['shared'] if r['shared'] is not None else '?':>7} {r['num_warps']:5d}  {r['kernel']}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": args.shape, "kernel_config": args.kernel_config, "arch": args.arch,
+            json.dump({"op": args.op, "shape": args.shape, "kernel_config": args.kernel_config, "arch": args.arch,
                        "triton": triton.__version__, "kernels": rows}, fh, indent=1)
     return 0
 

@@ -513,6 +513,11 @@ def test_kernel_resources_captures_every_triton_kernel():
     assert (grads["num_warps"], grads["num_stages"]) == (8, 2) and grads["ttir"].count("scf.for") == 2
     (unrolled,) = [m for m in lower_falcon1("1x256x4x64", "") if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
+    attention = {m["name"] for m in lower_falcon1("1x256x4x64", "", op="attention")}
+    assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
+            "falcon_decayed_attention_chunk_grads"} <= attention
+    with pytest.raises(ValueError, match="--op attention takes none"):
+        lower_falcon1("1x256x4x64", "grad_warps=8", op="attention")
     assert all(isinstance(m["num_stages"], int) for m in modules)
 
 
