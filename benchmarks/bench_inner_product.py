@@ -106,17 +106,24 @@ TUNE_CONFIGS = [
     # at 8x2048 but lost at 1x32768; 528 was slower than 264 at every shape (first run)
     dict(chunk_size=64, config=KernelConfig(target_programs=264)),
     dict(chunk_size=64, config=KernelConfig(target_programs=64)),
+    # the chunk gradients' value loop as a lax.fori_loop, which Triton's pipeliner can prefetch (thirteenth
+    # session; not yet timed)
+    dict(chunk_size=64, config=KernelConfig(grad_loops="fori")),
+    dict(chunk_size=64, config=KernelConfig(grad_loops="fori", grad_stages=2)),
 ]
 
 
-def tune(out_path: str, shapes=None) -> None:
-    """Time the kernel alone (fwd, fwd+bwd) for each launch configuration at every shape."""
+def tune(out_path: str, shapes=None, configs=None) -> None:
+    """Time the kernel alone (fwd, fwd+bwd) for each launch configuration (or those numbered in ``configs``) at
+    every shape."""
     import functools
 
     rows = []
     for shape in shapes or SHAPES:
         q, k, v, _, _, log_decay = make_inputs(*shape)
         for i, cfg in enumerate(TUNE_CONFIGS):
+            if configs is not None and i not in configs:
+                continue
             op = functools.partial(kernel_only, **cfg)
             f, b = fwd_and_bwd(op, 4)
             row = {"shape": "x".join(map(str, shape)), "config": i, "chunk": cfg["chunk_size"], **dataclasses_asdict(cfg["config"])}
@@ -157,9 +164,18 @@ def main() -> int:
     parser.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU forward (its compile did "
                         "not finish within 75 s on the H200 under jax 0.11.2, so it is opt-in)")
     parser.add_argument("--tune", action="store_true", help="time launch configurations of the kernel, then stop")
+    parser.add_argument("--tune-configs", default="", help="with --tune: comma-separated indices into TUNE_CONFIGS "
+                        "(default: all)")
     args = parser.parse_args()
     if args.tune:  # with --quick: the first shape and the last shape only
-        tune(args.out, [SHAPES[0], SHAPES[2]] if args.quick else None)
+        try:
+            configs = {int(i) for i in args.tune_configs.split(",")} if args.tune_configs.strip() else None
+        except ValueError:
+            parser.error(f"--tune-configs: expected comma-separated indices into TUNE_CONFIGS (0-"
+                         f"{len(TUNE_CONFIGS) - 1}), got {args.tune_configs!r}")
+        if configs and max(configs) >= len(TUNE_CONFIGS):
+            parser.error(f"--tune-configs: index {max(configs)} is past TUNE_CONFIGS (0-{len(TUNE_CONFIGS) - 1})")
+        tune(args.out, [SHAPES[0], SHAPES[2]] if args.quick else None, configs)
         return 0
     bw = copy_bandwidth_gbs()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s", flush=True)

@@ -81,13 +81,15 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise ValueError(f"expected a BxTxHxD shape such as 2x8192x16x128, got {text!r}") from None
 
 
-def kernel_config(text: str):
-    """``KernelConfig`` of the regression kernels from ``"name=value,..."`` (ints as ints, True/False/None as
-    themselves; empty: None, the defaults), e.g. ``"tri_dtype=input,save_tri=True"``; an unknown name or value is
-    an error naming it."""
+def kernel_config(text: str, config_class=None):
+    """``KernelConfig`` of the regression kernels (or of ``config_class``, e.g. the inner-product kernels') from
+    ``"name=value,..."`` (ints as ints, True/False/None as themselves; empty: None, the defaults), e.g.
+    ``"tri_dtype=input,save_tri=True"``; an unknown name or value is an error naming it."""
     import dataclasses
 
     from pallas_kernels.decayed_delta_rule.api import KernelConfig
+
+    KernelConfig = config_class or KernelConfig
 
     if not text.strip():
         return None

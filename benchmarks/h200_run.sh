@@ -20,7 +20,8 @@
 #   bash benchmarks/h200_run.sh next9       # pieces variants at the long shapes; memory at 1x131072
 #   bash benchmarks/h200_run.sh next10      # Falcon-1 and Falcon-3 with the seventh run's defaults at every shape
 #   bash benchmarks/h200_run.sh next11      # the XLA chunk gradients' bf16 operands: checked, then timed
-#   bash benchmarks/h200_run.sh next43      # not yet run: the stored chunk gradients' loops as fori loops (pipelined)
+#   bash benchmarks/h200_run.sh next43      # not yet run: the chunk gradients' loops as fori loops (pipelined),
+#                                           # Falcon-1 and Falcon-1A
 #   bash benchmarks/h200_run.sh next42      # thirteenth run: the four diagonal inversions in one loop (triangular inverse)
 #   bash benchmarks/h200_run.sh next41      # thirteenth run: the final default (next38's chunk gradients, next40's inverse)
 #   bash benchmarks/h200_run.sh next40      # thirteenth run: fewer live tiles in the chunk gradients (slower: reverted) and
@@ -422,6 +423,9 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps" --rows "falcon-1 pallas" --out "$out/$part/bench.json"
     step resources 40 python3 benchmarks/kernel_resources.py --shape 8x2048x16x128 --only chunk_grads \
       --kernel-config "grad_loops=fori,grad_stages=2" --out /tmp/kdump_fori --json "$out/$part/resources.json"
+    # Falcon-1A's kernel alone: the default (0) against its chunk gradients' fori loop at 1 and 2 stages (7, 8)
+    step tune_inner 100 python3 benchmarks/bench_inner_product.py --tune --quick --tune-configs 0,7,8 \
+      --out "$out/$part/tune_inner.json"
     ;;
   next42)  # thirteenth run: the triangular inverse's four 16x16 diagonal substitutions in one 15-step loop (one
     # 60-step chain before); checks (segments: next40), profile at 8x2048, whole-op timing of ours

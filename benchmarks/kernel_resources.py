@@ -58,22 +58,21 @@ def captured_triton_modules():
 
 
 def lower_falcon1(shape_text: str, config_text: str, op: str = "delta") -> list[dict]:
-    """The Triton modules of the value and gradient of Falcon-1's kernels (``op="delta"``, a
-    ``--kernel-config`` of the regression KernelConfig) or Falcon-1A's (``"attention"``, the defaults) on
-    ``BxTxHxD``, cross-lowered for CUDA."""
+    """The Triton modules of the value and gradient of Falcon-1's kernels (``op="delta"``) or Falcon-1A's
+    (``"attention"``) on ``BxTxHxD``, cross-lowered for CUDA; ``config_text`` names fields of that op's
+    KernelConfig."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.common import kernel_config, parse_shape
+    from pallas_kernels.decayed_attention.api import KernelConfig as AttentionConfig
     from pallas_kernels.decayed_attention.api import decayed_attention
     from pallas_kernels.decayed_delta_rule.api import decayed_delta_rule
 
     if op not in ("delta", "attention"):
         raise ValueError(f"op must be 'delta' or 'attention', got {op!r}")
-    if op == "attention" and config_text.strip():
-        raise ValueError("--kernel-config names the regression kernels' KernelConfig; --op attention takes none")
     B, T, H, D = parse_shape(shape_text)
-    config = kernel_config(config_text)
+    config = kernel_config(config_text, AttentionConfig if op == "attention" else None)
     tokens = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
     run = jnp.zeros((B, T, H), jnp.int32)
@@ -85,7 +84,7 @@ def lower_falcon1(shape_text: str, config_text: str, op: str = "delta") -> list[
                                       layout="BTHD", config=config)
         else:
             o, s = decayed_attention(q, k, v, *gates, run, s0, implementation="pallas_gpu", interpret=False,
-                                     layout="BTHD")
+                                     layout="BTHD", config=config)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     args = (tokens, tokens, tokens) + (gate,) * (2 if op == "delta" else 1)
@@ -129,7 +128,7 @@ def main() -> int:
     parser.add_argument("--op", default="delta", choices=("delta", "attention"),
                         help="Falcon-1's kernels (decayed_delta_rule) or Falcon-1A's (decayed_attention)")
     parser.add_argument("--shape", default="8x2048x16x128")
-    parser.add_argument("--kernel-config", default="", help="KernelConfig fields, e.g. 'grad_warps=8'")
+    parser.add_argument("--kernel-config", default="", help="the op's KernelConfig fields, e.g. 'grad_warps=8'")
     parser.add_argument("--only", default="", help="only kernels whose name contains this text")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--out", default="kernel_dump", help="folder for each kernel's TTIR and PTX")

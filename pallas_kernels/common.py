@@ -178,6 +178,27 @@ def unsupported_dims_reason(dk: int, dv: int, chunk_size: int, dtype, interpret:
     return None
 
 
+GRAD_LOOPS = ("unrolled", "fori")
+
+
+def column_block(j, width):
+    """``pl.ds`` of column block ``j``: static for a Python int, else a traced start aligned to ``width``."""
+    return pl.ds(j * width if isinstance(j, int) else pl.multiple_of(j * width, width), width)
+
+
+def column_loop(n, body, carry, loops):
+    """``carry = body(j, carry)`` for j < n: unrolled in Python (``"unrolled"``: static slices, straight-line
+    code) or a ``lax.fori_loop`` (``"fori"``: an ``scf.for`` in the Triton IR, whose loads Triton's pipeliner
+    can issue a block ahead when the kernel runs with ``num_stages`` ≥ 2)."""
+    if loops not in GRAD_LOOPS:
+        raise ValueError(f"loops must be one of {GRAD_LOOPS}, got {loops!r}")
+    if loops == "fori":
+        return lax.fori_loop(0, n, body, carry)
+    for j in range(n):
+        carry = body(j, carry)
+    return carry
+
+
 def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
     """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
     P = 1

@@ -71,10 +71,12 @@ def test_forward_matches_reference(T, pieces, segments, implementation):
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("pieces,segments,block_v,implementation", [
-    (1, False, 32, "pallas_gpu"), (2, True, 32, "pallas_gpu"), (4, True, 16, "pallas_gpu"),
-    (1, True, 32, "pallas_tpu")])
-def test_gradients_match_reference(pieces, segments, block_v, implementation):
+@pytest.mark.parametrize("pieces,segments,block_v,implementation,extra", [
+    (1, False, 32, "pallas_gpu", {}), (2, True, 32, "pallas_gpu", {}), (4, True, 16, "pallas_gpu", {}),
+    (2, True, 16, "pallas_gpu", {"grad_loops": "fori", "grad_stages": 2}), (1, True, 32, "pallas_tpu", {})])
+def test_gradients_match_reference(pieces, segments, block_v, implementation, extra):
+    """Gradients w.r.t. q, x, y, log decay and S0 vs float64; value blocks of 16 or 32 (dv = 32), the chunk
+    gradients' value loop unrolled or a ``lax.fori_loop`` (``grad_loops="fori"``, two blocks)."""
     rng = np.random.default_rng(7 + pieces)
     q, x, y, log_decay, run, s0 = op_inputs(rng, T=70, segments=segments)
     ct_o = jnp.asarray(rng.normal(size=y.shape))
@@ -86,7 +88,7 @@ def test_gradients_match_reference(pieces, segments, block_v, implementation):
             return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
         return f
 
-    got = jax.grad(loss(lambda *a: kernel(*a, pieces=pieces, config=KernelConfig(block_v=block_v),
+    got = jax.grad(loss(lambda *a: kernel(*a, pieces=pieces, config=KernelConfig(block_v=block_v, **extra),
                                           implementation=implementation)),
                    argnums=(0, 1, 2, 3, 4))(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, log_decay, s0)))
     want = jax.grad(loss(decayed_attention_reference), argnums=(0, 1, 2, 3, 4))(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import chunk_local as _prepare
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pieces_for as _pieces
-from pallas_kernels.common import (check_layout, interpret_default, kernel_operands as _kernel_operands,
+from pallas_kernels.common import (GRAD_LOOPS, check_layout, interpret_default, kernel_operands as _kernel_operands,
                                    layout_kw as _layout_kw, resolve_implementation, reverse_chunk_cumsum,
                                    swap_time_heads, token_dims, unsupported_dims_reason)
 from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
@@ -49,6 +49,13 @@ class KernelConfig:
     # (kernel only, bf16: 8x2048x16x128 fwd+bwd 1.010 ms vs 1.316 at 264; 1x32768x16x128 2.361 vs 2.574)
     target_programs: int = 128
     mosaic_target_ctas: int = 132  # mosaic_gpu: one CTA per SM (≈210 KiB of SMEM each), one wave
+    # the chunk gradients' loop over value blocks: "unrolled" (Python, static slices) or "fori" (lax.fori_loop,
+    # which Triton's pipeliner can prefetch with grad_stages >= 2).  GPU Triton kernel only; not yet timed.
+    grad_loops: str = "unrolled"
+
+    def __post_init__(self):
+        if self.grad_loops not in GRAD_LOOPS:
+            raise ValueError(f"KernelConfig: grad_loops must be one of {GRAD_LOOPS}, got {self.grad_loops!r}.")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
@@ -123,9 +130,10 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
         ds_ends = ds_final[:, None]
     dh, ds_start = kernels.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
+    loops = {} if kernels is pallas_tpu else {"loops": config.grad_loops}  # the TPU kernel has no column loop
     dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
                                                 interpret=interpret, num_warps=config.grad_warps,
-                                                num_stages=config.grad_stages, **_layout_kw(heads))
+                                                num_stages=config.grad_stages, **loops, **_layout_kw(heads))
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
     dlog = reverse_chunk_cumsum(dg, chunk)
     return dq, dx, dy, dlog, None, ds_start[:, 0]

@@ -54,9 +54,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (check_layout, chunk_local, flatten_pad, interpret_default, kernel_operands,
-                                   next_pow2, pieces_for, resolve_implementation, reverse_chunk_cumsum,
-                                   swap_time_heads, token_dims, unsupported_dims_reason)
+from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, flatten_pad, interpret_default,
+                                   kernel_operands, next_pow2, pieces_for, resolve_implementation,
+                                   reverse_chunk_cumsum, swap_time_heads, token_dims, unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
@@ -161,7 +161,7 @@ class KernelConfig:
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
-                              ("grad_loops", ("unrolled", "fori")),
+                              ("grad_loops", GRAD_LOOPS),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
             if getattr(self, name) not in allowed:

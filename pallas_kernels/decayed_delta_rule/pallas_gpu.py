@@ -55,8 +55,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (call, chunk_specs, dot, precision_for, row_block, token_dims, triton_params,
-                                   walk_layout, walk_outputs)
+from pallas_kernels.common import (call, chunk_specs, column_block, column_loop, dot, precision_for, row_block,
+                                   token_dims, triton_params, walk_layout, walk_outputs)
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
@@ -380,7 +380,7 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
     eta, cont_p = rows[0], rows[5]
 
     def value_block(j, sums):
-        cols = _column_block(j, block_v)
+        cols = column_block(j, block_v)
         h, dh = h_ref[:, cols], dh_ref[:, cols]
         P, dR = p_ref[:, cols].astype(F32), dr_ref[:, cols].astype(F32)
         xh = _in_dot(x, h, precision, p32)
@@ -390,23 +390,7 @@ def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_r
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return tuple(acc + t for acc, t in zip(sums, terms))
 
-    return _column_loop(y_ref.shape[-1] // block_v, value_block, _value_sums_init(chunk), loops), rows
-
-
-def _column_block(j, width):
-    """``pl.ds`` of column block ``j``: static for a Python int, else a traced start aligned to ``width``."""
-    return pl.ds(j * width if isinstance(j, int) else pl.multiple_of(j * width, width), width)
-
-
-def _column_loop(n, body, carry, loops):
-    """``carry = body(j, carry)`` for j < n: unrolled in Python (``"unrolled"``: static slices, straight-line
-    code) or a ``lax.fori_loop`` (``"fori"``: an ``scf.for`` in the Triton IR, whose loads Triton's pipeliner
-    can issue a block ahead when the kernel runs with ``num_stages`` ≥ 2)."""
-    if loops == "fori":
-        return lax.fori_loop(0, n, body, carry)
-    for j in range(n):
-        carry = body(j, carry)
-    return carry
+    return column_loop(y_ref.shape[-1] // block_v, value_block, _value_sums_init(chunk), loops), rows
 
 
 def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
@@ -436,7 +420,7 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
 
     def key_block(j, q_do_h):
-        cols = _column_block(j, block_k)
+        cols = column_block(j, block_k)
         h_t, dh_t = h_ref[cols, :].T, dh_ref[cols, :].T  # [dv, block_k]
         q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
         do_h = _in_dot(do, h_t, precision, p32)
@@ -449,7 +433,7 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
         return q_do_h + jnp.sum(do_h * q_j, axis=1)
 
-    q_do_h = _column_loop(q.shape[-1] // block_k, key_block, jnp.zeros((chunk,), F32), loops)
+    q_do_h = column_loop(q.shape[-1] // block_k, key_block, jnp.zeros((chunk,), F32), loops)
     dg_ref[...] = dg + cont * q_do_h
 
 
@@ -828,7 +812,7 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
     ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
     without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`.
-    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (:func:`_column_loop`)."""
+    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (``common.column_loop``)."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
