@@ -173,8 +173,9 @@ def main() -> int:
         except ValueError:
             parser.error(f"--tune-configs: expected comma-separated indices into TUNE_CONFIGS (0-"
                          f"{len(TUNE_CONFIGS) - 1}), got {args.tune_configs!r}")
-        if configs and max(configs) >= len(TUNE_CONFIGS):
-            parser.error(f"--tune-configs: index {max(configs)} is past TUNE_CONFIGS (0-{len(TUNE_CONFIGS) - 1})")
+        bad = sorted(i for i in configs or () if not 0 <= i < len(TUNE_CONFIGS))
+        if bad:
+            parser.error(f"--tune-configs: index {bad[0]} is outside TUNE_CONFIGS (0-{len(TUNE_CONFIGS) - 1})")
         tune(args.out, [SHAPES[0], SHAPES[2]] if args.quick else None, configs)
         return 0
     bw = copy_bandwidth_gbs()

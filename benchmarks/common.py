@@ -87,13 +87,12 @@ def kernel_config(text: str, config_class=None):
     ``"tri_dtype=input,save_tri=True"``; an unknown name or value is an error naming it."""
     import dataclasses
 
-    from pallas_kernels.decayed_delta_rule.api import KernelConfig
+    from pallas_kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig
 
-    KernelConfig = config_class or KernelConfig
-
+    config_class = config_class or RegressionConfig
     if not text.strip():
         return None
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    fields = {f.name for f in dataclasses.fields(config_class)}
     kw = {}
     for item in text.split(","):
         name, sep, value = (part.strip() for part in item.partition("="))
@@ -102,7 +101,7 @@ def kernel_config(text: str, config_class=None):
                              f"({', '.join(sorted(fields))})")
         literal = {"None": None, "True": True, "False": False}
         kw[name] = int(value) if value.lstrip("-").isdigit() else literal.get(value, value)
-    return KernelConfig(**kw)
+    return config_class(**kw)
 
 
 def with_kernel_config(op, config):

@@ -57,7 +57,7 @@ def captured_triton_modules():
         lowering.lower_jaxpr_to_triton_module, mlir.custom_call = lower, custom_call
 
 
-def lower_falcon1(shape_text: str, config_text: str, op: str = "delta") -> list[dict]:
+def lower_kernels(shape_text: str, config_text: str, op: str = "delta") -> list[dict]:
     """The Triton modules of the value and gradient of Falcon-1's kernels (``op="delta"``) or Falcon-1A's
     (``"attention"``) on ``BxTxHxD``, cross-lowered for CUDA; ``config_text`` names fields of that op's
     KernelConfig."""
@@ -141,7 +141,7 @@ def main() -> int:
         return 1
     os.makedirs(args.out, exist_ok=True)
     try:
-        modules = lower_falcon1(args.shape, args.kernel_config, args.op)
+        modules = lower_kernels(args.shape, args.kernel_config, args.op)
     except ValueError as err:  # a bad --shape / --kernel-config: the message names it
         print(f"kernel_resources: {err}")
         return 2

@@ -497,10 +497,10 @@ def test_kernel_resources_captures_every_triton_kernel():
     from jax._src.interpreters import mlir
     from jax._src.pallas.triton import lowering
 
-    from benchmarks.kernel_resources import lower_falcon1
+    from benchmarks.kernel_resources import lower_kernels
 
     before = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
-    modules = lower_falcon1("1x256x4x64", "tri_warps=2,grad_warps=8,grad_loops=fori,grad_stages=2")
+    modules = lower_kernels("1x256x4x64", "tri_warps=2,grad_warps=8,grad_loops=fori,grad_stages=2")
     assert (lowering.lower_jaxpr_to_triton_module, mlir.custom_call) == before
     by_name = {}
     for m in modules:
@@ -511,15 +511,15 @@ def test_kernel_resources_captures_every_triton_kernel():
     assert {m["num_warps"] for m in by_name["falcon_delta_tri_inverse"]} == {2}
     (grads,) = by_name["falcon_delta_chunk_grads_stored"]
     assert (grads["num_warps"], grads["num_stages"]) == (8, 2) and grads["ttir"].count("scf.for") == 2
-    (unrolled,) = [m for m in lower_falcon1("1x256x4x64", "") if m["name"] == "falcon_delta_chunk_grads_stored"]
+    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "") if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
-    attention = {m["name"]: m for m in lower_falcon1("1x256x4x64", "grad_loops=fori,grad_stages=2", op="attention")}
+    attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=2", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)
     grads = attention["falcon_decayed_attention_chunk_grads"]
     assert grads["num_stages"] == 2 and grads["ttir"].count("scf.for") == 1
     with pytest.raises(ValueError, match="tri_warps=2.* is not name=value with a KernelConfig field"):
-        lower_falcon1("1x256x4x64", "tri_warps=2", op="attention")  # a regression-kernel field
+        lower_kernels("1x256x4x64", "tri_warps=2", op="attention")  # a regression-kernel field
     assert all(isinstance(m["num_stages"], int) for m in modules)
 
 

@@ -130,10 +130,10 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
         ds_ends = ds_final[:, None]
     dh, ds_start = kernels.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    loops = {} if kernels is pallas_tpu else {"loops": config.grad_loops}  # the TPU kernel has no column loop
     dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
                                                 interpret=interpret, num_warps=config.grad_warps,
-                                                num_stages=config.grad_stages, **loops, **_layout_kw(heads))
+                                                num_stages=config.grad_stages, loops=config.grad_loops,
+                                                **_layout_kw(heads))
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
     dlog = reverse_chunk_cumsum(dg, chunk)
     return dq, dx, dy, dlog, None, ds_start[:, 0]

@@ -195,9 +195,11 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, gc_ref, gr_ref, rc_ref, rr_ref, do_r
     dy_ref[...] = dy.astype(dy_ref.dtype)
 
 
-def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=None, num_stages=None):
-    """See :func:`pallas_gpu.chunk_grad_pass`."""
-    del block_v, num_warps, num_stages
+def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=None, num_stages=None,
+                    loops=None):
+    """See :func:`pallas_gpu.chunk_grad_pass` (the GPU launch parameters and ``loops`` have no TPU meaning: the
+    kernel takes the whole value width at once)."""
+    del block_v, num_warps, num_stages, loops
     BH, L, dk = q.shape
     dv = y.shape[-1]
     n = L // chunk
