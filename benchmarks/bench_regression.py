@@ -139,7 +139,7 @@ VARIANTS = {
     "kernel only, triangular inverse 2 warps": dict(config=KernelConfig(tri_warps=2)),
     "kernel only, Pallas chunk gradients 8 warps": dict(config=KernelConfig(grad_warps=8)),
     # the stored-P/dR chunk gradients, the largest pass in the eleventh run's profile (966 us at 8x2048)
-    "kernel only, chunk gradients 2 stages": dict(config=KernelConfig(grad_stages=2)),
+    "kernel only, chunk gradients 1 stage": dict(config=KernelConfig(grad_stages=1)),
     "kernel only, chunk gradients 16 key columns": dict(config=KernelConfig(grad_block_k=16)),
     "kernel only, chunk gradients 8 warps, 64 key columns": dict(config=KernelConfig(grad_warps=8, grad_block_k=64)),
     "kernel only, chunk gradients 2 warps": dict(config=KernelConfig(grad_warps=2)),
@@ -189,10 +189,11 @@ WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), stored split chunk gradients": KernelConfig(chunk_grads="pallas_stored_split"),
     "falcon-1 pallas (ours), chunk gradients 8 warps": KernelConfig(grad_warps=8),
     "falcon-1 pallas (ours), triangular inverse 2 warps": KernelConfig(tri_warps=2),
-    # the stored chunk gradients' column loops as lax.fori_loop, so that Triton can pipeline their loads
-    "falcon-1 pallas (ours), chunk gradient fori loops": KernelConfig(grad_loops="fori"),
-    "falcon-1 pallas (ours), chunk gradient fori loops 2 stages": KernelConfig(grad_loops="fori", grad_stages=2),
-    "falcon-1 pallas (ours), chunk gradient fori loops 3 stages": KernelConfig(grad_loops="fori", grad_stages=3),
+    # the stored chunk gradients' column loops: unrolled (the default until the fourteenth run) or as
+    # lax.fori_loop (the default since, with 2 stages: next43) at 1 and 3 stages
+    "falcon-1 pallas (ours), unrolled chunk gradient loops": KernelConfig(grad_loops="unrolled", grad_stages=1),
+    "falcon-1 pallas (ours), chunk gradient fori loops 1 stage": KernelConfig(grad_stages=1),
+    "falcon-1 pallas (ours), chunk gradient fori loops 3 stages": KernelConfig(grad_stages=3),
 }
 
 
@@ -253,7 +254,14 @@ def main() -> int:
                         "'' for none)")
     parser.add_argument("--memory-shapes", default=None, help="comma-separated BxTxHxD memory shapes (default: "
                         "1x32768x16x128,1x131072x16x128; '' for none)")
+    parser.add_argument("--configs", default="", help="semicolon-separated KernelConfig settings, each timed as "
+                        "one more whole-op row, e.g. 'state_warps=8;fwd_stages=3,block_v=64'")
     args = parser.parse_args()
+    try:
+        extra_configs = {f"falcon-1 pallas (ours), {text.strip()}": kernel_config(text.strip())
+                         for text in args.configs.split(";") if text.strip()}
+    except ValueError as e:
+        parser.error(f"--configs: {e}")
 
     def shape_list(text, flag):
         try:
@@ -315,7 +323,7 @@ def main() -> int:
         B, T, H, D = shape
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         measure("falcon-1 pallas (ours)", shape, ours_falcon, 5, (q, k, v, beta, lam))
-        for label, cfg in WHOLE_OP_VARIANTS.items():
+        for label, cfg in {**WHOLE_OP_VARIANTS, **extra_configs}.items():
             measure(label, shape, with_kernel_config(ours_falcon, cfg), 5, (q, k, v, beta, lam))
         measure("kernel only (decayed_delta_rule)", shape, kernel_only, 5, (q, k, v, beta, log_decay))
         measure("kernel only, BTHD in place", shape, kernel_only_in_place, 5, (q, k, v, beta, log_decay))

@@ -459,6 +459,19 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check_inner 150 python3 benchmarks/gpu_check_inner_product.py --out "$out/$part/check_inner.json"
     step bench_inner 260 python3 benchmarks/bench_inner_product.py --out "$out/$part/bench_inner.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39)"; exit 2 ;;
+  next44)  # fourteenth run: the fori chunk gradients with 2 stages are now both families' default (next43); Falcon-1A's
+    # values and gradients on them (its fp64 reference gradient on the host CPU now), Falcon-1's checks
+    step check_inner 170 python3 benchmarks/gpu_check_inner_product.py --only "values,grads,bf16,segments" \
+      --out "$out/$part/check_inner.json"
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,bf16" \
+      --out "$out/$part/check.json"
+    ;;
+  next45)  # fourteenth run: the other launch parameters swept under the new chunk-gradient default, whole op
+    step bench 400 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops" \
+      --configs "grad_block_v=64;grad_block_v=16;grad_block_k=64;grad_block_k=16;grad_warps=8;state_warps=8;fwd_stages=3;fwd_stages=1;stored_v=input;split_block_v=32;block_v=64;block_v=16" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

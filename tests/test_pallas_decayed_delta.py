@@ -90,9 +90,10 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"save_tri": True, "stored_v": "input"}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {}),
-    (16, 2, 16, "pallas_gpu", "pallas_stored", "split", {"grad_loops": "fori", "grad_block_k": 16, "dk": 32}),
-    (32, 1, 16, "pallas_gpu", "pallas_stored_split", "pallas",
-     {"grad_loops": "fori", "grad_stages": 2, "grad_block_k": 16, "dk": 32}),
+    (16, 2, 16, "pallas_gpu", "pallas_stored", "split",
+     {"grad_loops": "unrolled", "grad_stages": 1, "grad_block_k": 16, "dk": 32}),
+    (32, 1, 32, "pallas_gpu", "pallas_stored_split", "pallas", {"grad_block_v": 16, "grad_block_k": 16, "dk": 32}),
+    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"grad_block_v": 16, "grad_block_k": 16, "dk": 32}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -103,7 +104,8 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     ``chunk_grads="pallas_stored"`` (the GPU default): P and dR stored by either walk, with and without
     pieces, and as two programs per chunk (``"pallas_stored_split"``); the forward's T kept for the backward
     (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32); the stored kernels' column loops as
-    ``lax.fori_loop`` (``grad_loops="fori"``, two value and two key blocks: dk = 32, an ``extra["dk"]``).
+    ``lax.fori_loop`` (the default ``grad_loops="fori"``; two value and two key blocks: dk = 32, an
+    ``extra["dk"]``, value blocks narrower than the walks' with ``grad_block_v``) and unrolled.
     Outputs poisoned: every element written."""
     extra = dict(extra)
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32, segments=True)
@@ -475,7 +477,7 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     ({"chunk_grads": "triton"}, "chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"),
     ({"outputs": "XLA"}, "outputs must be"),
     ({"walk_operands": "bf16"}, "walk_operands must be 'fp32' or 'input'"),
-    ({"split_block_v": 24}, "split_block_v must be None"),
+    ({"split_block_v": 24}, "split_block_v must be None"), ({"grad_block_v": 8}, "grad_block_v must be None"),
     ({"grad_block_k": 8}, "grad_block_k must be a power of two"),
     ({"stored_dr": "bf16"}, "stored_dr must be 'fp32' or 'input'"),
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
@@ -492,15 +494,15 @@ def test_kernel_resources_captures_every_triton_kernel():
     """``benchmarks/kernel_resources.py`` (registers / spills on any machine) sees every Triton kernel of the
     op's value and gradient, cross-lowered for CUDA, each with its own warps and stages, and puts the
     lowering hooks back afterwards (compiling the TTIR needs a standalone Triton: not part of this test).
-    With ``grad_loops="fori"`` the stored chunk gradients' column loops reach Triton as ``scf.for`` loops
-    (what its pipeliner needs), unrolled by default."""
+    With ``grad_loops="fori"`` (the default) the stored chunk gradients' column loops reach Triton as ``scf.for``
+    loops (what its pipeliner needs); ``"unrolled"`` leaves none."""
     from jax._src.interpreters import mlir
     from jax._src.pallas.triton import lowering
 
     from benchmarks.kernel_resources import lower_kernels
 
     before = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
-    modules = lower_kernels("1x256x4x64", "tri_warps=2,grad_warps=8,grad_loops=fori,grad_stages=2")
+    modules = lower_kernels("1x256x4x64", "tri_warps=2,grad_warps=8,grad_stages=3")
     assert (lowering.lower_jaxpr_to_triton_module, mlir.custom_call) == before
     by_name = {}
     for m in modules:
@@ -510,14 +512,18 @@ def test_kernel_resources_captures_every_triton_kernel():
             "falcon_delta_chunk_grads_stored", "gate_transpose", "gate_transpose_back"} <= set(by_name)
     assert {m["num_warps"] for m in by_name["falcon_delta_tri_inverse"]} == {2}
     (grads,) = by_name["falcon_delta_chunk_grads_stored"]
-    assert (grads["num_warps"], grads["num_stages"]) == (8, 2) and grads["ttir"].count("scf.for") == 2
-    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "") if m["name"] == "falcon_delta_chunk_grads_stored"]
+    assert (grads["num_warps"], grads["num_stages"]) == (8, 3) and grads["ttir"].count("scf.for") == 2
+    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
+                   if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
-    attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=2", op="attention")}
+    attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)
     grads = attention["falcon_decayed_attention_chunk_grads"]
-    assert grads["num_stages"] == 2 and grads["ttir"].count("scf.for") == 1
+    assert grads["num_stages"] == 3 and grads["ttir"].count("scf.for") == 1
+    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled", op="attention")
+                   if m["name"] == "falcon_decayed_attention_chunk_grads"]
+    assert "scf.for" not in unrolled["ttir"]
     with pytest.raises(ValueError, match="tri_warps=2.* is not name=value with a KernelConfig field"):
         lower_kernels("1x256x4x64", "tri_warps=2", op="attention")  # a regression-kernel field
     assert all(isinstance(m["num_stages"], int) for m in modules)

@@ -85,12 +85,18 @@ class KernelConfig:
     fwd_stages: int = 2
     state_warps: int = 4
     grad_warps: int = 4
-    grad_stages: int = 1
+    # the chunk gradients' software-pipelining stages (Triton num_stages): 2 with grad_loops="fori" (next43)
+    grad_stages: int = 2
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
-    # the stored chunk gradients' loops over value / key column blocks: "unrolled" (Python, static slices) or
-    # "fori" (lax.fori_loop: an scf.for whose loads Triton's pipeliner can issue a block ahead when grad_stages
-    # >= 2; the unrolled form gives it nothing to pipeline).  GPU only; not yet timed on the H200.
-    grad_loops: str = "unrolled"
+    # value columns per step of the stored chunk gradients' value half (None: block_v, the walks' width)
+    grad_block_v: int | None = None
+    # the stored chunk gradients' loops over value / key column blocks: "fori" (lax.fori_loop: an scf.for whose
+    # loads Triton's pipeliner issues a block ahead with grad_stages >= 2) or "unrolled" (Python, static slices:
+    # nothing to pipeline; the default until the fourteenth run).  H200 bf16 whole op fwd+bwd, fori with 2 stages
+    # vs unrolled with 1: 1.634 vs 1.977 ms (8x2048x16x128), 1.738 vs 2.070 (2x8192), 4.279 vs 4.938 (1x32768);
+    # the chunk-gradient kernel 637 vs 963 us at 8x2048; fori with 1 stage 1.721 / 1.831 / 4.440, 3 stages
+    # 1.794 / 1.895 / 4.574 (next43).  GPU only.
+    grad_loops: str = "fori"
     # chunk_grads="pallas_stored": the dtype the state-gradient walk stores dR in for bf16/fp16 inputs: "input"
     # (H200 bf16 fwd+bwd 2.16 / 2.45 / 5.97 ms at 8x2048 / 2x8192 / 1x32768 x16x128; dy = η dR is rounded twice,
     # 1.5x the fp32-dR error at d64) or "fp32" (2.55 / 2.80 / 6.59 ms, +8% peak memory; dy rounded once).
@@ -171,10 +177,10 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
-        width = self.split_block_v
-        if width is not None and (width < 16 or width & (width - 1)):
-            raise ValueError(f"KernelConfig: split_block_v must be None (auto) or a power of two >= 16, "
-                             f"got {self.split_block_v!r}.")
+        for name in ("split_block_v", "grad_block_v"):
+            width = getattr(self, name)
+            if width is not None and (not isinstance(width, int) or width < 16 or width & (width - 1)):
+                raise ValueError(f"KernelConfig: {name} must be None (auto) or a power of two >= 16, got {width!r}.")
 
     def walk_operand_dtype(self, dtype):
         """The dtype the walks round their state-sized operands to for inputs of ``dtype`` (None: fp32)."""
@@ -366,8 +372,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
                        else kernels.chunk_grad_stored_split_pass)
         dq, dx, dy, deta, dg, dgp = stored_pass(
-            q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.block_v, interpret=interpret,
-            num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
+            q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v or config.block_v,
+            interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
             **_layout_kw(heads))
     elif chunk_grads == "xla":
@@ -469,7 +475,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     n_chunks = next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
     L = n_chunks * chunk
     config = config or KernelConfig()
-    config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    config = dataclasses.replace(config, block_v=min(config.block_v, dv),
+                                 grad_block_v=min(config.grad_block_v or config.block_v, dv))
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
@@ -592,7 +599,8 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     Ls = n_chunks * steps  # padded steps
     dtype = q.dtype
     config = config or KernelConfig()
-    config = dataclasses.replace(config, block_v=min(config.block_v, dv))
+    config = dataclasses.replace(config, block_v=min(config.block_v, dv),
+                                 grad_block_v=min(config.grad_block_v or config.block_v, dv))
     if implementation == "pallas_tpu":
         P = 1
     else:
