@@ -157,8 +157,9 @@ VARIANTS = {
     "kernel only, pieces to 128 programs": dict(config=KernelConfig(target_programs=128)),
     "kernel only, pieces to 256 programs": dict(config=KernelConfig(target_programs=256)),
     "kernel only, walks 8 warps": dict(config=KernelConfig(fwd_warps=8, state_warps=8)),
-    "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1)),
-    "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3)),
+    "kernel only, walks 1 stage": dict(config=KernelConfig(fwd_stages=1, state_stages=1)),
+    "kernel only, walks 2 stages": dict(config=KernelConfig(fwd_stages=2, state_stages=2)),
+    "kernel only, walks 3 stages": dict(config=KernelConfig(fwd_stages=3, state_stages=3)),
     # tenth run: T = (I + A)⁻¹ stored in bf16 (the default since; its dots bf16 MMA) or fp32, longer chunks,
     # 16-column walks at long T
     "kernel only, ninth-run default (fp32 triangular inverse)": dict(config=KernelConfig(tri_dtype="fp32")),
@@ -194,6 +195,10 @@ WHOLE_OP_VARIANTS = {
     "falcon-1 pallas (ours), unrolled chunk gradient loops": KernelConfig(grad_loops="unrolled", grad_stages=1),
     "falcon-1 pallas (ours), chunk gradient fori loops 1 stage": KernelConfig(grad_stages=1),
     "falcon-1 pallas (ours), chunk gradient fori loops 3 stages": KernelConfig(grad_stages=3),
+    # the walks' stages: 2 everywhere (the default until the fourteenth run) and 3 everywhere, against the
+    # default's choice by program count (KernelConfig.walk_stages)
+    "falcon-1 pallas (ours), walks 2 stages": KernelConfig(fwd_stages=2, state_stages=2),
+    "falcon-1 pallas (ours), walks 3 stages": KernelConfig(fwd_stages=3, state_stages=3),
 }
 
 

@@ -472,6 +472,17 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "grad_block_v=64;grad_block_v=16;grad_block_k=64;grad_block_k=16;grad_warps=8;state_warps=8;fwd_stages=3;fwd_stages=1;stored_v=input;split_block_v=32;block_v=64;block_v=16" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45)"; exit 2 ;;
+  next46)  # fourteenth run: the walks' stages picked by program count (3 up to 264 programs, else 2; next45 had
+    # 3 everywhere faster at fwd+bwd but slower forward at 8x2048); checks, profile, timing with jla alongside
+    step check 120 python3 benchmarks/gpu_check_regression.py --only "fp32 values,fp32 grads" \
+      --out "$out/$part/check.json"
+    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+      --top 8 --out "$out/$part/profile.json"
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes "" \
+      --rows "falcon-1 pallas (ours);jla 0.1.0 gated_deltanet" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops" \
+      --configs "fwd_stages=4,state_stages=4;block_v=16;target_programs=128" --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

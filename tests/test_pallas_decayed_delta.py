@@ -473,6 +473,12 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert cfg.split_block_v_for(128, 32) == 32 and KernelConfig(split_block_v=128).split_block_v_for(4, 64) == 64
 
 
+def test_walk_stages_follow_program_count():
+    """The walks' pipelining stages: an explicit count is kept; None gives 3 up to 264 programs, 2 above."""
+    assert [KernelConfig.walk_stages(None, n) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
+    assert KernelConfig.walk_stages(1, 8) == 1 and KernelConfig.walk_stages(4, 4096) == 4
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"chunk_grads": "triton"}, "chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"),
     ({"outputs": "XLA"}, "outputs must be"),
@@ -511,6 +517,9 @@ def test_kernel_resources_captures_every_triton_kernel():
     assert {"falcon_delta_tri_inverse", "falcon_delta_fwd", "falcon_delta_dstate_walk",
             "falcon_delta_chunk_grads_stored", "gate_transpose", "gate_transpose_back"} <= set(by_name)
     assert {m["num_warps"] for m in by_name["falcon_delta_tri_inverse"]} == {2}
+    # 4 batch·heads x 2 value blocks: few programs, so every walk pipelines 3 stages (KernelConfig.walk_stages)
+    assert {m["num_stages"] for name in ("falcon_delta_fwd", "falcon_delta_dstate_walk")
+            for m in by_name[name]} == {3}
     (grads,) = by_name["falcon_delta_chunk_grads_stored"]
     assert (grads["num_warps"], grads["num_stages"]) == (8, 3) and grads["ttir"].count("scf.for") == 2
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
