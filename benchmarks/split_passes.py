@@ -102,7 +102,7 @@ def split_attention(shape, interpret, rows):
 def split_delta(shape, interpret, rows):
     B, T, H, d = shape
     BH, C = B * H, 64
-    cfg = delta_api.KernelConfig()
+    cfg = delta_api.KernelConfig().resolved(BH, d)
     q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
     eta = eta / d  # η‖x‖² ≈ η: inside (0, 2)
     P = pieces_for(BH, d // cfg.block_v, T // C, cfg.target_programs)
@@ -111,7 +111,7 @@ def split_delta(shape, interpret, rows):
     kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
     kw["walk_operands"] = cfg.walk_operand_dtype(q.dtype)
     programs = BH * P * (d // cfg.block_v)  # the walks' stages as the op picks them (KernelConfig.walk_stages)
-    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.walk_stages(cfg.fwd_stages, programs))
+    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.walk_stages(cfg.fwd_stages, programs, True))
     state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.walk_stages(cfg.state_stages, programs))
     name = f"{B}x{T}x{H}x{d}"
     tri = jax.jit(functools.partial(delta_gpu.tri_inverse_pass, chunk=C, interpret=interpret,
@@ -153,7 +153,7 @@ def split_delta_passes(shape, interpret, rows, passes=()):
     walks storing P and dR and the chunk gradients reading them (``chunk_grads="pallas_stored"``)."""
     B, T, H, d = shape
     BH, C = B * H, 64
-    cfg = delta_api.KernelConfig()
+    cfg = delta_api.KernelConfig().resolved(BH, d)
     q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
     eta = eta / d
     g, gp, rl = delta_api._gates(log_decay, run, C)

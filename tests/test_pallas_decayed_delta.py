@@ -457,16 +457,23 @@ def test_split_passes_are_gpu_only(name, value, rng):
 
 def test_kernel_config_auto_choices_per_backend_and_shape():
     """The defaults pick the split passes on the GPU (faster on the H200) and keep the TPU's fused kernels; the
-    split forward only when the fused walk would run fewer than 128 programs; the split walks' width the widest
-    ≤ 64 that still gives 128 programs."""
+    walks' value blocks 32 columns wide, 16 when 32 gives fewer than 128 programs; the split forward only when the
+    fused walk would still run fewer than 128; the split walks' width the widest ≤ 64 that still gives 128
+    programs; the chunk gradients' value step 32 columns unless set."""
     cfg = KernelConfig()
     assert cfg.chunk_grads_for("pallas_gpu") == "pallas_stored" and cfg.chunk_grads_for("pallas_tpu") == "pallas"
     assert cfg.state_grads_for("pallas_gpu") == "split" and cfg.state_grads_for("pallas_tpu") == "pallas"
     assert KernelConfig(chunk_grads="xla").chunk_grads_for("pallas_gpu") == "xla"
     assert KernelConfig(state_grads="pallas").state_grads_for("pallas_gpu") == "pallas"
-    # 128 value columns in blocks of 32: 4 programs per batch·head
-    assert cfg.outputs_for("pallas_gpu", 16, 128) == "split"  # 1x32768x16x128: 64 programs
-    assert cfg.outputs_for("pallas_gpu", 32, 128) == "pallas"  # 2x8192x16x128: 128
+    # 128 value columns in blocks of 32 (16 for under 128 programs): 4 (8) programs per batch·head
+    assert cfg.outputs_for("pallas_gpu", 16, 128) == "pallas"  # 1x32768x16x128: 16 columns, 128 programs
+    assert cfg.outputs_for("pallas_gpu", 32, 128) == "pallas"  # 2x8192x16x128: 32 columns, 128
+    assert cfg.outputs_for("pallas_gpu", 8, 128) == "split"  # 16 columns, 64
+    assert KernelConfig(block_v=32).outputs_for("pallas_gpu", 16, 128) == "split"  # 64
+    assert [cfg.block_v_for(bh, 128) for bh in (128, 32, 16, 8)] == [32, 32, 16, 16]
+    assert cfg.block_v_for(4, 16) == 16 and KernelConfig(block_v=64).block_v_for(2, 32) == 32
+    assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 32
+    assert KernelConfig(grad_block_v=64).resolved(1, 16).grad_block_v == 16
     assert cfg.outputs_for("pallas_tpu", 16, 128) == "pallas"
     assert KernelConfig(outputs="xla").outputs_for("pallas_gpu", 16, 128) == "xla"
     assert [cfg.split_block_v_for(bh, 128) for bh in (128, 32, 16, 1)] == [64, 32, 16, 16]
@@ -474,9 +481,11 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
 
 
 def test_walk_stages_follow_program_count():
-    """The walks' pipelining stages: an explicit count is kept; None gives 3 up to 264 programs, 2 above."""
-    assert [KernelConfig.walk_stages(None, n) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
-    assert KernelConfig.walk_stages(1, 8) == 1 and KernelConfig.walk_stages(4, 4096) == 4
+    """The walks' pipelining stages: an explicit count is kept; None gives 3, except 2 for an output-writing
+    walk of more than 264 programs."""
+    assert [KernelConfig.walk_stages(None, n, True) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
+    assert [KernelConfig.walk_stages(None, n) for n in (1, 512, 4096)] == [3, 3, 3]
+    assert KernelConfig.walk_stages(1, 8) == 1 and KernelConfig.walk_stages(4, 4096, True) == 4
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -484,6 +493,7 @@ def test_walk_stages_follow_program_count():
     ({"outputs": "XLA"}, "outputs must be"),
     ({"walk_operands": "bf16"}, "walk_operands must be 'fp32' or 'input'"),
     ({"split_block_v": 24}, "split_block_v must be None"), ({"grad_block_v": 8}, "grad_block_v must be None"),
+    ({"block_v": 48}, "block_v must be None"),
     ({"grad_block_k": 8}, "grad_block_k must be a power of two"),
     ({"stored_dr": "bf16"}, "stored_dr must be 'fp32' or 'input'"),
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),

@@ -79,20 +79,25 @@ class KernelConfig:
     """Launch parameters and pass choices of the kernels (block_v, tri_warps, target_programs, chunk_grads and
     walk_operands from the sixth and seventh H200 runs, docs/kernels.md)."""
 
-    block_v: int = 32  # value columns per program of the walks and per step of the chunk gradients (H200: 32 beat 64)
+    # value columns per program of the walks; None: 32, or 16 when 32 gives fewer than 128 programs (H200 bf16
+    # whole op at 1x32768x16x128, 16 vs 32: forward 1.186 vs 1.273 ms (the fused walk, 128 programs, against
+    # the split one), fwd+bwd 3.799 vs 3.859; at 8x2048 and 2x8192 16 lost: 0.580 vs 0.394, 0.623 vs 0.450
+    # forward, next46); 64 lost everywhere (next45)
+    block_v: int | None = None
     tri_warps: int = 1  # the triangular inverse's 16-row substitution is serial: one warp (H200: 0.66 vs 0.90 ms fwd)
     fwd_warps: int = 4
     # the forward walks' (and the backward's recompute walk's) software-pipelining stages (Triton num_stages);
-    # None: by the walk's program count (``walk_stages``)
+    # None: 3, or 2 for an output-writing walk of many programs (``walk_stages``)
     fwd_stages: int | None = None
     state_warps: int = 4
-    # the state-gradient (reverse) walks' stages; None: by their program count as for fwd_stages
+    # the state-gradient (reverse) walks' stages; None: 3 (``walk_stages``)
     state_stages: int | None = None
     grad_warps: int = 4
     # the chunk gradients' software-pipelining stages (Triton num_stages): 2 with grad_loops="fori" (next43)
     grad_stages: int = 2
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
-    # value columns per step of the stored chunk gradients' value half (None: block_v, the walks' width)
+    # value columns per step of the stored chunk gradients' value half (None: 32; H200 fwd+bwd with 16 / 64:
+    # 1.702 / 1.822 vs 1.655 ms at 8x2048x16x128, 4.403 / 4.710 vs 4.355 at 1x32768, next45)
     grad_block_v: int | None = None
     # the stored chunk gradients' loops over value / key column blocks: "fori" (lax.fori_loop: an scf.for whose
     # loads Triton's pipeliner issues a block ahead with grad_stages >= 2) or "unrolled" (Python, static slices:
@@ -181,7 +186,7 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
-        for name in ("split_block_v", "grad_block_v"):
+        for name in ("block_v", "split_block_v", "grad_block_v"):
             width = getattr(self, name)
             if width is not None and (not isinstance(width, int) or width < 16 or width & (width - 1)):
                 raise ValueError(f"KernelConfig: {name} must be None (auto) or a power of two >= 16, got {width!r}.")
@@ -215,20 +220,32 @@ class KernelConfig:
         """``outputs`` with "auto" resolved for ``backend`` and ``bh`` batch·heads of ``dv`` value columns."""
         if self.outputs != "auto":
             return self.outputs
-        fused_programs = bh * max(dv // self.block_v, 1)
+        fused_programs = bh * max(dv // self.block_v_for(bh, dv), 1)
         return "split" if backend == "pallas_gpu" and fused_programs < 128 else "pallas"
 
     @staticmethod
-    def walk_stages(stages: int | None, programs: int) -> int:
-        """A walk's pipelining stages: ``stages`` if set, else 3 for at most 264 programs (two per SM of the
-        H200's 132) and 2 above.  H200 bf16 whole op, every walk at 3 stages vs 2 (next45): forward 0.459 vs
-        0.392 ms at 8x2048x16x128 (the fused walk: 512 programs), 0.446 vs 0.525 at 2x8192 (128), 1.271 vs 1.588
-        at 1x32768 (the split walk: 128); forward+backward 1.598 vs 1.655, 1.623 vs 1.771, 3.832 vs 4.355 (the
-        reverse walk: 256, 128, 128 programs).  Few programs leave the SMs' latency to the prefetch; many
-        programs hide it themselves and lose occupancy to the third stage's shared memory."""
+    def walk_stages(stages: int | None, programs: int, writes_outputs: bool = False) -> int:
+        """A walk's pipelining stages: ``stages`` if set, else 3, but 2 for a walk that writes the outputs with
+        more than 264 programs (two per SM of the H200's 132).  H200 bf16 whole op (next45, next46): the fused
+        forward at 8x2048x16x128 (512 programs) 0.394 ms at 2 stages vs 0.460 at 3, at 2x8192 (128) 0.524 vs
+        0.449; the split forward at 1x32768 1.587 vs 1.272; forward+backward with every walk at 3 vs at 2:
+        1.595 vs 1.665, 1.640 vs 1.775, 3.861 vs 4.357 (the backward's walks write no outputs: the recompute
+        walk at 512 programs gains from the third stage too)."""
         if stages is not None:
             return stages
-        return 3 if programs <= 264 else 2
+        return 2 if writes_outputs and programs > 264 else 3
+
+    def block_v_for(self, bh: int, dv: int) -> int:
+        """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``)."""
+        if self.block_v is not None:
+            return min(self.block_v, dv)
+        width = min(32, dv)
+        return 16 if width > 16 and bh * (dv // width) < 128 else width
+
+    def resolved(self, bh: int, dv: int) -> "KernelConfig":
+        """This config with ``block_v`` and ``grad_block_v`` set for ``bh`` batch·heads of ``dv`` value columns."""
+        return dataclasses.replace(self, block_v=self.block_v_for(bh, dv),
+                                   grad_block_v=min(self.grad_block_v or 32, dv))
 
     def split_block_v_for(self, bh: int, dv: int) -> int:
         """Value columns per program of the split walks for ``bh`` batch·heads (see ``split_block_v``)."""
@@ -307,7 +324,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
                                     **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
-              num_stages=config.walk_stages(config.fwd_stages, BH * pieces * (dv // config.block_v)),
+              num_stages=config.walk_stages(config.fwd_stages, 0),
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     if pieces > 1:
         M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
@@ -316,14 +333,15 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         starts = s0[:, None]
     outputs = config.outputs_for(backend, BH, dv)
     if outputs == "split":
-        width = config.split_block_v_for(BH * pieces, dv)
-        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, **dict(
-            kw, block_v=width, num_stages=config.walk_stages(config.fwd_stages, BH * pieces * (dv // width))))
+        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts,
+                                            **dict(kw, block_v=config.split_block_v_for(BH * pieces, dv)))
     elif outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
-        o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False, **kw)
+        stages = config.walk_stages(config.fwd_stages, BH * pieces * (dv // config.block_v), writes_outputs=True)
+        o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
+                                        **dict(kw, num_stages=stages))
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 
@@ -340,10 +358,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     dv = y.shape[-1]
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
-    fused_programs = BH * pieces * (dv // config.block_v)
-    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.walk_stages(config.fwd_stages, fused_programs))
-    state_kw = dict(kw, num_warps=config.state_warps,
-                    num_stages=config.walk_stages(config.state_stages, fused_programs))
+    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.walk_stages(config.fwd_stages, 0))
+    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.walk_stages(config.state_stages, 0))
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     chunk_grads = config.chunk_grads_for(backend)
@@ -370,7 +386,6 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
                                             num_warps=config.state_warps, heads=heads, b_dtype=lo,
                                             v_dtype=lo if config.stored_v == "input" else jnp.float32)
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
-        state_kw["num_stages"] = config.walk_stages(config.state_stages, BH * pieces * (dv // state_kw["block_v"]))
     else:
         state_grad_pass = kernels.state_grad_pass
     if pieces > 1:
@@ -392,7 +407,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
                        else kernels.chunk_grad_stored_split_pass)
         dq, dx, dy, deta, dg, dgp = stored_pass(
-            q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v or config.block_v,
+            q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v,
             interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
             **_layout_kw(heads))
@@ -495,8 +510,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     n_chunks = next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
     L = n_chunks * chunk
     config = config or KernelConfig()
-    config = dataclasses.replace(config, block_v=min(config.block_v, dv),
-                                 grad_block_v=min(config.grad_block_v or config.block_v, dv))
+    config = config.resolved(B * H, dv)
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
@@ -619,8 +633,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     Ls = n_chunks * steps  # padded steps
     dtype = q.dtype
     config = config or KernelConfig()
-    config = dataclasses.replace(config, block_v=min(config.block_v, dv),
-                                 grad_block_v=min(config.grad_block_v or config.block_v, dv))
+    config = config.resolved(B * H, dv)
     if implementation == "pallas_tpu":
         P = 1
     else:
