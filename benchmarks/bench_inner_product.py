@@ -160,6 +160,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_inner_product.json")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
+                        "not measured")
+    parser.add_argument("--rows", default="", help="semicolon-separated substrings: only the rows whose name "
+                        "holds one are measured, the memory rows only if one is 'memory' (default: all)")
     parser.add_argument("--memory-only", action="store_true", help="only the compiled peak memory rows")
     parser.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU forward (its compile did "
                         "not finish within 75 s on the H200 under jax 0.11.2, so it is opt-in)")
@@ -186,8 +190,16 @@ def main() -> int:
         write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_GBps": bw,
                               "dtype": "bfloat16", "rows": rows, "memory": memory, "errors": errors})
 
+    skip = [t.strip() for t in args.skip.split(",") if t.strip()]
+    only = [t.strip() for t in args.rows.split(";") if t.strip()]
+
+    def wanted(name):
+        return not any(t in name for t in skip) and (not only or any(t in name for t in only))
+
     def measure(name, shape, fn_fwd, fn_both, fwd_args, both_args):
         row = {"impl": name, "shape": "x".join(map(str, shape))}
+        if not wanted(name):
+            return row
         for key, fn, a in (("fwd_ms", fn_fwd, fwd_args), ("fwd_bwd_ms", fn_both, both_args)):
             if fn is None:
                 continue
@@ -243,6 +255,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             errors[f"jla {shape}"] = repr(e)[:300]
         try:
+            if not wanted("fla 0.6.0 chunk_simple_gla"):
+                raise NotImplementedError("not requested (--rows / --skip)")
             import torch
             from fla.ops.simple_gla import chunk_simple_gla
 
@@ -264,7 +278,7 @@ def main() -> int:
             errors[f"fla {shape}"] = repr(e)[:300]
 
     # memory after the timings: its compiles at T = 131072 are the slowest part
-    for shape in MEMORY_SHAPES if args.memory_only else [] if args.quick else MEMORY_SHAPES:
+    for shape in MEMORY_SHAPES if args.memory_only else [] if args.quick or not wanted("memory") else MEMORY_SHAPES:
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
         _, b = fwd_and_bwd(ours_falcon("1A"), 5)
         entry = {"shape": "x".join(map(str, shape)), "falcon-1A pallas fwd+bwd bytes": compiled_memory(b, q, k, v, beta, lam)}

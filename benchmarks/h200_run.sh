@@ -483,6 +483,17 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops" \
       --configs "fwd_stages=4,state_stages=4;block_v=16;target_programs=128" --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46)"; exit 2 ;;
+  next47)  # fourteenth run, the final code: walks at 3 stages (2 for an output-writing forward of > 264 programs),
+    # block_v 16 below 128 programs (the fused forward at 1x32768); checks on the GPU lowering (segments: B2 H4,
+    # 16 columns), whole-op timing against the explicit 32 columns, Falcon-1A / 3A rows for the README
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,fp32 grads" \
+      --out "$out/$part/check.json"
+    step bench 100 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks 3" \
+      --configs "block_v=32" --out "$out/$part/bench.json"
+    step bench_inner 120 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas;falcon-3A pallas" \
+      --skip "head-major" --out "$out/$part/bench_inner.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
