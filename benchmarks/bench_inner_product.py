@@ -21,9 +21,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, print_table, time_jax, time_torch,
+from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, kernel_config, print_table, time_jax, time_torch,
                                with_kernel_config, write_json)
 from falcon_jax import falcon
+from falcon_jax.forms import chunk_pallas
 from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention.api import KernelConfig
 from pallas_kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig  # the per-column kernel's
@@ -160,6 +161,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_inner_product.json")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s inner-product kernels on this "
+                        "decayed_attention KernelConfig for the whole-op rows, e.g. 'grad_loops=unrolled,grad_stages=1'")
     parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
                         "not measured")
     parser.add_argument("--rows", default="", help="semicolon-separated substrings: only the rows whose name "
@@ -190,6 +193,10 @@ def main() -> int:
         write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_GBps": bw,
                               "dtype": "bfloat16", "rows": rows, "memory": memory, "errors": errors})
 
+    try:
+        chunk_pallas.ATTENTION_KERNEL_CONFIG = kernel_config(args.kernel_config, config_class=KernelConfig)
+    except ValueError as e:
+        parser.error(str(e))
     skip = [t.strip() for t in args.skip.split(",") if t.strip()]
     only = [t.strip() for t in args.rows.split(";") if t.strip()]
 

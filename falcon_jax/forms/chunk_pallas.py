@@ -111,6 +111,8 @@ PREFER_TIME_MAJOR = True
 # (``pallas_kernels.decayed_delta_rule.KernelConfig``); None: the op's defaults.  Read while tracing, so set it
 # before ``jit`` traces: the benchmarks and the H200 checks time and check opt-in choices through the whole op.
 KERNEL_CONFIG = None
+# the same for the inner-product kernels (``pallas_kernels.decayed_attention.KernelConfig``)
+ATTENTION_KERNEL_CONFIG = None
 
 
 def time_major_served(rule: Rule, inputs: dict) -> bool:
@@ -194,7 +196,7 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     o, S = decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
                              jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
                              chunk_size=chunk_size, implementation=_implementation(),
-                             layout="BTHD" if time_major else "BHTD")
+                             layout="BTHD" if time_major else "BHTD", config=ATTENTION_KERNEL_CONFIG)
     o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
