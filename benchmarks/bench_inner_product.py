@@ -107,10 +107,10 @@ TUNE_CONFIGS = [
     # at 8x2048 but lost at 1x32768; 528 was slower than 264 at every shape (first run)
     dict(chunk_size=64, config=KernelConfig(target_programs=264)),
     dict(chunk_size=64, config=KernelConfig(target_programs=64)),
-    # the chunk gradients' value loop: a lax.fori_loop with 1 stage, and unrolled with 1 stage (the default until
-    # the fourteenth run; next43: 1.258 vs fori with 2 stages 1.140 ms fwd+bwd at 8x2048)
-    dict(chunk_size=64, config=KernelConfig(grad_stages=1)),
-    dict(chunk_size=64, config=KernelConfig(grad_loops="unrolled", grad_stages=1)),
+    # the chunk gradients' value loop as a lax.fori_loop at 1 and 2 stages (next43, with dy before the value sums:
+    # 1.157 and 1.140 ms fwd+bwd at 8x2048 vs 1.258 unrolled; the sums come first again now: next49)
+    dict(chunk_size=64, config=KernelConfig(grad_loops="fori")),
+    dict(chunk_size=64, config=KernelConfig(grad_loops="fori", grad_stages=2)),
 ]
 
 

@@ -502,12 +502,13 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step inner_unrolled 60 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
       --kernel-config "grad_loops=unrolled,grad_stages=1" --out "$out/$part/inner_unrolled.json"
     ;;
-  next49)  # fourteenth run: Falcon-1A's chunk gradients with the value sums before dy again (the order next39 timed;
-    # 70bd2c8 put dy first), fori (the default) and unrolled
+  next49)  # for the fifteenth run: Falcon-1A's chunk gradients with the value sums before dy again (the order next39
+    # timed; 70bd2c8 put dy first, slower: next48): the default (unrolled, TTIR-identical to next39's code) against
+    # the fori loop at 2 stages, in the same run
+    step inner_unrolled 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
+      --out "$out/$part/inner_unrolled.json"
     step inner_fori 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
-      --out "$out/$part/inner_fori.json"
-    step inner_unrolled 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" \
-      --skip "head-major" --kernel-config "grad_loops=unrolled,grad_stages=1" --out "$out/$part/inner_unrolled.json"
+      --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/inner_fori.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49)"; exit 2 ;;
 esac

@@ -510,8 +510,8 @@ def test_kernel_resources_captures_every_triton_kernel():
     """``benchmarks/kernel_resources.py`` (registers / spills on any machine) sees every Triton kernel of the
     op's value and gradient, cross-lowered for CUDA, each with its own warps and stages, and puts the
     lowering hooks back afterwards (compiling the TTIR needs a standalone Triton: not part of this test).
-    With ``grad_loops="fori"`` (the default) the stored chunk gradients' column loops reach Triton as ``scf.for``
-    loops (what its pipeliner needs); ``"unrolled"`` leaves none."""
+    With ``grad_loops="fori"`` (Falcon-1's default) the stored chunk gradients' column loops reach Triton as
+    ``scf.for`` loops (what its pipeliner needs); ``"unrolled"`` (Falcon-1A's default) leaves none."""
     from jax._src.interpreters import mlir
     from jax._src.pallas.triton import lowering
 
@@ -535,12 +535,12 @@ def test_kernel_resources_captures_every_triton_kernel():
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
                    if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
-    attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_stages=3", op="attention")}
+    attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)
     grads = attention["falcon_decayed_attention_chunk_grads"]
     assert grads["num_stages"] == 3 and grads["ttir"].count("scf.for") == 1
-    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled", op="attention")
+    (unrolled,) = [m for m in lower_kernels("1x256x4x64", "", op="attention")  # its default: unrolled
                    if m["name"] == "falcon_decayed_attention_chunk_grads"]
     assert "scf.for" not in unrolled["ttir"]
     with pytest.raises(ValueError, match="tri_warps=2.* is not name=value with a KernelConfig field"):

@@ -44,16 +44,18 @@ class KernelConfig:
     fwd_stages: int = 3
     state_warps: int = 4
     grad_warps: int = 4
-    grad_stages: int = 2  # with grad_loops="fori" (next43)
+    grad_stages: int = 1
     # cut the sequence into pieces until this many programs run; 128 measured fastest on the H200
     # (kernel only, bf16: 8x2048x16x128 fwd+bwd 1.010 ms vs 1.316 at 264; 1x32768x16x128 2.361 vs 2.574)
     target_programs: int = 128
     mosaic_target_ctas: int = 132  # mosaic_gpu: one CTA per SM (≈210 KiB of SMEM each), one wave
-    # the chunk gradients' loop over value blocks: "fori" (lax.fori_loop, which Triton's pipeliner prefetches
-    # with grad_stages >= 2) or "unrolled" (Python, static slices; the default until the fourteenth run).  H200
-    # bf16, kernel only, fwd+bwd: fori with 2 stages 1.140 vs unrolled 1.258 ms at 8x2048x16x128, 2.524 vs 2.785
-    # at 1x32768x16x128; fori with 1 stage 1.157 / 2.594 (next43).  GPU Triton kernel only.
-    grad_loops: str = "fori"
+    # the chunk gradients' loop over value blocks: "unrolled" (Python, static slices) or "fori" (lax.fori_loop,
+    # which Triton's pipeliner prefetches with grad_stages >= 2).  The default is the code next39 timed (whole op
+    # bf16 fwd+bwd 0.935 / 1.127 / 2.127 ms at 8x2048 / 2x8192 / 1x32768 x16x128; its Triton IR is identical to
+    # today's).  With dy computed before the value sums (70bd2c8 to 8b465ab) the whole op measured 1.204 / 1.405 /
+    # 2.657 unrolled and 1.122 / 1.309 / 2.487 fori with 2 stages (next48); the fori loop with the sums first
+    # again (the code now) is not yet timed (h200_run.sh next49).  GPU Triton kernel only.
+    grad_loops: str = "unrolled"
 
     def __post_init__(self):
         if self.grad_loops not in GRAD_LOOPS:
