@@ -502,13 +502,21 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step inner_unrolled 60 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
       --kernel-config "grad_loops=unrolled,grad_stages=1" --out "$out/$part/inner_unrolled.json"
     ;;
-  next49)  # for the fifteenth run: Falcon-1A's chunk gradients with the value sums before dy again (the order next39
-    # timed; 70bd2c8 put dy first, slower: next48): the default (unrolled, TTIR-identical to next39's code) against
-    # the fori loop at 2 stages, in the same run
+  next49)  # for the fifteenth run: (1) Falcon-1A's chunk gradients with the value sums before dy again (the order
+    # next39 timed; 70bd2c8 put dy first, slower: next48): the default (unrolled, TTIR-identical to next39's code)
+    # against the fori loop at 2 stages, in the same run, and the fori form's gradients; (2) Falcon-1 with P formed
+    # from T in the chunk gradients (KernelConfig(store_p=False), fourteenth session, CPU-tested): its gradients,
+    # timing, and the peak memory against the default and jax-linear-attention at 1x32768
     step inner_unrolled 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
       --out "$out/$part/inner_unrolled.json"
     step inner_fori 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
       --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/inner_fori.json"
+    step check 60 python3 benchmarks/gpu_check_regression.py --only "fp32 grads" --kernel-config "store_p=False" \
+      --out "$out/$part/check.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;P formed from T;jla gated_deltanet" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --out "$out/$part/bench.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49)"; exit 2 ;;
 esac

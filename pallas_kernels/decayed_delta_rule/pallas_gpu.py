@@ -369,22 +369,27 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
 
 
 def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
-                       chunk, block_v, precision, lo, loops="unrolled"):
+                       chunk, block_v, precision, lo, loops="unrolled", p_from_t=False):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
     (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
-    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  Returns (sums, the chunk's gate rows
-    :func:`_row_gates`, which the key half reuses)."""
+    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  ``p_from_t``: ``p_ref`` holds the
+    chunk's triangular inverse T instead, and each block's ``P = T (η ⊙ (Y − c⁻ ⊙ X h))`` is formed here (one
+    more dot).  Returns (sums, the chunk's gate rows :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     x = x_ref[...]
     rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
     eta, cont_p = rows[0], rows[5]
+    tinv = p_ref[...] if p_from_t else None
 
     def value_block(j, sums):
         cols = column_block(j, block_v)
         h, dh = h_ref[:, cols], dh_ref[:, cols]
-        P, dR = p_ref[:, cols].astype(F32), dr_ref[:, cols].astype(F32)
+        P = None if p_from_t else p_ref[:, cols].astype(F32)
+        dR = dr_ref[:, cols].astype(F32)
         xh = _in_dot(x, h, precision, p32)
         target = y_ref[:, cols].astype(F32) - cont_p[:, None] * xh
+        if p_from_t:
+            P = _tdot(tinv, eta[:, None] * target, p32)
         terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
                                    _in_dot(x, dh, precision, p32), p32, lo)
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
@@ -400,10 +405,11 @@ def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
 
 
 def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, *, chunk, block_k, precision,
-               group, lo, loops="unrolled"):
+               group, lo, loops="unrolled", y_ref=None):
     """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
     Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)
-    and the chunk's gate ``rows`` (:func:`_row_gates`)."""
+    and the chunk's gate ``rows`` (:func:`_row_gates`).  With ``y_ref`` given, ``p_ref`` holds T instead of P and
+    ``P dhᵀ`` is formed as ``T (η ⊙ (Y dhᵀ − c⁻ ⊙ X (h dhᵀ)))`` per key block (four dots for one)."""
     dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
@@ -418,6 +424,8 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     d_scores = d_op * decay
     d_sym = d_k + d_k.T
     do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
+    if y_ref is not None:  # P is not stored: p_ref holds T
+        tinv, P, y, h_all = P, None, y_ref[...], h_ref[...]
 
     def key_block(j, q_do_h):
         cols = column_block(j, block_k)
@@ -425,7 +433,11 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
         q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
         do_h = _in_dot(do, h_t, precision, p32)
         dr_h = _sdot(dR, h_t, p32, lo)
-        p_dh = _sdot(P, dh_t, p32, lo)
+        if y_ref is None:
+            p_dh = _sdot(P, dh_t, p32, lo)
+        else:  # P dhᵀ = T (η ⊙ (Y dhᵀ − c⁻ ⊙ X (h dhᵀ)))
+            x_h_dh = _sdot(x, _sdot(h_all, dh_t, p32, lo), p32, lo)
+            p_dh = _tdot(tinv, eta[:, None] * (_sdot(y, dh_t, p32, lo) - cont_p[:, None] * x_h_dh), p32)
         dq = cont[:, None] * do_h + _sdot(d_scores, x_j, p32, lo)
         dx = (_sdot(d_scores.T, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
               + _sdot(d_sym, x_j, p32, lo))
@@ -448,13 +460,17 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled"):
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
+                              p_from_t=False):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
-    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`).
+    ``p_from_t``: ``p_ref`` is the chunk's T and P is formed from it (not stored)."""
     sums, rows = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops)
+                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops,
+                                    p_from_t=p_from_t)
     _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
-               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
+               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops,
+               y_ref=y_ref if p_from_t else None)
 
 
 def _chunk_grad_stored_values_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref,
@@ -808,19 +824,24 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
 
 
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
-                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled"):
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
+                           p_from_t=False):
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
     ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
     without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`.
-    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (``common.column_loop``)."""
+    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (``common.column_loop``).
+    ``p_from_t``: ``p`` is the triangular inverse T ``[BH, L, C]`` and each chunk forms P from it (P's
+    ``[BH, L, dv]`` buffer is not needed)."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
+                               p_from_t=p_from_t)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
+        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
+                  sp.square if p_from_t else sp.flat_v, sp.flat_v],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
