@@ -24,8 +24,10 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import kernel_config, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
+from falcon_jax.forms import chunk_pallas  # noqa: E402
+from pallas_kernels.decayed_attention.api import KernelConfig  # noqa: E402
 
 
 def inputs(rng, B, T, H, d, dtype):
@@ -50,7 +52,13 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", default="", help=f"comma-separated check groups ({','.join(GROUPS)}; "
                         "default: all)")
+    parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s inner-product kernels on this "
+                        "decayed_attention KernelConfig, e.g. 'grad_loops=fori,grad_stages=2'")
     args = parser.parse_args()
+    try:
+        chunk_pallas.ATTENTION_KERNEL_CONFIG = kernel_config(args.kernel_config, config_class=KernelConfig)
+    except ValueError as e:
+        parser.error(str(e))
     only = {g.strip() for g in args.only.split(",") if g.strip()}
     if only - set(GROUPS):  # a misspelt group would otherwise run nothing and report ALL OK
         parser.error(f"--only: unknown group(s) {sorted(only - set(GROUPS))}; choose from {', '.join(GROUPS)}")

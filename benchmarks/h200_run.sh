@@ -511,6 +511,8 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/inner_unrolled.json"
     step inner_fori 45 python3 benchmarks/bench_inner_product.py --rows "falcon-1A pallas" --skip "head-major" \
       --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/inner_fori.json"
+    step check_inner 60 python3 benchmarks/gpu_check_inner_product.py --only "grads" \
+      --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/check_inner.json"
     step check 60 python3 benchmarks/gpu_check_regression.py --only "fp32 grads" --kernel-config "store_p=False" \
       --out "$out/$part/check.json"
     step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
