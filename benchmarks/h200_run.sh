@@ -513,6 +513,8 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/inner_fori.json"
     step check_inner 60 python3 benchmarks/gpu_check_inner_product.py --only "grads" \
       --kernel-config "grad_loops=fori,grad_stages=2" --out "$out/$part/check_inner.json"
+    step check_inner_default 60 python3 benchmarks/gpu_check_inner_product.py --only "grads" \
+      --out "$out/$part/check_inner_default.json"
     step check 60 python3 benchmarks/gpu_check_regression.py --only "fp32 grads" --kernel-config "store_p=False" \
       --out "$out/$part/check.json"
     step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
