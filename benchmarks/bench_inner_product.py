@@ -21,8 +21,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (compiled_memory, copy_bandwidth_gbs, kernel_config, print_table, time_jax, time_torch,
-                               with_kernel_config, write_json)
+from benchmarks.common import (add_row_filter, compiled_memory, copy_bandwidth_gbs, parsed_kernel_config,
+                               print_table, row_filter, time_jax, time_torch, with_kernel_config, write_json)
 from falcon_jax import falcon
 from falcon_jax.forms import chunk_pallas
 from pallas_kernels.decayed_attention import decayed_attention
@@ -163,10 +163,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="first shape only")
     parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s inner-product kernels on this "
                         "decayed_attention KernelConfig for the whole-op rows, e.g. 'grad_loops=unrolled,grad_stages=1'")
-    parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
-                        "not measured")
-    parser.add_argument("--rows", default="", help="semicolon-separated substrings: only the rows whose name "
-                        "holds one are measured, the memory rows only if one is 'memory' (default: all)")
+    add_row_filter(parser, rows_note=", the memory rows only if one is 'memory'")
     parser.add_argument("--memory-only", action="store_true", help="only the compiled peak memory rows")
     parser.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU forward (its compile did "
                         "not finish within 75 s on the H200 under jax 0.11.2, so it is opt-in)")
@@ -193,15 +190,8 @@ def main() -> int:
         write_json(args.out, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_GBps": bw,
                               "dtype": "bfloat16", "rows": rows, "memory": memory, "errors": errors})
 
-    try:
-        chunk_pallas.ATTENTION_KERNEL_CONFIG = kernel_config(args.kernel_config, config_class=KernelConfig)
-    except ValueError as e:
-        parser.error(str(e))
-    skip = [t.strip() for t in args.skip.split(",") if t.strip()]
-    only = [t.strip() for t in args.rows.split(";") if t.strip()]
-
-    def wanted(name):
-        return not any(t in name for t in skip) and (not only or any(t in name for t in only))
+    chunk_pallas.ATTENTION_KERNEL_CONFIG = parsed_kernel_config(parser, args.kernel_config, KernelConfig)
+    wanted = row_filter(args)
 
     def measure(name, shape, fn_fwd, fn_both, fwd_args, both_args):
         row = {"impl": name, "shape": "x".join(map(str, shape))}

@@ -25,8 +25,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (compiled_memory, kernel_config, parse_shape, print_table, time_jax, time_torch,
-                               with_kernel_config, write_json)
+from benchmarks.common import (add_row_filter, compiled_memory, kernel_config, parse_shape, parsed_kernel_config,
+                               print_table, row_filter, time_jax, time_torch, with_kernel_config, write_json)
 from falcon_jax import falcon
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule
 from pallas_kernels.decayed_delta_rule.api import KernelConfig
@@ -254,10 +254,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench_regression.json")
     parser.add_argument("--quick", action="store_true", help="first shape only, no memory rows")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
-    parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
-                        "not measured (e.g. 'xla,C=32')")
-    parser.add_argument("--rows", default="", help="semicolon-separated substrings (names hold commas): only the "
-                        "rows, memory entries included, whose name holds one are measured (default: all)")
+    add_row_filter(parser, rows_note=", memory entries included")
     parser.add_argument("--shapes", default=None, help="comma-separated BxTxHxD timing shapes (default: all; "
                         "'' for none)")
     parser.add_argument("--memory-shapes", default=None, help="comma-separated BxTxHxD memory shapes (default: "
@@ -265,11 +262,8 @@ def main() -> int:
     parser.add_argument("--configs", default="", help="semicolon-separated KernelConfig settings, each timed as "
                         "one more whole-op row, e.g. 'state_warps=8;fwd_stages=3,block_v=64'")
     args = parser.parse_args()
-    try:
-        extra_configs = {f"falcon-1 pallas (ours), {text.strip()}": kernel_config(text.strip())
-                         for text in args.configs.split(";") if text.strip()}
-    except ValueError as e:
-        parser.error(f"--configs: {e}")
+    extra_configs = {f"falcon-1 pallas (ours), {text.strip()}": parsed_kernel_config(parser, text, flag="--configs")
+                     for text in args.configs.split(";") if text.strip()}
 
     def shape_list(text, flag):
         try:
@@ -300,11 +294,7 @@ def main() -> int:
         print(f"  error {key}: {errors[key]}", flush=True)
         traceback.print_exc(limit=2)
 
-    skip = [s.strip() for s in args.skip.split(",") if s.strip()]
-    only = [s.strip() for s in args.rows.split(";") if s.strip()]
-
-    def wanted(name):
-        return not any(s in name for s in skip) and (not only or any(s in name for s in only))
+    wanted = row_filter(args)
 
     def measure(name, shape, op, n_diff, op_args, fwd_only=False, slow=False):
         row = {"impl": name, "shape": "x".join(map(str, shape))}

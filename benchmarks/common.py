@@ -81,6 +81,46 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise ValueError(f"expected a BxTxHxD shape such as 2x8192x16x128, got {text!r}") from None
 
 
+def add_row_filter(parser, rows_note: str = "") -> None:
+    """The benchmark scripts' ``--skip`` / ``--rows`` row selection (see :func:`row_filter`)."""
+    parser.add_argument("--skip", default="", help="comma-separated substrings: rows whose name holds one are "
+                        "not measured (e.g. 'xla,C=32')")
+    parser.add_argument("--rows", default="", help="semicolon-separated substrings (names hold commas): only the "
+                        f"rows whose name holds one are measured{rows_note} (default: all)")
+
+
+def row_filter(args):
+    """``wanted(name)``: a row is measured unless a ``--skip`` substring is in its name and, with ``--rows``, only
+    if one of its substrings is."""
+    skip = [t.strip() for t in args.skip.split(",") if t.strip()]
+    only = [t.strip() for t in args.rows.split(";") if t.strip()]
+
+    def wanted(name):
+        return not any(t in name for t in skip) and (not only or any(t in name for t in only))
+    return wanted
+
+
+def selected_groups(parser, groups, only_text: str, skip_text: str | None = None) -> list:
+    """The GPU checks' groups to run, in order: those named in ``only_text`` (``--only``, comma-separated; empty:
+    all) less those in ``skip_text`` (``--skip``, where the script has it).  A name not in ``groups`` is a parser
+    error: a misspelt group would otherwise run nothing and report that everything passed."""
+    only = {g.strip() for g in only_text.split(",") if g.strip()}
+    skip = {g.strip() for g in (skip_text or "").split(",") if g.strip()}
+    if (only | skip) - set(groups):
+        flags = "--only" if skip_text is None else "--skip/--only"
+        parser.error(f"{flags}: unknown group(s) {sorted((only | skip) - set(groups))}; "
+                     f"choose from {', '.join(groups)}")
+    return [g for g in groups if g not in skip and (not only or g in only)]
+
+
+def parsed_kernel_config(parser, text: str, config_class=None, flag: str = "--kernel-config"):
+    """:func:`kernel_config`, a bad setting reported as a parser error naming ``flag``."""
+    try:
+        return kernel_config(text, config_class)
+    except ValueError as e:
+        parser.error(f"{flag}: {e}" if not str(e).startswith(flag) else str(e))
+
+
 def kernel_config(text: str, config_class=None):
     """``KernelConfig`` of the regression kernels (or of ``config_class``, e.g. the inner-product kernels') from
     ``"name=value,..."`` (ints as ints, True/False/None as themselves; empty: None, the defaults), e.g.

@@ -24,7 +24,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import kernel_config, write_json  # noqa: E402
+from benchmarks.common import parsed_kernel_config, selected_groups, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_attention.api import KernelConfig  # noqa: E402
@@ -55,14 +55,8 @@ def main() -> int:
     parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s inner-product kernels on this "
                         "decayed_attention KernelConfig, e.g. 'grad_loops=fori,grad_stages=2'")
     args = parser.parse_args()
-    try:
-        chunk_pallas.ATTENTION_KERNEL_CONFIG = kernel_config(args.kernel_config, config_class=KernelConfig)
-    except ValueError as e:
-        parser.error(str(e))
-    only = {g.strip() for g in args.only.split(",") if g.strip()}
-    if only - set(GROUPS):  # a misspelt group would otherwise run nothing and report ALL OK
-        parser.error(f"--only: unknown group(s) {sorted(only - set(GROUPS))}; choose from {', '.join(GROUPS)}")
-    only = only or set(GROUPS)
+    chunk_pallas.ATTENTION_KERNEL_CONFIG = parsed_kernel_config(parser, args.kernel_config, KernelConfig)
+    only = selected_groups(parser, GROUPS, args.only)
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__}, True
 

@@ -37,7 +37,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import kernel_config, with_kernel_config, write_json  # noqa: E402
+from benchmarks.common import parsed_kernel_config, selected_groups, with_kernel_config, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
@@ -78,12 +78,8 @@ def main() -> int:
     parser.add_argument("--kernel-config", default="", help="falcon(impl='pallas')'s regression kernels on this "
                         "KernelConfig, 'name=value,...' (default: the op's defaults), e.g. 'tri_dtype=input'")
     args = parser.parse_args()
-    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
-    if (skip | only) - set(GROUPS):  # a misspelt --only would otherwise run nothing and report ALL PASS
-        parser.error(f"--skip/--only: unknown group(s) {sorted((skip | only) - set(GROUPS))}; "
-                     f"choose from {', '.join(GROUPS)}")
+    chunk_pallas.KERNEL_CONFIG = parsed_kernel_config(parser, args.kernel_config)
+    selected = selected_groups(parser, GROUPS, args.only, args.skip)
     rng = np.random.default_rng(0)
     results, ok = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
                    "kernel config": repr(chunk_pallas.KERNEL_CONFIG)}, True
@@ -357,7 +353,7 @@ def main() -> int:
 
     for name, fn in zip(GROUPS, (fp32_values, falcon2_values, falcon2_grads, falcon3_values, bf16, long_bf16,
                                  extreme_op, segments, bf16_grads, fp32_grads, pass_choices)):
-        if name in skip or (only and name not in only):
+        if name not in selected:
             continue
         if name == "bf16" and "out" not in ref:
             continue

@@ -23,7 +23,7 @@ import jax
 
 from benchmarks.bench_regression import (fla_delta_rule_calls, fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs,
                                          ours_falcon)
-from benchmarks.common import kernel_config, parse_shape, time_jax, time_torch, write_json
+from benchmarks.common import parse_shape, parsed_kernel_config, time_jax, time_torch, write_json
 from falcon_jax.forms import chunk_pallas
 
 
@@ -61,7 +61,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    chunk_pallas.KERNEL_CONFIG = kernel_config(args.kernel_config)
+    chunk_pallas.KERNEL_CONFIG = parsed_kernel_config(parser, args.kernel_config)
     wanted = [s for s in args.impls.split(",") if s]
 
     def want(impl):
