@@ -378,18 +378,13 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
                                         **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
-    p_from_t = stored and not config.store_p
-    if p_from_t and chunk_grads != "pallas_stored":
-        raise NotImplementedError(f"KernelConfig(store_p=False) needs chunk_grads='pallas_stored' (the GPU default), "
-                                  f"got {chunk_grads!r}")
-    if p_from_t:  # the chunk gradients form P from T
-        (h, _), p = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
-                                         **fwd_kw), tinv
-    elif stored:
+    p_from_t = stored and not config.store_p  # the chunk gradients form P from T: the walk stores none
+    if stored and not p_from_t:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
                                        write_p=True, **fwd_kw)
     else:
         h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+        p = tinv
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
     if split_state_grads:  # V, B once for both walks below
@@ -423,7 +418,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v,
             interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
-            **_layout_kw(heads), **({"p_from_t": True} if p_from_t else {}))
+            p_from_t=p_from_t, **_layout_kw(heads))
     elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,

@@ -852,10 +852,14 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
 
 def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
                                  num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32,
-                                 loops="unrolled"):
+                                 loops="unrolled", p_from_t=False):
     """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
     (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and four rows, fp32), then :func:`chunk_grad_keys`.  Fewer
-    live tiles per program than the fused kernel, for one more round trip of the sums.  Same returns."""
+    live tiles per program than the fused kernel, for one more round trip of the sums.  Same returns.
+    ``p_from_t`` (P formed from T) is the fused kernel's only."""
+    if p_from_t:
+        raise NotImplementedError("KernelConfig(store_p=False) needs chunk_grads='pallas_stored' (the GPU default), "
+                                  "got 'pallas_stored_split'")
     BH, L, _ = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
