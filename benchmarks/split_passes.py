@@ -111,8 +111,8 @@ def split_delta(shape, interpret, rows):
     kw = dict(chunk=C, pieces=P, block_v=cfg.block_v, interpret=interpret)
     kw["walk_operands"] = cfg.walk_operand_dtype(q.dtype)
     programs = BH * P * (d // cfg.block_v)  # the walks' stages as the op picks them (KernelConfig.walk_stages)
-    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.walk_stages(cfg.fwd_stages, programs, True))
-    state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.walk_stages(cfg.state_stages, programs))
+    fwd_kw = dict(kw, num_warps=cfg.fwd_warps, num_stages=cfg.walk_stages(cfg.fwd_stages, output_programs=programs))
+    state_kw = dict(kw, num_warps=cfg.state_warps, num_stages=cfg.walk_stages(cfg.state_stages))
     name = f"{B}x{T}x{H}x{d}"
     tri = jax.jit(functools.partial(delta_gpu.tri_inverse_pass, chunk=C, interpret=interpret,
                                     num_warps=cfg.tri_warps))

@@ -490,9 +490,9 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
 def test_walk_stages_follow_program_count():
     """The walks' pipelining stages: an explicit count is kept; None gives 3, except 2 for an output-writing
     walk of more than 264 programs."""
-    assert [KernelConfig.walk_stages(None, n, True) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
-    assert [KernelConfig.walk_stages(None, n) for n in (1, 512, 4096)] == [3, 3, 3]
-    assert KernelConfig.walk_stages(1, 8) == 1 and KernelConfig.walk_stages(4, 4096, True) == 4
+    assert [KernelConfig.walk_stages(None, output_programs=n) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
+    assert KernelConfig.walk_stages(None) == 3  # a walk that writes no outputs, however many programs
+    assert KernelConfig.walk_stages(1) == 1 and KernelConfig.walk_stages(4, output_programs=4096) == 4
 
 
 @pytest.mark.parametrize("kwargs,match", [

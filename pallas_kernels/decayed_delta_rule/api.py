@@ -230,16 +230,17 @@ class KernelConfig:
         return "split" if backend == "pallas_gpu" and fused_programs < 128 else "pallas"
 
     @staticmethod
-    def walk_stages(stages: int | None, programs: int, writes_outputs: bool = False) -> int:
+    def walk_stages(stages: int | None, output_programs: int = 0) -> int:
         """A walk's pipelining stages: ``stages`` if set, else 3, but 2 for a walk that writes the outputs with
-        more than 264 programs (two per SM of the H200's 132).  H200 bf16 whole op (next45, next46): the fused
+        ``output_programs`` > 264 programs (two per SM of the H200's 132; 0: a walk that writes no outputs).
+        H200 bf16 whole op (next45, next46): the fused
         forward at 8x2048x16x128 (512 programs) 0.394 ms at 2 stages vs 0.460 at 3, at 2x8192 (128) 0.524 vs
         0.449; the split forward at 1x32768 1.587 vs 1.272; forward+backward with every walk at 3 vs at 2:
         1.595 vs 1.665, 1.640 vs 1.775, 3.861 vs 4.357 (the backward's walks write no outputs: the recompute
         walk at 512 programs gains from the third stage too)."""
         if stages is not None:
             return stages
-        return 2 if writes_outputs and programs > 264 else 3
+        return 2 if output_programs > 264 else 3
 
     def block_v_for(self, bh: int, dv: int) -> int:
         """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``)."""
@@ -330,7 +331,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
                                     **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
-              num_stages=config.walk_stages(config.fwd_stages, 0),
+              num_stages=config.walk_stages(config.fwd_stages),
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     if pieces > 1:
         M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
@@ -345,7 +346,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
-        stages = config.walk_stages(config.fwd_stages, BH * pieces * (dv // config.block_v), writes_outputs=True)
+        stages = config.walk_stages(config.fwd_stages, output_programs=BH * pieces * (dv // config.block_v))
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
                                         **dict(kw, num_stages=stages))
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
@@ -364,8 +365,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     dv = y.shape[-1]
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
-    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.walk_stages(config.fwd_stages, 0))
-    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.walk_stages(config.state_stages, 0))
+    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.walk_stages(config.fwd_stages))
+    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.walk_stages(config.state_stages))
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     chunk_grads = config.chunk_grads_for(backend)
