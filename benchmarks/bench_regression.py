@@ -199,9 +199,6 @@ WHOLE_OP_VARIANTS = {
     # default's choice by program count (KernelConfig.walk_stages)
     "falcon-1 pallas (ours), walks 2 stages": KernelConfig(fwd_stages=2, state_stages=2),
     "falcon-1 pallas (ours), walks 3 stages": KernelConfig(fwd_stages=3, state_stages=3),
-    # fourteenth session, not yet timed: the chunk gradients form P from T instead of reading it stored (its
-    # [BH, L, dv] buffer leaves the backward's peak)
-    "falcon-1 pallas (ours), P formed from T": KernelConfig(store_p=False),
 }
 
 

@@ -126,11 +126,6 @@ class KernelConfig:
     # again: saves the backward's inverse pass (H200 bf16: 0.127 ms at 8x2048x16x128, 0.243 at 1x32768), costs
     # T's buffer from the forward to the backward.  Not yet timed on the H200 (h200_run.sh next26).
     save_tri: bool = False
-    # chunk_grads="pallas_stored": the recompute walk stores P = T(η ⊙ residuals) ([BH, L, dv]) for the chunk
-    # gradients (True), or stores nothing and the chunk gradients form P from T (False: one buffer of the
-    # backward's peak less, 134 MB at 1x32768x16x128 bf16, for one more dot per value block and three per key
-    # block).  GPU only; not yet timed on the H200 (h200_run.sh next49).
-    store_p: bool = True
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -187,9 +182,8 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
-        for name in ("save_tri", "store_p"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelConfig: {name} must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.save_tri, bool):
+            raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
         for name in ("block_v", "split_block_v", "grad_block_v"):
@@ -379,13 +373,11 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
                                         **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
-    p_from_t = stored and not config.store_p  # the chunk gradients form P from T: the walk stores none
-    if stored and not p_from_t:
+    if stored:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
                                        write_p=True, **fwd_kw)
     else:
         h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
-        p = tinv
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
     #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
     if split_state_grads:  # V, B once for both walks below
@@ -419,7 +411,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v,
             interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
-            p_from_t=p_from_t, **_layout_kw(heads))
+            **_layout_kw(heads))
     elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,

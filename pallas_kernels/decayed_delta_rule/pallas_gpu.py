@@ -43,7 +43,8 @@ The peers' split (the GPU defaults where the H200 measured them faster, ``api.Ke
   * ``chunk_grad_stored_pass`` (the GPU default since the ninth H200 run) — the walks already form ``P``
     (recompute walk, ``forward_pass(write_p=True)``) and ``dR`` (reverse walk, ``write_dr=dtype``); stored,
     they spare the chunk gradients T, the scores' transpose product and both T products, leaving one program
-    per chunk: the value sums from P, dR, ``X h`` and ``X dh``, then the key columns.
+    per chunk: the value sums from P and dR, then the key columns (whose ``dR hᵀ`` and ``P dhᵀ`` also give the
+    gates' terms through the chunk state, so no value block takes a dot with it).
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
     do_h = jnp.zeros((chunk, dk), F32)
     dr_h = jnp.zeros((chunk, dk), F32)
     p_dh = jnp.zeros((chunk, dk), F32)
+    h_dh = jnp.zeros((), F32)
     for j in range(dv // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
         y, do = y_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
@@ -268,24 +270,26 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_re
         do_h += dot(do, h.T, p32)
         dr_h += dot(dR, h.T, p32)
         p_dh += dot(P, dh.T, p32)
+        h_dh += jnp.sum(h * dh)
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
-    d_a, d_op = sums[:2]
-    d_k, deta, dgp, dg = _gate_grads(*sums, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk)
+    d_op = sums[1]
+    d_k, deta, dgp, dg = _gate_grads(*sums, scores, gram, gamma, eta)
+    r_eta, r_gp, r_g = _state_row_grads(jnp.sum(xf * dr_h, axis=1), jnp.sum(xf * p_dh, axis=1), h_dh, eta, cont_p,
+                                        w_last, a_last, chunk)
     d_scores = d_op * decay
     dq = cont[:, None] * do_h + dot(d_scores, xf, p32)
     dx = (dot(d_scores.T, qf, p32) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
           + dot(d_k + d_k.T, xf, p32))
-    deta_ref[...] = deta
-    dgp_ref[...] = dgp
-    dg_ref[...] = dg + cont * jnp.sum(do_h * qf, axis=1)
+    deta_ref[...] = deta + r_eta
+    dgp_ref[...] = dgp + r_gp
+    dg_ref[...] = dg + r_g + cont * jnp.sum(do_h * qf, axis=1)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
 def _value_sums_init(chunk):
-    """Zeros for the value-column sums of one chunk: −dR Pᵀ, dO Pᵀ ``[C, C]``; dη, dc⁻, dw ``[C]``; ⟨h, dh⟩."""
-    return (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32),
-            jnp.zeros((chunk,), F32), jnp.zeros((chunk,), F32), jnp.zeros((), F32))
+    """Zeros for the value-column sums of one chunk: −dR Pᵀ, dO Pᵀ ``[C, C]`` and ``Σ_v dR ⊙ Y`` ``[C]``."""
+    return jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32)
 
 
 def _value_block_grads(x, y, do, h, dh, tinv, scores, eta, cont_p, w_last, precision, lo):
@@ -293,45 +297,46 @@ def _value_block_grads(x, y, do, h, dh, tinv, scores, eta, cont_p, w_last, preci
     ``dR = Tᵀ((QXᵀ⊙D)ᵀ dO + w ⊙ X dh)`` and the block's terms of the sums in :func:`_value_sums_init`.
     y, do fp32; x, h, dh in the inputs' dtype or fp32 (see :func:`_in_dot`)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    xh = _in_dot(x, h, precision, p32)
-    target = y - cont_p[:, None] * xh
+    target = y - cont_p[:, None] * _in_dot(x, h, precision, p32)
     P = _tdot(tinv, eta[:, None] * target, p32)
-    xdh = _in_dot(x, dh, precision, p32)
-    dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * xdh
+    dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _in_dot(x, dh, precision, p32)
     dR = _tdot(tinv.T, dP, p32)
-    return P, dR, _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo)
+    return P, dR, _value_block_terms(do, P, dR, y, p32, lo)
 
 
-def _store_value_sums(refs, sums, chunk):
-    """Write the value half's sums; ⟨h, dh⟩ (a scalar) goes to the last row of its ``[C]`` output."""
-    *row_refs, hdh_ref = refs
-    for ref, value in zip(row_refs, sums[:5]):
+def _store_value_sums(refs, sums):
+    """Write the value half's sums (:func:`_value_sums_init`) for the key half's program."""
+    for ref, value in zip(refs, sums):
         ref[...] = value
-    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    hdh_ref[...] = jnp.where(last, sums[5], 0.0)
 
 
-def _value_block_terms(do, h, dh, P, dR, xh, target, xdh, p32, lo):
-    """One value block's terms of the sums in :func:`_value_sums_init` (``xh = X h``, ``xdh = X dh``,
-    ``target = Y − c⁻ ⊙ X h``, all fp32)."""
-    return (-_sdot(dR, P.T, p32, lo), _sdot(do, P.T, p32, lo), jnp.sum(dR * target, axis=1),
-            -jnp.sum(dR * xh, axis=1), jnp.sum(xdh * P, axis=1), jnp.sum(h.astype(F32) * dh.astype(F32)))
+def _value_block_terms(do, P, dR, y, p32, lo):
+    """One value block's terms of the sums in :func:`_value_sums_init` (all fp32)."""
+    return -_sdot(dR, P.T, p32, lo), _sdot(do, P.T, p32, lo), jnp.sum(dR * y, axis=1)
 
 
-def _gate_grads(d_a, d_op, d_eta, d_cp, d_wl, h_dh, scores, gram, gamma, eta, cont_p, w_last, a_last, chunk):
-    """From one chunk's value sums: the Gram's gradient ``d_k`` (zero off A's support), dη, the gradient w.r.t.
-    ``g⁻`` and the one w.r.t. ``g`` without its ``c ⊙ ⟨dO hᵀ, q⟩`` term (the callers sum that by key columns)."""
+def _gate_grads(d_a, d_op, d_ey, scores, gram, gamma, eta):
+    """From one chunk's value sums: the Gram's gradient ``d_k`` (zero off A's support), and the parts of dη and
+    of the gradients w.r.t. ``g⁻`` and ``g`` that do not go through the chunk's start or end state
+    (:func:`_state_row_grads` adds those; the callers add ``c ⊙ ⟨dO hᵀ, q⟩`` to dg)."""
     d_k = d_a * eta[:, None] * gamma
     a_grad = d_k * gram  # dA ⊙ A
     d_decay = d_op * scores
+    deta = d_ey + jnp.sum(d_a * gram * gamma, axis=1)
+    dg = jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0)
+    return d_k, deta, jnp.sum(a_grad, axis=1), dg
+
+
+def _state_row_grads(d_xh, d_wl, h_dh, eta, cont_p, w_last, a_last, chunk):
+    """The terms of dη, dg⁻ and dg through the chunk's start state h (``c⁻ ⊙ X h`` in the targets, ``a h`` in
+    the end state) and its end state's gradient dh (``w ⊙ P`` in the end state), from the row sums
+    ``d_xh = Σ_v dR ⊙ X h``, ``d_wl = Σ_v P ⊙ X dh`` and ``h_dh = ⟨h, dh⟩``.  The key half forms them as
+    ``Σ_k X ⊙ dR hᵀ`` and ``Σ_k X ⊙ P dhᵀ`` from the products it needs anyway, so the value half has no dot
+    with the state.  Returns the terms of (dη, dg⁻, dg)."""
     wl_term = w_last * d_wl
-    end = jnp.sum(wl_term) + a_last * h_dh
     last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    deta = d_eta + jnp.sum(d_a * gram * gamma, axis=1)
-    dgp = eta * cont_p * d_cp + jnp.sum(a_grad, axis=1)
-    dg = (jnp.sum(d_decay, axis=1) - jnp.sum(d_decay, axis=0) - jnp.sum(a_grad, axis=0) - wl_term
-          + jnp.where(last, end, 0.0))
-    return d_k, deta, dgp, dg
+    end = jnp.sum(wl_term) + a_last * h_dh
+    return -cont_p * d_xh, -(eta * cont_p) * d_xh, jnp.where(last, end, 0.0) - wl_term
 
 
 def _in_dot(a, b, precision, p32):
@@ -343,11 +348,10 @@ def _in_dot(a, b, precision, p32):
 
 
 def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
-                              dy_ref, p_ref, dr_ref, da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref, *, chunk,
-                              block_v, precision, lo=None):
+                              dy_ref, p_ref, dr_ref, da_ref, dop_ref, dey_ref, *, chunk, block_v, precision, lo=None):
     """First half of the split chunk gradients: everything summed over the value columns, which are visited in
     blocks of ``block_v`` — ``dy``, ``P`` and ``dR`` (stored for the second half), ``dA = −dR Pᵀ`` and
-    ``dO Pᵀ`` (``[C, C]``), and the row sums of dη, dc⁻, dw and ⟨h, dh⟩ (at the last row).  Four ``[C, C]``
+    ``dO Pᵀ`` (``[C, C]``), and the row sum ``Σ_v dR ⊙ Y``.  Four ``[C, C]``
     fp32 tiles live (scores, T and the two sums), none ``[C, dk]``."""
     q, x = q_ref[...], x_ref[...]
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
@@ -365,33 +369,24 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         p_ref[:, cols] = P.astype(p_ref.dtype)
         dr_ref[:, cols] = dR.astype(dr_ref.dtype)
-    _store_value_sums((da_ref, dop_ref, deta_ref, dcp_ref, dwl_ref, hdh_ref), sums, chunk)
+    _store_value_sums((da_ref, dop_ref, dey_ref), sums)
 
 
-def _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, dy_ref, *,
-                       chunk, block_v, precision, lo, loops="unrolled", p_from_t=False):
+def _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *, chunk, block_v,
+                       precision, lo, loops="unrolled"):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
-    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores — per value block two dots
-    with the chunk state (``X h``, ``X dh``) and the two ``[C, C]`` sums.  ``p_from_t``: ``p_ref`` holds the
-    chunk's triangular inverse T instead, and each block's ``P = T (η ⊙ (Y − c⁻ ⊙ X h))`` is formed here (one
-    more dot).  Returns (sums, the chunk's gate rows :func:`_row_gates`, which the key half reuses)."""
+    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores, no chunk state — per value
+    block the two ``[C, C]`` sums and a row sum (the state's row terms come from the key half, see
+    :func:`_key_grads`).  Returns (sums, the chunk's gate rows :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
-    x = x_ref[...]
     rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
-    eta, cont_p = rows[0], rows[5]
-    tinv = p_ref[...] if p_from_t else None
+    eta = rows[0]
 
     def value_block(j, sums):
         cols = column_block(j, block_v)
-        h, dh = h_ref[:, cols], dh_ref[:, cols]
-        P = None if p_from_t else p_ref[:, cols].astype(F32)
         dR = dr_ref[:, cols].astype(F32)
-        xh = _in_dot(x, h, precision, p32)
-        target = y_ref[:, cols].astype(F32) - cont_p[:, None] * xh
-        if p_from_t:
-            P = _tdot(tinv, eta[:, None] * target, p32)
-        terms = _value_block_terms(do_ref[:, cols].astype(F32), h, dh, P, dR, xh, target,
-                                   _in_dot(x, dh, precision, p32), p32, lo)
+        terms = _value_block_terms(do_ref[:, cols].astype(F32), p_ref[:, cols].astype(F32), dR,
+                                   y_ref[:, cols].astype(F32), p32, lo)
         dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return tuple(acc + t for acc, t in zip(sums, terms))
 
@@ -405,11 +400,12 @@ def _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk):
 
 
 def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, *, chunk, block_k, precision,
-               group, lo, loops="unrolled", y_ref=None):
+               group, lo, loops="unrolled"):
     """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
-    Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`, ⟨h, dh⟩ a scalar)
-    and the chunk's gate ``rows`` (:func:`_row_gates`).  With ``y_ref`` given, ``p_ref`` holds T instead of P and
-    ``P dhᵀ`` is formed as ``T (η ⊙ (Y dhᵀ − c⁻ ⊙ X (h dhᵀ)))`` per key block (four dots for one)."""
+    Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`) and the chunk's
+    gate ``rows`` (:func:`_row_gates`).  Each key block's ``dR hᵀ`` and ``P dhᵀ`` (needed for dx) also give the
+    state's row sums of :func:`_state_row_grads`: ``Σ_v dR ⊙ X h = Σ_k X ⊙ dR hᵀ``, ``Σ_v P ⊙ X dh = Σ_k X ⊙ P dhᵀ``
+    — no dot with the state in the value half."""
     dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
@@ -417,69 +413,61 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     d_op = sums[1]
     decay = _masks(g, g, rl, rl, strict=False)
     gamma = _masks(gp, g, rl, rl, strict=True, group=group)
-    d_k, deta, dgp, dg = _gate_grads(*sums, dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta,
-                                     cont_p, w_last, a_last, chunk)
-    deta_ref[...] = deta
-    dgp_ref[...] = dgp
+    d_k, deta, dgp, dg = _gate_grads(*sums, dot(q, x.T, precision) * decay, dot(x, x.T, precision), gamma, eta)
     d_scores = d_op * decay
     d_sym = d_k + d_k.T
     do, P, dR = do_ref[...], p_ref[...], dr_ref[...]
-    if y_ref is not None:  # P is not stored: p_ref holds T
-        tinv, P, y, h_all = P, None, y_ref[...], h_ref[...]
 
-    def key_block(j, q_do_h):
+    def key_block(j, row_sums):
+        q_do_h, d_xh, d_wl, h_dh = row_sums
         cols = column_block(j, block_k)
-        h_t, dh_t = h_ref[cols, :].T, dh_ref[cols, :].T  # [dv, block_k]
+        h_j, dh_j = h_ref[cols, :], dh_ref[cols, :]  # [block_k, dv]
         q_j, x_j = q_ref[:, cols].astype(F32), x_ref[:, cols].astype(F32)
-        do_h = _in_dot(do, h_t, precision, p32)
-        dr_h = _sdot(dR, h_t, p32, lo)
-        if y_ref is None:
-            p_dh = _sdot(P, dh_t, p32, lo)
-        else:  # P dhᵀ = T (η ⊙ (Y dhᵀ − c⁻ ⊙ X (h dhᵀ)))
-            x_h_dh = _sdot(x, _sdot(h_all, dh_t, p32, lo), p32, lo)
-            p_dh = _tdot(tinv, eta[:, None] * (_sdot(y, dh_t, p32, lo) - cont_p[:, None] * x_h_dh), p32)
+        do_h = _in_dot(do, h_j.T, precision, p32)
+        dr_h = _sdot(dR, h_j.T, p32, lo)
+        p_dh = _sdot(P, dh_j.T, p32, lo)
         dq = cont[:, None] * do_h + _sdot(d_scores, x_j, p32, lo)
         dx = (_sdot(d_scores.T, q_j, p32, lo) + w_last[:, None] * p_dh - (eta * cont_p)[:, None] * dr_h
               + _sdot(d_sym, x_j, p32, lo))
         dq_ref[:, cols] = dq.astype(dq_ref.dtype)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
-        return q_do_h + jnp.sum(do_h * q_j, axis=1)
+        return (q_do_h + jnp.sum(do_h * q_j, axis=1), d_xh + jnp.sum(dr_h * x_j, axis=1),
+                d_wl + jnp.sum(p_dh * x_j, axis=1), h_dh + jnp.sum(h_j.astype(F32) * dh_j.astype(F32)))
 
-    q_do_h = column_loop(q.shape[-1] // block_k, key_block, jnp.zeros((chunk,), F32), loops)
-    dg_ref[...] = dg + cont * q_do_h
+    row = jnp.zeros((chunk,), F32)
+    q_do_h, d_xh, d_wl, h_dh = column_loop(q.shape[-1] // block_k, key_block, (row, row, row, jnp.zeros((), F32)),
+                                           loops)
+    r_eta, r_gp, r_g = _state_row_grads(d_xh, d_wl, h_dh, eta, cont_p, w_last, a_last, chunk)
+    deta_ref[...] = deta + r_eta
+    dgp_ref[...] = dgp + r_gp
+    dg_ref[...] = dg + r_g + cont * q_do_h
 
 
 def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
-                            dop_ref, deta_in_ref, dcp_ref, dwl_ref, hdh_ref, *out_refs, chunk, block_k, precision,
-                            group, lo=None, loops="unrolled"):
+                            dop_ref, dey_ref, *out_refs, chunk, block_k, precision, group, lo=None, loops="unrolled"):
     """Second half of the split chunk gradients (:func:`_key_grads`) from the first half's stored sums."""
-    sums = (da_ref[...], dop_ref[...], deta_in_ref[...], dcp_ref[...], dwl_ref[...], jnp.sum(hdh_ref[...]))
-    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums,
+    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, (da_ref[...], dop_ref[...], dey_ref[...]),
                _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk), out_refs, chunk=chunk, block_k=block_k,
                precision=precision, group=group, lo=lo, loops=loops)
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
-                              p_from_t=False):
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled"):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
-    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`).
-    ``p_from_t``: ``p_ref`` is the chunk's T and P is formed from it (not stored)."""
-    sums, rows = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                    dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops,
-                                    p_from_t=p_from_t)
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
+    sums, rows = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
+                                    block_v=block_v, precision=precision, lo=lo, loops=loops)
     _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
-               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops,
-               y_ref=y_ref if p_from_t else None)
+               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
 
 
-def _chunk_grad_stored_values_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref,
-                                     dr_ref, dy_ref, *sum_refs, chunk, block_v, precision, lo=None, loops="unrolled"):
+def _chunk_grad_stored_values_kernel(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *sum_refs,
+                                     chunk, block_v, precision, lo=None, loops="unrolled"):
     """The value half of :func:`_chunk_grad_stored_kernel` as its own program: dy and the value sums, stored
-    (two ``[C, C]`` fp32 tiles and four rows per chunk) for :func:`_chunk_grad_keys_kernel`."""
-    sums, _ = _stored_value_sums(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                                 dy_ref, chunk=chunk, block_v=block_v, precision=precision, lo=lo, loops=loops)
-    _store_value_sums(sum_refs, sums, chunk)
+    (two ``[C, C]`` fp32 tiles and a row per chunk) for :func:`_chunk_grad_keys_kernel`."""
+    sums, _ = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
+                                 block_v=block_v, precision=precision, lo=lo, loops=loops)
+    _store_value_sums(sum_refs, sums)
 
 
 def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, u_ref, *, chunk, precision):
@@ -771,7 +759,7 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
                       num_stages=1, heads=None, walk_operands=None):
     """The value half of :func:`chunk_grad_split_pass`: returns ``dy`` (like y) and the sums the key half
     reads — ``P``, ``dR`` ``[BH, L, dv]`` (in ``walk_operands`` or fp32), ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]``
-    fp32 and the fp32 row sums dη, dc⁻, dw, ⟨h, dh⟩ ``[BH, L]``."""
+    fp32 and the fp32 row sum ``Σ_v dR ⊙ Y`` ``[BH, L]``."""
     BH, L, _ = token_dims(q, heads)
     dv = y.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
@@ -783,8 +771,8 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
     dy, *sums = call(
         values, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v, sp.state, sp.state],
-        out_specs=[sp.v, sp.flat_v, sp.flat_v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), pr, pr, sq, sq, vec, vec, vec, vec],
+        out_specs=[sp.v, sp.flat_v, sp.flat_v, sp.square, sp.square, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), pr, pr, sq, sq, vec],
         args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_values")
     return dy, tuple(sums)
@@ -802,7 +790,7 @@ def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, 
     return call(
         keys, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v,
-                  sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
+                  sp.square, sp.square, sp.row],
         out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
         args=(q, x, eta, g, gp, rl, do, h, dh, *sums), compiler_params=_params(interpret, num_warps, num_stages),
@@ -824,24 +812,20 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
 
 
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
-                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
-                           p_from_t=False):
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled"):
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
     ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
-    without T or the scores, then :func:`chunk_grad_keys`' key columns.  Same returns as :func:`chunk_grad_pass`.
-    ``loops``: the column-block loops unrolled or as ``lax.fori_loop`` (``common.column_loop``).
-    ``p_from_t``: ``p`` is the triangular inverse T ``[BH, L, C]`` and each chunk forms P from it (P's
-    ``[BH, L, dv]`` buffer is not needed)."""
+    without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key columns.  Same returns as
+    :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as ``lax.fori_loop``
+    (``common.column_loop``)."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
-                               p_from_t=p_from_t)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
-                  sp.square if p_from_t else sp.flat_v, sp.flat_v],
+        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
@@ -852,14 +836,10 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
 
 def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
                                  num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32,
-                                 loops="unrolled", p_from_t=False):
+                                 loops="unrolled"):
     """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
-    (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and four rows, fp32), then :func:`chunk_grad_keys`.  Fewer
-    live tiles per program than the fused kernel, for one more round trip of the sums.  Same returns.
-    ``p_from_t`` (P formed from T) is the fused kernel's only."""
-    if p_from_t:
-        raise NotImplementedError("KernelConfig(store_p=False) needs chunk_grads='pallas_stored' (the GPU default), "
-                                  "got 'pallas_stored_split'")
+    (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and a row, fp32), then :func:`chunk_grad_keys`.  Fewer live
+    tiles per program than the fused kernel, for one more round trip of the sums.  Same returns."""
     BH, L, _ = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
@@ -868,10 +848,10 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
                                precision=precision_for(q.dtype), lo=walk_operands, loops=loops)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
-        out_specs=[sp.v, sp.square, sp.square, sp.row, sp.row, sp.row, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec, vec, vec, vec],
-        args=(x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
+        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.flat_v, sp.flat_v],
+        out_specs=[sp.v, sp.square, sp.square, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec],
+        args=(y, eta, g, gp, rl, do, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_stored_values")
     dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, (p, dr, *sums), chunk=chunk,
                                             interpret=interpret, num_warps=num_warps, num_stages=num_stages,
