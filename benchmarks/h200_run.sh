@@ -522,6 +522,25 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49)"; exit 2 ;;
+  next50)  # fifteenth run: the stored chunk gradients without the value half's dots with the chunk state (the gates'
+    # terms through it come from the key half's dR hᵀ, P dhᵀ): GPU checks, the chunk-gradient launch parameters
+    # again under it, profile, memory at 1x32768 with jla alongside; BASELINE=<dir> (an older checkout, e.g.
+    # `git archive 45f990d | tar -x -C .old`, carried) times its default in the same lease
+    step check 180 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16,segments" \
+      --out "$out/$part/check.json"
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated_deltanet" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --configs "grad_block_k=64;grad_stages=3;grad_warps=8;grad_block_v=64" --out "$out/$part/bench.json"
+    if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE" ]; then
+      step baseline 60 env PYTHONPATH="/tmp/site:$PWD/$BASELINE" python3 "$BASELINE/benchmarks/bench_regression.py" \
+        --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+        --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,P formed" \
+        --out "$out/$part/baseline.json"
+    fi
+    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+      --top 8 --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
