@@ -556,6 +556,17 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --kernel-config "fwd_scores=inverse" --top 6 --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51)"; exit 2 ;;
+  next52)  # fifteenth run, the final code (chunk gradients at 3 stages, 64 value columns): checks, timing with jla
+    # alongside, peak memory at 1x32768, profile; last launch variants of the chunk gradients
+    step check 220 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,bf16 grads,fp32 grads" \
+      --out "$out/$part/check.json"
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla gated_deltanet" \
+      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --configs "grad_block_v=32;grad_stages=4;grad_block_k=16" --out "$out/$part/bench.json"
+    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+      --top 8 --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -82,21 +82,6 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("T,chunk,pieces,segments,block_v", [
-    (50, 32, 1, True, 16), (150, 64, 1, True, 16), (100, 16, 4, True, 16), (37, 16, 1, False, 32),
-])
-def test_forward_reads_scores_from_inverse(T, chunk, pieces, segments, block_v, rng):
-    """``fwd_scores="inverse"``: the triangular-inverse kernel stores each chunk's masked scores ``QXᵀ ⊙ D`` (by
-    ``[16, 16]`` blocks: chunk 64 has blocks below, on and above the diagonal) and the output walk reads them;
-    outputs and final state against float64, with segments inside chunks and pieces; outputs poisoned."""
-    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, dv=32, segments=segments)
-    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
-                      config=KernelConfig(outputs="pallas", fwd_scores="inverse", block_v=block_v))
-    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
-    assert rel_err(o, o_ref) < FP32_TOL
-    assert rel_err(final, final_ref) < FP32_TOL
-
-
 @pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads,extra", [
     (32, 1, 16, "pallas_gpu", "pallas", "pallas", {}), (16, 2, 32, "pallas_gpu", "pallas", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "xla", "pallas", {}), (32, 1, 16, "pallas_gpu", "xla", "split", {}),
@@ -493,7 +478,7 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert KernelConfig(block_v=32).outputs_for("pallas_gpu", 16, 128) == "split"  # 64
     assert [cfg.block_v_for(bh, 128) for bh in (128, 32, 16, 8)] == [32, 32, 16, 16]
     assert cfg.block_v_for(4, 16) == 16 and KernelConfig(block_v=64).block_v_for(2, 32) == 32
-    assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 32
+    assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 64
     assert KernelConfig(grad_block_v=64).resolved(1, 16).grad_block_v == 16
     assert cfg.outputs_for("pallas_tpu", 16, 128) == "pallas"
     assert KernelConfig(outputs="xla").outputs_for("pallas_gpu", 16, 128) == "xla"
@@ -520,7 +505,7 @@ def test_walk_stages_follow_program_count():
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
     ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
-    ({"save_tri": "yes"}, "save_tri must be True or False"), ({"fwd_scores": "xla"}, "fwd_scores must be"),
+    ({"save_tri": "yes"}, "save_tri must be True or False"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -556,9 +541,6 @@ def test_kernel_resources_captures_every_triton_kernel():
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
                    if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
-    # the output walk reading the scores the inverse stored: the forward's inverse writes a second square
-    names = [m["name"] for m in lower_kernels("1x256x4x64", "fwd_scores=inverse,outputs=pallas")]
-    assert names.count("falcon_delta_tri_inverse_scores") == 1 and names.count("falcon_delta_tri_inverse") == 1
     attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)

@@ -98,8 +98,10 @@ class KernelConfig:
     # 8x2048x16x128, 1.440 vs 1.496 at 2x8192, 3.340 vs 3.463 at 1x32768; next50)
     grad_stages: int = 3
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
-    # value columns per step of the stored chunk gradients' value half (None: 32; H200 fwd+bwd with 16 / 64:
-    # 1.702 / 1.822 vs 1.655 ms at 8x2048x16x128, 4.403 / 4.710 vs 4.355 at 1x32768, next45)
+    # value columns per step of the stored chunk gradients' value half (None: 64 since the fifteenth run, when the
+    # value half lost its state dots; H200 bf16 whole op fwd+bwd, 64 vs 32 columns at 3 stages: 1.372 vs 1.391 ms
+    # at 8x2048x16x128, 1.426 vs 1.443 at 2x8192, 3.321 vs 3.359 at 1x32768, next51; at 2 stages 1.425 / 1.464 /
+    # 3.401 vs 1.464 / 1.496 / 3.463, next50.  Before that, with two state dots per block, 64 lost: next45)
     grad_block_v: int | None = None
     # the stored chunk gradients' loops over value / key column blocks: "fori" (lax.fori_loop: an scf.for whose
     # loads Triton's pipeliner issues a block ahead with grad_stages >= 2) or "unrolled" (Python, static slices:
@@ -168,11 +170,6 @@ class KernelConfig:
     # pallas vs xla: 1x32768 fwd 1.751 vs 2.026 ms, fwd+bwd 5.685 vs 5.972; 8x2048 0.533 / 2.038 vs 0.524 / 2.035;
     # 2x8192 0.714 / 2.353 vs 0.713 / 2.338 (next33)
     gate_transpose: str = "pallas"
-    # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D per chunk formed by every program
-    # of a head ("walk": dv / block_v times over, a third of the walk's MMA work at 32 columns, half at 16) or
-    # once per chunk by the triangular-inverse kernel, stored ([BH, T, C], the walk operands' dtype) and read by
-    # the walk ("inverse").  Not yet timed on the H200 (h200_run.sh next51).
-    fwd_scores: str = "walk"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -183,7 +180,6 @@ class KernelConfig:
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
-                              ("fwd_scores", ("walk", "inverse")),
                               ("grad_loops", GRAD_LOOPS),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
@@ -254,7 +250,7 @@ class KernelConfig:
     def resolved(self, bh: int, dv: int) -> "KernelConfig":
         """This config with ``block_v`` and ``grad_block_v`` set for ``bh`` batch·heads of ``dv`` value columns."""
         return dataclasses.replace(self, block_v=self.block_v_for(bh, dv),
-                                   grad_block_v=min(self.grad_block_v or 32, dv))
+                                   grad_block_v=min(self.grad_block_v or 64, dv))
 
     def split_block_v_for(self, bh: int, dv: int) -> int:
         """Value columns per program of the split walks for ``bh`` batch·heads (see ``split_block_v``)."""
@@ -330,24 +326,17 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
-    outputs = config.outputs_for(backend, BH, dv)
-    lo = config.walk_operand_dtype(q.dtype)
-    scores = None
-    if outputs == "pallas" and backend == "pallas_gpu" and config.fwd_scores == "inverse":
-        tinv, scores = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
-                                                q=q, scores_dtype=lo or jnp.float32,
-                                                **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
-    else:
-        tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
-                                        **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
+    tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
+                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
               num_stages=config.walk_stages(config.fwd_stages),
-              walk_operands=lo, **_layout_kw(heads))
+              walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
     if pieces > 1:
         M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
         starts, _ = _piece_starts(M, E, s0)
     else:
         starts = s0[:, None]
+    outputs = config.outputs_for(backend, BH, dv)
     if outputs == "split":
         o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts,
                                             **dict(kw, block_v=config.split_block_v_for(BH * pieces, dv)))
@@ -357,7 +346,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     else:
         stages = config.walk_stages(config.fwd_stages, output_programs=BH * pieces * (dv // config.block_v))
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
-                                        **dict(kw, num_stages=stages), **({} if scores is None else {"scores": scores}))
+                                        **dict(kw, num_stages=stages))
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 

@@ -110,10 +110,7 @@ def _unit_lower_inverses(blocks):
     return list(lax.fori_loop(jnp.int32(1), jnp.int32(n), body, tuple(eye for _ in blocks)))
 
 
-def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, *refs, chunk, precision, group, write_scores=False):
-    """One chunk's ``T = (I + A)⁻¹``; with ``write_scores`` (refs: q, T, scores) also its masked scores
-    ``QXᵀ ⊙ D`` (``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment), by ``[16, 16]`` blocks."""
-    q_ref, t_ref, s_ref = refs if write_scores else (None, *refs, None)
+def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
     nb = chunk // BLOCK
     blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
     eta = [eta_ref[b] for b in blk]
@@ -137,14 +134,6 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, *refs, chunk, precision, 
             T[i, k] = -dot(T[i, i], acc, p32)
         for k in range(nb):
             t_ref[blk[i], blk[k]] = (T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)).astype(t_ref.dtype)
-    for i in range(nb if write_scores else 0):
-        for k in range(nb):
-            if k <= i:
-                block = (dot(q_ref[blk[i], :], x_ref[blk[k], :].T, precision)
-                         * _masks(g[i], g[k], rl[i], rl[k], strict=None if k < i else False))
-            else:
-                block = jnp.zeros((BLOCK, BLOCK), F32)
-            s_ref[blk[i], blk[k]] = block.astype(s_ref.dtype)
 
 
 def _sdot(a, b, p32, lo):
@@ -175,9 +164,8 @@ def _chunk_rows(refs, c, chunk):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
-                    n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False):
+                    n_chunks, write_o, write_h, precision, lo=None, write_p=False):
     refs = list(out_refs)
-    sc_ref = refs.pop(0) if read_scores else None  # an input: the masked scores tri_inverse_pass stored
     o_ref = refs.pop(0) if write_o else None
     p_ref = refs.pop(0) if write_p else None
     h_ref = refs.pop(0) if write_h else None
@@ -196,10 +184,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             p_ref[rows, :] = P.astype(p_ref.dtype)
         if write_o:
             q = q_ref[rows, :]
-            if read_scores:
-                scores = sc_ref[rows, :]
-            else:
-                scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+            scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
             o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, S, p32, lo)
             o_ref[rows, :] = o.astype(o_ref.dtype)
         return a_last * S + _sdot(x.T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
@@ -560,26 +545,21 @@ def _params(interpret, num_warps, num_stages):
 
 
 def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None,
-                     t_dtype=F32, q=None, scores_dtype=F32):
+                     t_dtype=F32):
     """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` in ``t_dtype`` (row cC+s = row s of chunk c's T; solved
-    in fp32, rounded once when stored).  With ``q`` given, returns ``(T, scores)``: also every chunk's masked
-    scores ``QXᵀ ⊙ D`` ``[BH, L, C]`` in ``scores_dtype``, for ``forward_pass(scores=...)``.
+    in fp32, rounded once when stored).
 
     ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
     ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``)."""
     BH, L, dk = token_dims(x, heads)
     sp = chunk_specs(x, dk, chunk, heads)
-    square = jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)
-    with_scores = q is not None
-    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group,
-                               write_scores=with_scores)
-    outs = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.row, sp.row, sp.row, sp.row] + [sp.k] * with_scores,
-                out_specs=[sp.square] * (1 + with_scores),
-                out_shape=[square] + [jax.ShapeDtypeStruct((BH, L, chunk), scores_dtype)] * with_scores,
-                args=(x, eta, g, gp, rl) + (q,) * with_scores,
-                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                name="falcon_delta_tri_inverse_scores" if with_scores else "falcon_delta_tri_inverse")
-    return tuple(outs) if with_scores else outs[0]
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
+    (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.row, sp.row, sp.row, sp.row],
+                   out_specs=[sp.square],
+                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)], args=(x, eta, g, gp, rl),
+                   compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                   name="falcon_delta_tri_inverse")
+    return tinv
 
 
 def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
@@ -590,7 +570,7 @@ def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False, scores=None):
+                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False):
     """Chunk walk for every (batch·head, piece, value block).
 
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
@@ -598,24 +578,21 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
     P = η ⊙ residuals [BH, L, dv] in ``walk_operands`` or fp32 if write_p,
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
-    ``[B, L, H, d]``, read in place.  ``scores``: every chunk's masked scores ``[BH, L, C]``
-    (``tri_inverse_pass(q=...)``), read instead of each program forming ``QXᵀ`` itself (write_o only).
+    ``[B, L, H, d]``, read in place.
     """
     grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
-                specs.piece_state] + [t_spec] * (scores is not None)
+                specs.piece_state]
     first = [(specs.rows_v, y)] if write_o else []
     if write_p:
         first.append(_walk_rows(x, y, chunk, pieces, block_v, walk_operands or F32, heads))
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
-                               read_scores=scores is not None)
-    args = (q, x, y, eta, g, gp, rl, tinv, s0) + ((scores,) if scores is not None else ())
+                               precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=args, compiler_params=_params(interpret, num_warps, num_stages),
+                args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
 
 
