@@ -557,13 +557,16 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --kernel-config "fwd_scores=inverse" --top 6 --out "$out/$part/profile.json"
     ;;
   next52)  # fifteenth run, the final code (chunk gradients at 3 stages, 64 value columns): checks, timing with jla
-    # alongside, peak memory at 1x32768, profile; last launch variants of the chunk gradients
+    # alongside, peak memory at 1x32768, profile; last launch variants of the chunk gradients; P and h kept from the
+    # forward walk (KernelConfig(save_states=True), no recompute walk): checked, timed, memory
     step check 220 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,bf16 grads,fp32 grads" \
       --out "$out/$part/check.json"
-    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+    step check_saved 90 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads" \
+      --kernel-config "save_states=True,outputs=pallas" --out "$out/$part/check_saved.json"
+    step bench 260 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla gated_deltanet" \
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
-      --configs "grad_block_v=32;grad_stages=4;grad_block_k=16" --out "$out/$part/bench.json"
+      --configs "save_states=True;grad_block_v=32;grad_stages=4;grad_block_k=16" --out "$out/$part/bench.json"
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --top 8 --out "$out/$part/profile.json"
     ;;
