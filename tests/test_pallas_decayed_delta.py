@@ -98,10 +98,6 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     # reach its end state are disjoint, and the gates' terms through the state (from dR hᵀ, P dhᵀ) partly vanish
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {"save_tri": True, "segments": False}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {"grad_block_k": 16, "dk": 32, "segments": False}),
-    # the forward walk keeps P and h for the backward (no recompute walk), with pieces, fused and two-program
-    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"outputs": "pallas", "save_states": True}),
-    (32, 1, 16, "pallas_gpu", "pallas_stored_split", "pallas", {"outputs": "pallas", "save_states": True,
-                                                                "save_tri": True, "segments": False}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -114,7 +110,7 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32); the stored kernels' column loops as
     ``lax.fori_loop`` (the default ``grad_loops="fori"``; two value and two key blocks: dk = 32, an
     ``extra["dk"]``, value blocks narrower than the walks' with ``grad_block_v``) and unrolled; without
-    segments too; P and h kept from the forward walk (``save_states``).
+    segments too.
     Outputs poisoned: every element written."""
     extra = dict(extra)
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32,
@@ -509,7 +505,7 @@ def test_walk_stages_follow_program_count():
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
     ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
-    ({"save_tri": "yes"}, "save_tri must be True or False"), ({"save_states": 1}, "save_states must be True or"),
+    ({"save_tri": "yes"}, "save_tri must be True or False"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -545,12 +541,6 @@ def test_kernel_resources_captures_every_triton_kernel():
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
                    if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
-    # save_states: the forward walk writes o, P, h and its end state (4 stores), and the backward runs no
-    # recompute walk (P, h, end state: 3); the walks of one store are the piece maps' (4 batch·heads: pieces)
-    stores = {cfg: sorted(m["ttir"].count("tt.store") for m in lower_kernels("1x256x4x64", cfg)
-                          if m["name"] == "falcon_delta_fwd")
-              for cfg in ("outputs=pallas", "outputs=pallas,save_states=True")}
-    assert stores == {"outputs=pallas": [1, 1, 2, 3], "outputs=pallas,save_states=True": [1, 1, 4]}
     attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)

@@ -130,12 +130,6 @@ class KernelConfig:
     # again: saves the backward's inverse pass (H200 bf16: 0.127 ms at 8x2048x16x128, 0.243 at 1x32768), costs
     # T's buffer from the forward to the backward.  Not yet timed on the H200 (h200_run.sh next26).
     save_tri: bool = False
-    # GPU, under differentiation, when the forward walk writes the outputs ("pallas") and the chunk gradients read
-    # stored P ("pallas_stored*"): that walk also writes each chunk's start state h and P = η ⊙ residuals, kept for
-    # the backward, which then skips its recompute walk (H200 8x2048x16x128: 155 us; 1x32768: 529 us, next51).  The
-    # two buffers are live at the backward's peak either way (they are what the recompute walk writes); the
-    # forward's walk writes two more.  Not yet timed on the H200 (h200_run.sh next52).
-    save_states: bool = False
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
@@ -192,9 +186,8 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
-        for name in ("save_tri", "save_states"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelConfig: {name} must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.save_tri, bool):
+            raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
         for name in ("block_v", "split_block_v", "grad_block_v"):
@@ -328,15 +321,13 @@ def _check_split(config, backend):
                                       "leave it at its default for this backend")
 
 
-def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
-             for_grad=False):
+def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
     _check_split(config, backend)
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
                                     **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
-    states = None  # (P, h) kept for the backward (KernelConfig.save_states)
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
               num_stages=config.walk_stages(config.fwd_stages),
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
@@ -354,29 +345,18 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
         stages = config.walk_stages(config.fwd_stages, output_programs=BH * pieces * (dv // config.block_v))
-        if for_grad and _saves_states(config, backend):
-            o, p, h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=True,
-                                                  write_p=True, **dict(kw, num_stages=stages))
-            states = (p, h)
-        else:
-            o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
-                                            **dict(kw, num_stages=stages))
-    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, states)
-
-
-def _saves_states(config, backend):
-    """Whether the forward walk keeps P and h for the backward (``KernelConfig.save_states``)."""
-    return config.save_states and config.chunk_grads_for(backend) in ("pallas_stored", "pallas_stored_split")
+        o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
+                                        **dict(kw, num_stages=stages))
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 
 def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
-    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
-                    for_grad=True)
+    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
 
 
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
     kernels = _BACKENDS[backend]
-    q, x, y, eta, g, gp, rl, starts, saved_tinv, saved_states = res
+    q, x, y, eta, g, gp, rl, starts, saved_tinv = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
@@ -397,9 +377,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
                                         **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
-    if saved_states is not None:  # KernelConfig(save_states=True): the forward walk's
-        p, h = saved_states
-    elif stored:
+    if stored:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
                                        write_p=True, **fwd_kw)
     else:
