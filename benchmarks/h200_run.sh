@@ -570,6 +570,15 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --top 8 --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52)"; exit 2 ;;
+  next53)  # fifteenth run, the final code with every peer in the same lease: jla gated_deltanet / deltanet, fla
+    # chunk_gated_delta_rule / chunk_delta_rule, Falcon-2 and Falcon-3 (8x2048) for the ratios, peak memory at
+    # 1x32768 and 1x131072; Falcon-3's values on the GPU lowering (it shares the chunk gradients, group > 1)
+    step check 80 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
+    step bench 380 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas (ours);jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
+      --skip "row-by-row,ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
