@@ -575,7 +575,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # 1x32768 and 1x131072; Falcon-3's values on the GPU lowering (it shares the chunk gradients, group > 1)
     step check 80 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
     step bench 380 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
-      --rows "falcon-1 pallas (ours);jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
+      --rows "falcon-1 pallas;jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
       --skip "row-by-row,ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
       --out "$out/$part/bench.json"
     ;;
