@@ -98,6 +98,9 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     # reach its end state are disjoint, and the gates' terms through the state (from dR hᵀ, P dhᵀ) partly vanish
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {"save_tri": True, "segments": False}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {"grad_block_k": 16, "dk": 32, "segments": False}),
+    # the split reverse walk forming B dS = Tᵀ(w ⊙ X dS) from T (no B buffer), with pieces and without segments
+    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "from_t"}),
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "from_t", "segments": False}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -110,7 +113,7 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32); the stored kernels' column loops as
     ``lax.fori_loop`` (the default ``grad_loops="fori"``; two value and two key blocks: dk = 32, an
     ``extra["dk"]``, value blocks narrower than the walks' with ``grad_block_v``) and unrolled; without
-    segments too.
+    segments too; the split reverse walk with B formed from T (``dstate_b="from_t"``).
     Outputs poisoned: every element written."""
     extra = dict(extra)
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32,
@@ -505,7 +508,7 @@ def test_walk_stages_follow_program_count():
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
     ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
-    ({"save_tri": "yes"}, "save_tri must be True or False"),
+    ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):

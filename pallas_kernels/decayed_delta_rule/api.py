@@ -170,6 +170,11 @@ class KernelConfig:
     # pallas vs xla: 1x32768 fwd 1.751 vs 2.026 ms, fwd+bwd 5.685 vs 5.972; 8x2048 0.533 / 2.038 vs 0.524 / 2.035;
     # 2x8192 0.714 / 2.353 vs 0.713 / 2.338 (next33)
     gate_transpose: str = "pallas"
+    # GPU, the split reverse walk's dR = V + B dS: B = Tᵀ(w ⊙ X) stored per chunk by dstate_prepare and read by
+    # the walk ("stored", [BH, T, dk] in the walk operands' dtype), or formed in the walk as Tᵀ(w ⊙ X dS) from the
+    # chunk's T ("from_t": a [C, C] tile read per step instead of [C, dk] — the long walks are bound by their
+    # loads — one more dot in the chain, and no B buffer).  Not yet timed on the H200 (h200_run.sh next54).
+    dstate_b: str = "stored"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -180,6 +185,7 @@ class KernelConfig:
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
+                              ("dstate_b", ("stored", "from_t")),
                               ("grad_loops", GRAD_LOOPS),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
@@ -387,9 +393,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     if split_state_grads:  # V, B once for both walks below
         state_grad_pass = kernels.state_grad_split_pass
         lo = state_kw["walk_operands"] or jnp.float32
+        b_from_t = config.dstate_b == "from_t"
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
                                             num_warps=config.state_warps, heads=heads, b_dtype=lo,
-                                            v_dtype=lo if config.stored_v == "input" else jnp.float32)
+                                            v_dtype=lo if config.stored_v == "input" else jnp.float32,
+                                            with_b=not b_from_t)
+        state_kw["b_from_t"] = b_from_t
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
     else:
         state_grad_pass = kernels.state_grad_pass

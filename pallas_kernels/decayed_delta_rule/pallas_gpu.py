@@ -512,10 +512,10 @@ def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, p
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, b_ref, *, chunk,
+def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, *b_refs, chunk,
                                precision):
-    """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` and ``B = Tᵀ (w ⊙ X)``, so that the reverse walk's
-    ``dR = V + B dS`` (the split state-gradient walk)."""
+    """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` and (``b_refs``: one output, else none) ``B = Tᵀ (w ⊙ X)``, so
+    that the reverse walk's ``dR = V + B dS`` (the split state-gradient walk)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     _, _, w_last, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
@@ -523,17 +523,24 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
     tinv_t = t_ref[...].T
     scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
     v_ref[...] = _tdot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32).astype(v_ref.dtype)
-    b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
+    for b_ref in b_refs:
+        b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
 
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
-                             chunk, n_chunks, write_dh, precision, lo=None, write_dr=False):
+                             chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, b_from_t=False):
     """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
-    recomputing the scores and applying Tᵀ)."""
+    recomputing the scores and applying Tᵀ).  ``b_from_t``: ``b_ref`` holds the chunk's T instead of B, and
+    ``B dS = Tᵀ (w ⊙ X dS)`` is formed here (one more dot in the chain; a ``[C, C]`` tile read instead of
+    ``[C, dk]``, and no B buffer)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
     def residual_grad(rows, q, x, do, g, rl, w_last, dS):
-        return v_ref[rows, :].astype(F32) + _sdot(b_ref[rows, :], dS, p32, lo)
+        if b_from_t:
+            b_ds = _tdot(b_ref[rows, :].T, w_last[:, None] * _sdot(x, dS, p32, lo), p32)
+        else:
+            b_ds = _sdot(b_ref[rows, :], dS, p32, lo)
+        return v_ref[rows, :].astype(F32) + b_ds
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
                   n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
@@ -696,39 +703,47 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32,
-               v_dtype=F32):
+               v_dtype=F32, with_b=True):
     """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
-    ``[BH, L, dk]`` (in ``b_dtype``): the reverse walk's ``dR = V + B dS``."""
+    ``[BH, L, dk]`` (in ``b_dtype``; None without ``with_b``): the reverse walk's ``dR = V + B dS``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
-    return call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
+    outs = call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
                 grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
-                out_specs=[sp.flat_v, sp.flat_k],
-                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), v_dtype), jax.ShapeDtypeStruct((BH, L, dk), b_dtype)],
+                out_specs=[sp.flat_v, sp.flat_k][:1 + with_b],
+                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), v_dtype),
+                           jax.ShapeDtypeStruct((BH, L, dk), b_dtype)][:1 + with_b],
                 args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
                 interpret=interpret, name="falcon_delta_dstate_prepare")
+    return tuple(outs) if with_b else (outs[0], None)
 
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=None):
+                          num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=None,
+                          b_from_t=False):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
-    (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk.
+    (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk; ``b_from_t``: no B
+    (``vb``'s is None), the walk forms ``B dS = Tᵀ (w ⊙ X dS)`` from T.
     Same arguments and returns as :func:`state_grad_pass`."""
     dk = token_dims(q, heads)[2]
-    v, b = vb if vb is not None else prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-                                                num_warps=num_warps, heads=heads, b_dtype=walk_operands or F32)
+    if vb is None:
+        vb = prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret, num_warps=num_warps,
+                        heads=heads, b_dtype=walk_operands or F32, with_b=not b_from_t)
+    v, b = vb
     grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
                 pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
-                pl.BlockSpec((None, Lp, dk), lambda i, p, j: (i, p, 0)), specs.rows_v, specs.piece_state]
+                pl.BlockSpec((None, Lp, chunk if b_from_t else dk), lambda i, p, j: (i, p, 0)), specs.rows_v,
+                specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
+                               b_from_t=b_from_t)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=(q, x, eta, g, gp, rl, v, b, do, ds_end),
+                args=(q, x, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate_walk")
 
