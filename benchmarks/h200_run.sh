@@ -579,17 +579,20 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "row-by-row,ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
       --out "$out/$part/bench.json"
     ;;
-  next54)  # for the sixteenth run: the split reverse walk forming B dS = Tᵀ(w ⊙ X dS) from T instead of reading a
-    # stored B (KernelConfig(dstate_b="from_t"), fifteenth session, CPU-tested): gradients on the GPU lowering,
-    # whole-op timing and peak memory against the default in the same lease, profile
-    step check 150 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,segments" \
+  next54)  # for the sixteenth run, two opt-ins of the fifteenth session (CPU-tested): the split reverse walk forming
+    # B dS = Tᵀ(w ⊙ X dS) from T instead of reading a stored B (KernelConfig(dstate_b="from_t")), and the output
+    # walk reading masked scores from their own parallel kernel (fwd_scores="kernel"): GPU checks, whole-op timing
+    # and peak memory against the default in the same lease, profile
+    step check 130 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,segments" \
       --kernel-config "dstate_b=from_t" --out "$out/$part/check.json"
-    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+    step check_scores 110 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments" \
+      --kernel-config "fwd_scores=kernel,outputs=pallas" --out "$out/$part/check_scores.json"
+    step bench 230 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" \
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
-      --configs "dstate_b=from_t" --out "$out/$part/bench.json"
+      --configs "dstate_b=from_t;fwd_scores=kernel;dstate_b=from_t,fwd_scores=kernel" --out "$out/$part/bench.json"
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --kernel-config "dstate_b=from_t" --top 8 --out "$out/$part/profile.json"
+      --kernel-config "dstate_b=from_t,fwd_scores=kernel" --top 8 --out "$out/$part/profile.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54)"; exit 2 ;;
 esac

@@ -82,6 +82,21 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     assert rel_err(final, final_ref) < FP32_TOL
 
 
+@pytest.mark.parametrize("T,chunk,pieces,segments,block_v", [
+    (50, 32, 1, True, 16), (150, 64, 1, True, 16), (100, 16, 4, True, 16), (37, 16, 1, False, 32),
+])
+def test_forward_reads_scores_from_their_kernel(T, chunk, pieces, segments, block_v, rng):
+    """``fwd_scores="kernel"``: a parallel kernel stores each chunk's masked scores ``QXᵀ ⊙ D`` and the output
+    walk reads them; outputs and final state against float64, with segments inside chunks and pieces; outputs
+    poisoned (a scores element left unwritten would reach o)."""
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, dv=32, segments=segments)
+    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
+                      config=KernelConfig(outputs="pallas", fwd_scores="kernel", block_v=block_v))
+    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+    assert rel_err(o, o_ref) < FP32_TOL
+    assert rel_err(final, final_ref) < FP32_TOL
+
+
 @pytest.mark.parametrize("chunk,pieces,block_v,implementation,chunk_grads,state_grads,extra", [
     (32, 1, 16, "pallas_gpu", "pallas", "pallas", {}), (16, 2, 32, "pallas_gpu", "pallas", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "xla", "pallas", {}), (32, 1, 16, "pallas_gpu", "xla", "split", {}),
@@ -509,6 +524,7 @@ def test_walk_stages_follow_program_count():
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
     ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
+    ({"fwd_scores": "inverse"}, "fwd_scores must be"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -544,6 +560,13 @@ def test_kernel_resources_captures_every_triton_kernel():
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")
                    if m["name"] == "falcon_delta_chunk_grads_stored"]
     assert "scf.for" not in unrolled["ttir"]
+    # fwd_scores="kernel": one scores kernel, and the output walk (the forward walk storing o) takes no QXᵀ dot
+    def output_walk_dots(cfg):
+        modules = lower_kernels("1x256x4x64", cfg)
+        walks = [m["ttir"] for m in modules if m["name"] == "falcon_delta_fwd" and m["ttir"].count("tt.store") == 2]
+        return [m["name"] for m in modules].count("falcon_delta_masked_scores"), [w.count("tt.dot") for w in walks]
+    assert output_walk_dots("outputs=pallas") == (0, [6])
+    assert output_walk_dots("outputs=pallas,fwd_scores=kernel") == (1, [5])
     attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)

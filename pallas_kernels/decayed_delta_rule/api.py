@@ -175,6 +175,12 @@ class KernelConfig:
     # chunk's T ("from_t": a [C, C] tile read per step instead of [C, dk] — the long walks are bound by their
     # loads — one more dot in the chain, and no B buffer).  Not yet timed on the H200 (h200_run.sh next54).
     dstate_b: str = "stored"
+    # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
+    # of a head ("walk") or once per chunk by a parallel kernel and read by the walk ("kernel").  next51 stored them
+    # from the one-warp triangular inverse instead: at 1x32768 the walk went 879 -> 699 us but the inverse 174 ->
+    # 349; at 8x2048 the walk got slower (222 -> 336).  A 4-warp kernel of its own reads q, x and writes [BH, T, C]
+    # (≈ 85 us at 1x32768 by bandwidth), for the long shapes.  Not yet timed (h200_run.sh next54).
+    fwd_scores: str = "walk"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -186,6 +192,7 @@ class KernelConfig:
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
+                              ("fwd_scores", ("walk", "kernel")),
                               ("grad_loops", GRAD_LOOPS),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
@@ -351,6 +358,9 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
         stages = config.walk_stages(config.fwd_stages, output_programs=BH * pieces * (dv // config.block_v))
+        if backend == "pallas_gpu" and config.fwd_scores == "kernel":
+            kw["scores"] = kernels.masked_scores_pass(q, x, g, rl, chunk=chunk, interpret=interpret, heads=heads,
+                                                      dtype=kw["walk_operands"] or jnp.float32)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
                                         **dict(kw, num_stages=stages))
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)

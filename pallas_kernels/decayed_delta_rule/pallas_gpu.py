@@ -136,6 +136,12 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
             t_ref[blk[i], blk[k]] = (T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)).astype(t_ref.dtype)
 
 
+def _scores_kernel(q_ref, x_ref, g_ref, rl_ref, s_ref, *, precision):
+    """One chunk's masked scores ``QXᵀ ⊙ D`` (``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment)."""
+    g, rl = g_ref[...], rl_ref[...]
+    s_ref[...] = (dot(q_ref[...], x_ref[...].T, precision) * _masks(g, g, rl, rl, strict=False)).astype(s_ref.dtype)
+
+
 def _sdot(a, b, p32, lo):
     """A walk's dot with an fp32 state-sized operand (S, P, dS, dR): at ``p32`` (TF32 for bf16 inputs), or,
     with ``lo`` a dtype (``KernelConfig(walk_operands="input")``), both operands rounded to it first — the
@@ -164,8 +170,9 @@ def _chunk_rows(refs, c, chunk):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
-                    n_chunks, write_o, write_h, precision, lo=None, write_p=False):
+                    n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False):
     refs = list(out_refs)
+    sc_ref = refs.pop(0) if read_scores else None  # an input: every chunk's masked scores (masked_scores_pass)
     o_ref = refs.pop(0) if write_o else None
     p_ref = refs.pop(0) if write_p else None
     h_ref = refs.pop(0) if write_h else None
@@ -184,7 +191,10 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             p_ref[rows, :] = P.astype(p_ref.dtype)
         if write_o:
             q = q_ref[rows, :]
-            scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+            if read_scores:
+                scores = sc_ref[rows, :]
+            else:
+                scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
             o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, S, p32, lo)
             o_ref[rows, :] = o.astype(o_ref.dtype)
         return a_last * S + _sdot(x.T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
@@ -404,8 +414,8 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
     """The key half's body: dq, dx by blocks of ``block_k`` key columns (two ``[C, C]`` tiles live: the score and
     Gram gradients), and dη, dg, dgp, from the value half's ``sums`` (:func:`_value_sums_init`) and the chunk's
     gate ``rows`` (:func:`_row_gates`).  Each key block's ``dR hᵀ`` and ``P dhᵀ`` (needed for dx) also give the
-    state's row sums of :func:`_state_row_grads`: ``Σ_v dR ⊙ X h = Σ_k X ⊙ dR hᵀ``, ``Σ_v P ⊙ X dh = Σ_k X ⊙ P dhᵀ``
-    — no dot with the state in the value half."""
+    state's row sums of :func:`_state_row_grads`: ``Σ_v dR ⊙ X h = Σ_k X ⊙ dR hᵀ`` and
+    ``Σ_v P ⊙ X dh = Σ_k X ⊙ P dhᵀ`` — no dot with the state in the value half."""
     dq_ref, dx_ref, deta_ref, dg_ref, dgp_ref = out_refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
     q, x = q_ref[...], x_ref[...]
@@ -569,6 +579,19 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     return tinv
 
 
+def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None, dtype=F32):
+    """Every chunk's masked scores ``QXᵀ ⊙ D`` ``[BH, L, C]`` in ``dtype``, one program per chunk, for
+    ``forward_pass(scores=...)``."""
+    BH, L, dk = token_dims(q, heads)
+    sp = chunk_specs(q, dk, chunk, heads)
+    (scores,) = call(functools.partial(_scores_kernel, precision=precision_for(q.dtype)), grid=(BH, L // chunk),
+                     in_specs=[sp.k, sp.k, sp.row, sp.row], out_specs=[sp.square],
+                     out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), dtype)], args=(q, x, g, rl),
+                     compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
+                     name="falcon_delta_masked_scores")
+    return scores
+
+
 def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
     """(spec, shape) of a ``[BH, L, dv]`` array of ``dtype`` a walk writes row by row (P, dR)."""
     BH, L, _ = token_dims(x, heads)
@@ -577,7 +600,7 @@ def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False):
+                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False, scores=None):
     """Chunk walk for every (batch·head, piece, value block).
 
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
@@ -585,21 +608,24 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
     P = η ⊙ residuals [BH, L, dv] in ``walk_operands`` or fp32 if write_p,
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
-    ``[B, L, H, d]``, read in place.
+    ``[B, L, H, d]``, read in place.  ``scores``: every chunk's masked scores ``[BH, L, C]``
+    (:func:`masked_scores_pass`), read instead of each program forming ``QXᵀ`` itself (write_o only).
     """
     grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
-                specs.piece_state]
+                specs.piece_state] + [t_spec] * (scores is not None)
     first = [(specs.rows_v, y)] if write_o else []
     if write_p:
         first.append(_walk_rows(x, y, chunk, pieces, block_v, walk_operands or F32, heads))
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
+                               read_scores=scores is not None)
+    args = (q, x, y, eta, g, gp, rl, tinv, s0) + ((scores,) if scores is not None else ())
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=(q, x, y, eta, g, gp, rl, tinv, s0), compiler_params=_params(interpret, num_warps, num_stages),
+                args=args, compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
 
 
