@@ -73,6 +73,10 @@ if [ -z "${SKIP_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then  # SKI
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
+# bench_regression.py's whole-op variant rows (its WHOLE_OP_VARIANTS), which --rows "falcon-1 pallas" also picks:
+# --skip "$WHOLE_OP_VARIANTS" leaves the default op and the --configs rows
+WHOLE_OP_VARIANTS="ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks"
+
 step() {  # step NAME SECONDS CMD...: run with a limit, keep a filtered log
   local name=$1 limit=$2
   shift 2
@@ -519,7 +523,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/check.json"
     step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;P formed from T;jla gated_deltanet" \
-      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --out "$out/$part/bench.json"
     ;;
   next50)  # fifteenth run: the stored chunk gradients without the value half's dots with the chunk state (the gates'
@@ -530,12 +534,12 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/check.json"
     step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated_deltanet" \
-      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --configs "grad_block_k=64;grad_stages=3;grad_warps=8;grad_block_v=64" --out "$out/$part/bench.json"
     if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE" ]; then
       step baseline 60 env PYTHONPATH="/tmp/site:$PWD/$BASELINE" python3 "$BASELINE/benchmarks/bench_regression.py" \
         --memory-shapes "" --rows "falcon-1 pallas (ours)" \
-        --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,P formed" \
+        --skip "$WHOLE_OP_VARIANTS,P formed" \
         --out "$out/$part/baseline.json"
     fi
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
@@ -550,7 +554,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/check_grads.json"
     step bench 260 python3 benchmarks/bench_regression.py --memory-shapes "" \
       --rows "falcon-1 pallas;jla gated_deltanet" \
-      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --configs "fwd_scores=inverse;fwd_scores=inverse,tri_warps=2;grad_stages=2;grad_block_v=64" \
       --out "$out/$part/bench.json"
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
@@ -565,7 +569,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --kernel-config "save_states=True,outputs=pallas" --out "$out/$part/check_saved.json"
     step bench 260 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla gated_deltanet" \
-      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks,deltanet mosaic" \
+      --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --configs "save_states=True;grad_block_v=32;grad_stages=4;grad_block_k=16" --out "$out/$part/bench.json"
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --top 8 --out "$out/$part/profile.json"
@@ -576,7 +580,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check 80 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
     step bench 380 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
-      --skip "row-by-row,ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
+      --skip "row-by-row,$WHOLE_OP_VARIANTS" \
       --out "$out/$part/bench.json"
     ;;
   next54)  # for the sixteenth run, two opt-ins of the fifteenth session (CPU-tested): the split reverse walk forming
@@ -589,7 +593,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --kernel-config "fwd_scores=kernel,outputs=pallas" --out "$out/$part/check_scores.json"
     step bench 230 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" \
-      --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks" \
+      --skip "$WHOLE_OP_VARIANTS" \
       --configs "dstate_b=from_t;fwd_scores=kernel;dstate_b=from_t,fwd_scores=kernel" --out "$out/$part/bench.json"
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --kernel-config "dstate_b=from_t,fwd_scores=kernel" --top 8 --out "$out/$part/profile.json"
