@@ -9,6 +9,8 @@ interpret mode is slow.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,16 +84,18 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
     assert rel_err(final, final_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("T,chunk,pieces,segments,block_v", [
-    (50, 32, 1, True, 16), (150, 64, 1, True, 16), (100, 16, 4, True, 16), (37, 16, 1, False, 32),
+@pytest.mark.parametrize("T,chunk,pieces,segments,block_v,fwd_scores", [
+    (50, 32, 1, True, 16, "kernel"), (150, 64, 1, True, 16, "kernel"), (100, 16, 4, True, 16, "kernel"),
+    (37, 16, 1, False, 32, "kernel"), (50, 32, 1, True, 16, "walk"), (100, 16, 4, True, 16, "walk"),
 ])
-def test_forward_reads_scores_from_their_kernel(T, chunk, pieces, segments, block_v, rng):
-    """``fwd_scores="kernel"``: a parallel kernel stores each chunk's masked scores ``QXᵀ ⊙ D`` and the output
-    walk reads them; outputs and final state against float64, with segments inside chunks and pieces; outputs
-    poisoned (a scores element left unwritten would reach o)."""
+def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_scores, rng):
+    """The fused output walk's masked scores ``QXᵀ ⊙ D``: stored by a parallel kernel and read by the walk
+    (``fwd_scores="kernel"``, what "auto" picks for few programs) or formed in every program (``"walk"``);
+    outputs and final state against float64, with segments inside chunks and pieces; outputs poisoned (a
+    scores element left unwritten would reach o)."""
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, dv=32, segments=segments)
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
-                      config=KernelConfig(outputs="pallas", fwd_scores="kernel", block_v=block_v))
+                      config=KernelConfig(outputs="pallas", fwd_scores=fwd_scores, block_v=block_v))
     o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
     assert rel_err(o, o_ref) < FP32_TOL
     assert rel_err(final, final_ref) < FP32_TOL
@@ -113,9 +117,10 @@ def test_forward_reads_scores_from_their_kernel(T, chunk, pieces, segments, bloc
     # reach its end state are disjoint, and the gates' terms through the state (from dR hᵀ, P dhᵀ) partly vanish
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {"save_tri": True, "segments": False}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {"grad_block_k": 16, "dk": 32, "segments": False}),
-    # the split reverse walk forming B dS = Tᵀ(w ⊙ X dS) from T (no B buffer), with pieces and without segments
-    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "from_t"}),
-    (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "from_t", "segments": False}),
+    # the split reverse walk reading a stored B = Tᵀ(w ⊙ X) (the default forms B dS from T), with pieces and
+    # without segments
+    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored"}),
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored", "segments": False}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -128,7 +133,8 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     (``save_tri``, fp32 inputs: ``stored_v`` leaves V fp32); the stored kernels' column loops as
     ``lax.fori_loop`` (the default ``grad_loops="fori"``; two value and two key blocks: dk = 32, an
     ``extra["dk"]``, value blocks narrower than the walks' with ``grad_block_v``) and unrolled; without
-    segments too; the split reverse walk with B formed from T (``dstate_b="from_t"``).
+    segments too; the split reverse walk forming B dS from T (the default ``dstate_b="from_t"``) and reading a
+    stored B (``"stored"``).
     Outputs poisoned: every element written."""
     extra = dict(extra)
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32,
@@ -483,7 +489,8 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     """The defaults pick the split passes on the GPU (faster on the H200) and keep the TPU's fused kernels; the
     walks' value blocks 32 columns wide, 16 when 32 gives fewer than 128 programs; the split forward only when the
     fused walk would still run fewer than 128; the split walks' width the widest ≤ 64 that still gives 128
-    programs; the chunk gradients' value step 32 columns unless set."""
+    programs; the chunk gradients' value step 64 columns unless set; the output walk's scores from their own
+    kernel for few programs; the reverse walk's B dS from T."""
     cfg = KernelConfig()
     assert cfg.chunk_grads_for("pallas_gpu") == "pallas_stored" and cfg.chunk_grads_for("pallas_tpu") == "pallas"
     assert cfg.state_grads_for("pallas_gpu") == "split" and cfg.state_grads_for("pallas_tpu") == "pallas"
@@ -502,6 +509,13 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert KernelConfig(outputs="xla").outputs_for("pallas_gpu", 16, 128) == "xla"
     assert [cfg.split_block_v_for(bh, 128) for bh in (128, 32, 16, 1)] == [64, 32, 16, 16]
     assert cfg.split_block_v_for(128, 32) == 32 and KernelConfig(split_block_v=128).split_block_v_for(4, 64) == 64
+    # the output walk's scores from their own kernel up to 264 programs (2x8192, 1x32768: 128), formed in the walk
+    # above (8x2048: 512); the TPU always forms them in the walk
+    assert [cfg.fwd_scores_for("pallas_gpu", n) for n in (128, 264, 265, 512)] == ["kernel", "kernel", "walk", "walk"]
+    assert cfg.fwd_scores_for("pallas_tpu", 16) == "walk"
+    assert KernelConfig(fwd_scores="walk").fwd_scores_for("pallas_gpu", 16) == "walk"
+    assert KernelConfig(fwd_scores="kernel").fwd_scores_for("pallas_gpu", 512) == "kernel"
+    assert cfg.dstate_b == "from_t"
 
 
 def test_walk_stages_follow_program_count():
@@ -565,8 +579,10 @@ def test_kernel_resources_captures_every_triton_kernel():
         modules = lower_kernels("1x256x4x64", cfg)
         walks = [m["ttir"] for m in modules if m["name"] == "falcon_delta_fwd" and m["ttir"].count("tt.store") == 2]
         return [m["name"] for m in modules].count("falcon_delta_masked_scores"), [w.count("tt.dot") for w in walks]
-    assert output_walk_dots("outputs=pallas") == (0, [6])
+    assert output_walk_dots("outputs=pallas,fwd_scores=walk") == (0, [6])
     assert output_walk_dots("outputs=pallas,fwd_scores=kernel") == (1, [5])
+    # "auto": 4 batch·heads x 4 value blocks is far under 264 output-walk programs, so the scores kernel
+    assert output_walk_dots("outputs=pallas") == (1, [5])
     attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)
@@ -618,9 +634,10 @@ def test_saved_inverse_skips_the_backward_solve():
     assert calls(default, "tri_inverse") == 2 and calls(saved, "tri_inverse") == 1
     assert calls(saved, "dstate_prepare") == 1
     prepare = [line for line in saved.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
-    assert f"-> (tensor<{B * H}x{T}x{D}xbf16>" in prepare[0]  # V (first output) in bf16
+    # V (its first output; the only one when the reverse walk forms B from T, the default) in bf16
+    assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])
     prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
-    assert f"-> (tensor<{B * H}x{T}x{D}xf32>" in prepare[0]
+    assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xf32>", prepare[0])
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():

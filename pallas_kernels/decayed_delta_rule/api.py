@@ -172,15 +172,18 @@ class KernelConfig:
     gate_transpose: str = "pallas"
     # GPU, the split reverse walk's dR = V + B dS: B = Tᵀ(w ⊙ X) stored per chunk by dstate_prepare and read by
     # the walk ("stored", [BH, T, dk] in the walk operands' dtype), or formed in the walk as Tᵀ(w ⊙ X dS) from the
-    # chunk's T ("from_t": a [C, C] tile read per step instead of [C, dk] — the long walks are bound by their
-    # loads — one more dot in the chain, and no B buffer).  Not yet timed on the H200 (h200_run.sh next54).
-    dstate_b: str = "stored"
+    # chunk's T ("from_t", the default since the sixteenth run: a [C, C] tile read per step instead of [C, dk],
+    # one more dot in the chain, no B buffer).  H200 bf16 whole op fwd+bwd, from_t vs stored (next54): 1.328 vs
+    # 1.370 ms at 8x2048x16x128, 1.362 vs 1.419 at 2x8192, 3.213 vs 3.299 at 1x32768; peak memory the same.
+    dstate_b: str = "from_t"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
-    # of a head ("walk") or once per chunk by a parallel kernel and read by the walk ("kernel").  next51 stored them
-    # from the one-warp triangular inverse instead: at 1x32768 the walk went 879 -> 699 us but the inverse 174 ->
-    # 349; at 8x2048 the walk got slower (222 -> 336).  A 4-warp kernel of its own reads q, x and writes [BH, T, C]
-    # (≈ 85 us at 1x32768 by bandwidth), for the long shapes.  Not yet timed (h200_run.sh next54).
-    fwd_scores: str = "walk"
+    # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
+    # "kernel" when the output walk runs at most 264 programs (two per SM of the H200's 132), else "walk".  H200
+    # bf16 forward, kernel vs walk (next54): 0.418 vs 0.446 ms at 2x8192x16x128 (128 programs), 1.094 vs 1.187 at
+    # 1x32768 (128), but 0.555 vs 0.392 at 8x2048 (512: reading the stored scores in every program of a head
+    # costs more than the dots when the SMs are full).  next51 stored them from the one-warp triangular inverse
+    # instead: the inverse doubled (174 -> 349 us at 1x32768).
+    fwd_scores: str = "auto"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -192,7 +195,7 @@ class KernelConfig:
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
-                              ("fwd_scores", ("walk", "kernel")),
+                              ("fwd_scores", ("auto", "walk", "kernel")),
                               ("grad_loops", GRAD_LOOPS),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
                                                                        "walk_operands"))):
@@ -239,6 +242,15 @@ class KernelConfig:
             return self.outputs
         fused_programs = bh * max(dv // self.block_v_for(bh, dv), 1)
         return "split" if backend == "pallas_gpu" and fused_programs < 128 else "pallas"
+
+    def fwd_scores_for(self, backend: str, output_programs: int) -> str:
+        """``fwd_scores`` with "auto" resolved for an output walk of ``output_programs`` programs on ``backend``
+        (the TPU walks always form their scores: "walk")."""
+        if backend != "pallas_gpu":
+            return "walk"
+        if self.fwd_scores != "auto":
+            return self.fwd_scores
+        return "kernel" if output_programs <= 264 else "walk"
 
     @staticmethod
     def walk_stages(stages: int | None, output_programs: int = 0) -> int:
@@ -357,8 +369,9 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
-        stages = config.walk_stages(config.fwd_stages, output_programs=BH * pieces * (dv // config.block_v))
-        if backend == "pallas_gpu" and config.fwd_scores == "kernel":
+        output_programs = BH * pieces * (dv // config.block_v)
+        stages = config.walk_stages(config.fwd_stages, output_programs=output_programs)
+        if config.fwd_scores_for(backend, output_programs) == "kernel":
             kw["scores"] = kernels.masked_scores_pass(q, x, g, rl, chunk=chunk, interpret=interpret, heads=heads,
                                                       dtype=kw["walk_operands"] or jnp.float32)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
