@@ -598,6 +598,15 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --kernel-config "dstate_b=from_t,fwd_scores=kernel" --top 8 --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54)"; exit 2 ;;
+  next55)  # sixteenth run, under the new defaults (dstate_b=from_t, fwd_scores=auto): launch and pass choices
+    # swept again — pieces at 2x8192 / 1x32768 (target_programs=256: 2 pieces), the reverse walk's warps, stages
+    # and value width, the forward walks' warps, 64-column output walks reading stored scores at 8x2048, V in
+    # bf16, a 2-warp inverse — against the default and jla in the same lease
+    step bench 340 python3 benchmarks/bench_regression.py \
+      --rows "falcon-1 pallas (ours);jla 0.1.0 gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "target_programs=256;state_warps=8;state_stages=2;state_stages=4;split_block_v=32;split_block_v=64;block_v=64,fwd_scores=kernel;fwd_warps=8;stored_v=input;tri_warps=2" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
