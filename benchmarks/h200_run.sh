@@ -607,6 +607,19 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "target_programs=256;state_warps=8;state_stages=2;state_stages=4;split_block_v=32;split_block_v=64;block_v=64,fwd_scores=kernel;fwd_warps=8;stored_v=input;tri_warps=2" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55)"; exit 2 ;;
+  next56)  # sixteenth run, the final code (dstate_b=from_t, fwd_scores=auto, 64-column walks at >= 256 programs):
+    # GPU checks on 64-column output walks reading the scores kernel (fp32 values, segments, gradients, Falcon-3),
+    # Falcon-1 / Falcon-3 against jla gated_deltanet, peak memory at 1x32768 and 1x131072, two last launch
+    # choices (the chunk gradients' value step over all 128 columns, 2-stage forward walks), profile
+    step check 180 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,segments,fp32 grads,bf16 grads,falcon-3 values" \
+      --kernel-config "block_v=64,outputs=pallas" --out "$out/$part/check.json"
+    step bench 300 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;falcon-3 W=4;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "grad_block_v=128;fwd_stages=2" --out "$out/$part/bench.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+      --top 8 --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -87,13 +87,14 @@ def test_forward_matches_reference(T, chunk, pieces, segments, implementation, o
 @pytest.mark.parametrize("T,chunk,pieces,segments,block_v,fwd_scores", [
     (50, 32, 1, True, 16, "kernel"), (150, 64, 1, True, 16, "kernel"), (100, 16, 4, True, 16, "kernel"),
     (37, 16, 1, False, 32, "kernel"), (50, 32, 1, True, 16, "walk"), (100, 16, 4, True, 16, "walk"),
+    (70, 32, 1, True, 64, "kernel"),  # 64-column programs, as "auto" picks for many batch·heads
 ])
 def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_scores, rng):
     """The fused output walk's masked scores ``QXᵀ ⊙ D``: stored by a parallel kernel and read by the walk
     (``fwd_scores="kernel"``, what "auto" picks for few programs) or formed in every program (``"walk"``);
     outputs and final state against float64, with segments inside chunks and pieces; outputs poisoned (a
     scores element left unwritten would reach o)."""
-    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, dv=32, segments=segments)
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=T, dv=max(32, block_v), segments=segments)
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
                       config=KernelConfig(outputs="pallas", fwd_scores=fwd_scores, block_v=block_v))
     o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
@@ -121,6 +122,8 @@ def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_sco
     # without segments
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored"}),
     (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored", "segments": False}),
+    # 64-column walks (what "auto" picks for many batch·heads), the output walk reading the scores kernel's
+    (32, 1, 64, "pallas_gpu", "pallas_stored", "split", {"dv": 64, "fwd_scores": "kernel", "outputs": "pallas"}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -137,7 +140,7 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     stored B (``"stored"``).
     Outputs poisoned: every element written."""
     extra = dict(extra)
-    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=32,
+    q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=extra.pop("dv", 32),
                                                  segments=extra.pop("segments", True))
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
@@ -487,7 +490,8 @@ def test_split_passes_are_gpu_only(name, value, rng):
 
 def test_kernel_config_auto_choices_per_backend_and_shape():
     """The defaults pick the split passes on the GPU (faster on the H200) and keep the TPU's fused kernels; the
-    walks' value blocks 32 columns wide, 16 when 32 gives fewer than 128 programs; the split forward only when the
+    walks' value blocks 32 columns wide, 16 when 32 gives fewer than 128 programs, 64 when 64 still gives 256
+    (then the output walk reads the scores kernel's scores); the split forward only when the
     fused walk would still run fewer than 128; the split walks' width the widest ≤ 64 that still gives 128
     programs; the chunk gradients' value step 64 columns unless set; the output walk's scores from their own
     kernel for few programs; the reverse walk's B dS from T."""
@@ -501,7 +505,8 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert cfg.outputs_for("pallas_gpu", 32, 128) == "pallas"  # 2x8192x16x128: 32 columns, 128
     assert cfg.outputs_for("pallas_gpu", 8, 128) == "split"  # 16 columns, 64
     assert KernelConfig(block_v=32).outputs_for("pallas_gpu", 16, 128) == "split"  # 64
-    assert [cfg.block_v_for(bh, 128) for bh in (128, 32, 16, 8)] == [32, 32, 16, 16]
+    assert [cfg.block_v_for(bh, 128) for bh in (128, 127, 32, 16, 8)] == [64, 32, 32, 16, 16]
+    assert KernelConfig(fwd_scores="walk").block_v_for(128, 128) == 32  # 64 only with the scores kernel
     assert cfg.block_v_for(4, 16) == 16 and KernelConfig(block_v=64).block_v_for(2, 32) == 32
     assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 64
     assert KernelConfig(grad_block_v=64).resolved(1, 16).grad_block_v == 16
