@@ -204,6 +204,14 @@ def main() -> int:
         results["bf16 errors"] = {"pallas": err_pal, "xla": err_xla}
         print(f"      bf16 rel err: pallas {err_pal:.3e}, XLA chunk form {err_xla:.3e}", flush=True)
         check("bf16 error / XLA-form bf16 error", err_pal / err_xla, 2.0)
+        if d >= 64:  # the 64-column output walk reading the scores kernel's scores (what "auto" picks for 16-bit
+            # inputs at >= 256 programs; this shape has few, so it is asked for)
+            wide = with_kernel_config(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32),
+                                      KernelConfig(block_v=64, outputs="pallas", fwd_scores="kernel"))
+            err_wide = rel(jax.jit(wide)(*xbf), ref["out"])
+            results["bf16 errors"]["pallas, 64-column output walk"] = err_wide
+            print(f"      bf16 rel err, 64-column output walk: {err_wide:.3e}", flush=True)
+            check("bf16 64-column output walk error / XLA-form bf16 error", err_wide / err_xla, 2.0)
 
     def segments():
         xs = inputs(rng, 2, Ts, H, 64 if not args.smoke else 16, jnp.float64)

@@ -620,6 +620,12 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --top 8 --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56)"; exit 2 ;;
+  next57)  # sixteenth run: the final defaults' GPU checks (fp32 values with 32-column walks after next56's fp32
+    # 64-column shared-memory overflow, bf16 values including the 64-column output walk, T=65536, extreme gates,
+    # Falcon-3, pass choices)
+    step check 300 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,bf16,long bf16,extreme op,falcon-3 values,pass choices" --out "$out/$part/check.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -491,7 +491,7 @@ def test_split_passes_are_gpu_only(name, value, rng):
 def test_kernel_config_auto_choices_per_backend_and_shape():
     """The defaults pick the split passes on the GPU (faster on the H200) and keep the TPU's fused kernels; the
     walks' value blocks 32 columns wide, 16 when 32 gives fewer than 128 programs, 64 when 64 still gives 256
-    (then the output walk reads the scores kernel's scores); the split forward only when the
+    (16-bit inputs, dk <= 128; the output walk then reads the scores kernel's scores); the split forward only when the
     fused walk would still run fewer than 128; the split walks' width the widest ≤ 64 that still gives 128
     programs; the chunk gradients' value step 64 columns unless set; the output walk's scores from their own
     kernel for few programs; the reverse walk's B dS from T."""
@@ -505,8 +505,12 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert cfg.outputs_for("pallas_gpu", 32, 128) == "pallas"  # 2x8192x16x128: 32 columns, 128
     assert cfg.outputs_for("pallas_gpu", 8, 128) == "split"  # 16 columns, 64
     assert KernelConfig(block_v=32).outputs_for("pallas_gpu", 16, 128) == "split"  # 64
-    assert [cfg.block_v_for(bh, 128) for bh in (128, 127, 32, 16, 8)] == [64, 32, 32, 16, 16]
-    assert KernelConfig(fwd_scores="walk").block_v_for(128, 128) == 32  # 64 only with the scores kernel
+    bf16 = jnp.bfloat16
+    assert [cfg.block_v_for(bh, 128, bf16, 128) for bh in (128, 127, 32, 16, 8)] == [64, 32, 32, 16, 16]
+    assert KernelConfig(fwd_scores="walk").block_v_for(128, 128, bf16, 128) == 32  # 64 only with the scores kernel
+    # 64 only for 16-bit inputs with dk <= 128: wider tiles overflow the H200's shared memory
+    assert [cfg.block_v_for(128, 128, dt, dk) for dt, dk in ((jnp.float32, 128), (bf16, 256), (None, None))] == [32] * 3
+    assert cfg.resolved(128, 128, bf16, 128).block_v == 64 and cfg.resolved(128, 128, jnp.float32, 128).block_v == 32
     assert cfg.block_v_for(4, 16) == 16 and KernelConfig(block_v=64).block_v_for(2, 32) == 32
     assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 64
     assert KernelConfig(grad_block_v=64).resolved(1, 16).grad_block_v == 16

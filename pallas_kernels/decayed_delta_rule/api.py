@@ -268,18 +268,22 @@ class KernelConfig:
             return stages
         return 2 if output_programs > 264 else 3
 
-    def block_v_for(self, bh: int, dv: int) -> int:
-        """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``)."""
+    def block_v_for(self, bh: int, dv: int, dtype=None, dk: int | None = None) -> int:
+        """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``); 64
+        only for 16-bit ``dtype`` inputs with ``dk`` ≤ 128 (fp32 q, k, v at dk 128: the output walk's 64-column
+        tiles ask for 264 KB of shared memory, over the H200's 227 KB; next56)."""
         if self.block_v is not None:
             return min(self.block_v, dv)
-        if self.fwd_scores != "walk" and dv >= 64 and bh * (dv // 64) >= 256:
+        narrow_tiles = dtype is not None and jnp.dtype(dtype).itemsize <= 2 and dk is not None and dk <= 128
+        if narrow_tiles and self.fwd_scores != "walk" and dv >= 64 and bh * (dv // 64) >= 256:
             return 64
         width = min(32, dv)
         return 16 if width > 16 and bh * (dv // width) < 128 else width
 
-    def resolved(self, bh: int, dv: int) -> "KernelConfig":
-        """This config with ``block_v`` and ``grad_block_v`` set for ``bh`` batch·heads of ``dv`` value columns."""
-        return dataclasses.replace(self, block_v=self.block_v_for(bh, dv),
+    def resolved(self, bh: int, dv: int, dtype=None, dk: int | None = None) -> "KernelConfig":
+        """This config with ``block_v`` and ``grad_block_v`` set for ``bh`` batch·heads of ``dv`` value columns
+        (inputs of ``dtype``, ``dk`` key columns)."""
+        return dataclasses.replace(self, block_v=self.block_v_for(bh, dv, dtype, dk),
                                    grad_block_v=min(self.grad_block_v or 64, dv))
 
     def split_block_v_for(self, bh: int, dv: int) -> int:
@@ -552,7 +556,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     n_chunks = next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
     L = n_chunks * chunk
     config = config or KernelConfig()
-    config = config.resolved(B * H, dv)
+    config = config.resolved(B * H, dv, dtype, dk)
     if implementation == "pallas_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
@@ -675,7 +679,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     Ls = n_chunks * steps  # padded steps
     dtype = q.dtype
     config = config or KernelConfig()
-    config = config.resolved(B * H, dv)
+    config = config.resolved(B * H, dv, dtype, dk)
     if implementation == "pallas_tpu":
         P = 1
     else:
