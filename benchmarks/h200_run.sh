@@ -626,6 +626,13 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check 300 python3 benchmarks/gpu_check_regression.py \
       --only "fp32 values,bf16,long bf16,extreme op,falcon-3 values,pass choices" --out "$out/$part/check.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57)"; exit 2 ;;
+  next58)  # sixteenth run, the session's last device seconds: the forward's T kept for the backward (save_tri,
+    # untimed alone since next26, when the inverse was 127 / 243 us of a 2.0 / 5.9 ms op) with and without bf16 V,
+    # against the default in the same lease; peak memory at 1x32768
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "save_tri=True;save_tri=True,stored_v=input" --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
