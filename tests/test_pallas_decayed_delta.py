@@ -525,6 +525,9 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert KernelConfig(fwd_scores="walk").fwd_scores_for("pallas_gpu", 16) == "walk"
     assert KernelConfig(fwd_scores="kernel").fwd_scores_for("pallas_gpu", 512) == "kernel"
     assert cfg.dstate_b == "from_t"
+    # V in bf16 for Falcon-1's one row per step, fp32 for a window's rows (Falcon-3)
+    assert (cfg.stored_v_for(1), cfg.stored_v_for(4)) == ("input", "fp32")
+    assert KernelConfig(stored_v="input").stored_v_for(4) == "input"
 
 
 def test_walk_stages_follow_program_count():
@@ -545,7 +548,7 @@ def test_walk_stages_follow_program_count():
     ({"stored_dr": "bf16"}, "stored_dr must be 'fp32' or 'input'"),
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
-    ({"stored_v": "bf16"}, "stored_v must be 'fp32' or 'input'"),
+    ({"stored_v": "bf16"}, "stored_v must be 'auto' or 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
     ({"fwd_scores": "inverse"}, "fwd_scores must be"),
 ])
@@ -621,7 +624,8 @@ def test_benchmark_kernel_config_parser():
 
 def test_saved_inverse_skips_the_backward_solve():
     """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
-    forward + backward instead of two; ``stored_v="input"``: V leaves the prepare kernel in bf16."""
+    forward + backward instead of two; ``stored_v="input"`` (the default): V leaves the prepare kernel in bf16,
+    ``"fp32"`` in fp32."""
     B, T, H, D = 1, 256, 2, 128
     q = jnp.zeros((B, H, T, D), jnp.bfloat16)
     gate = jnp.zeros((B, H, T), jnp.float32)
@@ -645,8 +649,11 @@ def test_saved_inverse_skips_the_backward_solve():
     prepare = [line for line in saved.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
     # V (its first output; the only one when the reverse walk forms B from T, the default) in bf16
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])
-    prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    fp32_v = lowered(KernelConfig(stored_v="fp32"))
+    prepare = [line for line in fp32_v.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xf32>", prepare[0])
+    prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])  # the default: bf16 V
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():

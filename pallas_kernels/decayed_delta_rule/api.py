@@ -124,14 +124,20 @@ class KernelConfig:
     # walk 0.346 vs 0.398; whole op fwd+bwd 2.033 vs 2.137 ms, next22; d128 gradient error 1.2-1.6x the XLA
     # form's vs 1.0-1.4x) or "fp32" (its dots in TF32).  fp32 inputs and the TPU keep fp32.
     tri_dtype: str = "input"
-    # GPU, split state-gradient walk: the dtype V = Tᵀ(QXᵀ⊙D)ᵀdO is stored in for bf16/fp16 inputs, "fp32" (the
-    # default) or "input" (halves the [BH, T, dv] buffer the reverse walk reads, 268 -> 134 MB at 1x32768x16x128;
-    # but dR = V + B dS can cancel, so V's rounding shows: CPU interpret, T 100, d16, the S0 gradient's bf16
-    # error 9.7e-3 vs 6.3e-3).  Not yet timed on the H200 (h200_run.sh next26).
-    stored_v: str = "fp32"
+    # GPU, split state-gradient walk: the dtype V = Tᵀ(QXᵀ⊙D)ᵀdO is stored in for bf16/fp16 inputs: "input"
+    # (halves the [BH, T, dv] buffer the reverse walk reads, 268 -> 134 MB at 1x32768x16x128; H200 bf16 Falcon-1
+    # fwd+bwd vs fp32 V: 1.307 vs 1.334 ms at 8x2048x16x128, 1.347 vs 1.364 at 2x8192, 3.167 vs 3.208 at 1x32768
+    # (next55; next58 with save_tri 1-2% likewise); bf16 gradients at d128 1.22-1.76x the XLA form's error,
+    # next59, against 1.17-1.73x with fp32 V, next56), "fp32", or "auto" (the default since the sixteenth run):
+    # "input" for one row per step (Falcon-1), "fp32" for windowed steps (Falcon-3: dR = V + B dS cancels more
+    # with a window's repeated keys; CPU, T 80, chunk 16, W 4, its bf16 k-gradient error went to 6.8x the XLA
+    # form's with bf16 V, 2.5-2.8x with fp32)
+    stored_v: str = "auto"
     # keep the forward's triangular inverse T ([BH, T, C], tri_dtype) for the backward instead of solving it
-    # again: saves the backward's inverse pass (H200 bf16: 0.127 ms at 8x2048x16x128, 0.243 at 1x32768), costs
-    # T's buffer from the forward to the backward.  Not yet timed on the H200 (h200_run.sh next26).
+    # again.  Under one jit XLA already runs the two identical inverse calls once (the H200 fwd+bwd profile has one
+    # falcon_delta_tri_inverse), so it gains nothing there: H200 bf16 fwd+bwd 1.315 / 1.380 / 3.235 ms vs 1.329 /
+    # 1.362 / 3.247 at 8x2048 / 2x8192 / 1x32768 (next58); it saves the solve when forward and backward are
+    # compiled apart (T's buffer kept from one to the other).
     save_tri: bool = False
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
@@ -200,7 +206,8 @@ class KernelConfig:
                               ("dstate_b", ("stored", "from_t")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
                               ("grad_loops", GRAD_LOOPS),
-                              *((name, ("fp32", "input")) for name in ("stored_dr", "stored_v", "tri_dtype",
+                              ("stored_v", ("auto", "fp32", "input")),
+                              *((name, ("fp32", "input")) for name in ("stored_dr", "tri_dtype",
                                                                        "walk_operands"))):
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
@@ -254,6 +261,12 @@ class KernelConfig:
         if self.fwd_scores != "auto":
             return self.fwd_scores
         return "kernel" if output_programs <= 264 else "walk"
+
+    def stored_v_for(self, group: int) -> str:
+        """``stored_v`` with "auto" resolved for steps of ``group`` rows (1: Falcon-1; the window: Falcon-3)."""
+        if self.stored_v != "auto":
+            return self.stored_v
+        return "input" if group == 1 else "fp32"
 
     @staticmethod
     def walk_stages(stages: int | None, output_programs: int = 0) -> int:
@@ -428,7 +441,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         b_from_t = config.dstate_b == "from_t"
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
                                             num_warps=config.state_warps, heads=heads, b_dtype=lo,
-                                            v_dtype=lo if config.stored_v == "input" else jnp.float32,
+                                            v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32,
                                             with_b=not b_from_t)
         state_kw["b_from_t"] = b_from_t
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
