@@ -550,7 +550,7 @@ def test_walk_stages_follow_program_count():
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
     ({"stored_v": "bf16"}, "stored_v must be 'auto' or 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
-    ({"fwd_scores": "inverse"}, "fwd_scores must be"),
+    ({"fwd_scores": "inverse"}, "fwd_scores must be"), ({"prepare_warps": 3}, "prepare_warps must be None"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -581,6 +581,10 @@ def test_kernel_resources_captures_every_triton_kernel():
     # 4 batch·heads x 2 value blocks: few programs, so every walk pipelines 3 stages (KernelConfig.walk_stages)
     assert {m["num_stages"] for name in ("falcon_delta_fwd", "falcon_delta_dstate_walk")
             for m in by_name[name]} == {3}
+    # the V-forming prepare kernel: the state walk's warps unless prepare_warps is set
+    assert {m["num_warps"] for m in by_name["falcon_delta_dstate_prepare"]} == {4}
+    assert {m["num_warps"] for m in lower_kernels("1x256x4x64", "prepare_warps=8")
+            if m["name"] == "falcon_delta_dstate_prepare"} == {8}
     (grads,) = by_name["falcon_delta_chunk_grads_stored"]
     assert (grads["num_warps"], grads["num_stages"]) == (8, 3) and grads["ttir"].count("scf.for") == 2
     (unrolled,) = [m for m in lower_kernels("1x256x4x64", "grad_loops=unrolled")

@@ -93,6 +93,10 @@ class KernelConfig:
     # None: 3, or 2 for an output-writing walk of many programs (``walk_stages``)
     fwd_stages: int | None = None
     state_warps: int = 4
+    # GPU, split state-gradient walk: warps of dstate_prepare, one program per chunk forming V (None: state_warps).
+    # Not yet timed on its own (h200_run.sh next60): at 8x2048x16x128 it took 153 us in next56, 2.4x the ≈ 63 us
+    # its reads and writes need at the H200's bandwidth; state_warps=8 moved the walk as well and lost (next55)
+    prepare_warps: int | None = None
     # the state-gradient (reverse) walks' stages; None: 3 (``walk_stages``)
     state_stages: int | None = None
     grad_warps: int = 4
@@ -216,6 +220,9 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
+        if self.prepare_warps not in (None, 1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig: prepare_warps must be None (state_warps) or 1, 2, 4, 8 or 16, got "
+                             f"{self.prepare_warps!r}.")
         for name in ("block_v", "split_block_v", "grad_block_v"):
             width = getattr(self, name)
             if width is not None and (not isinstance(width, int) or width < 16 or width & (width - 1)):
@@ -440,7 +447,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         lo = state_kw["walk_operands"] or jnp.float32
         b_from_t = config.dstate_b == "from_t"
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-                                            num_warps=config.state_warps, heads=heads, b_dtype=lo,
+                                            num_warps=config.prepare_warps or config.state_warps, heads=heads,
+                                            b_dtype=lo,
                                             v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32,
                                             with_b=not b_from_t)
         state_kw["b_from_t"] = b_from_t
