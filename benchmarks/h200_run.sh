@@ -640,12 +640,14 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     ;;
   next60)  # for the seventeenth run: the sixteenth session's final default (bf16 V for Falcon-1, no save_tri), which
     # had no timing row of its own, with jla gated_deltanet and peak memory in one lease; dstate_prepare's warps
-    # apart from the walk's (prepare_warps); profile
+    # apart from the walk's (prepare_warps); profile; the buffers live at the memory peak
     step bench 260 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
       --configs "prepare_warps=8;prepare_warps=2" --out "$out/$part/bench.json"
     step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
       --top 8 --out "$out/$part/profile.json"
+    # the buffers live at the forward+backward's peak under today's kernels (last dumped in next35)
+    step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60)"; exit 2 ;;
 esac
