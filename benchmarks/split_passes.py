@@ -102,7 +102,7 @@ def split_attention(shape, interpret, rows):
 def split_delta(shape, interpret, rows):
     B, T, H, d = shape
     BH, C = B * H, 64
-    cfg = delta_api.KernelConfig().resolved(BH, d)
+    cfg = delta_api.KernelConfig().resolved(BH, d, jnp.bfloat16, d)  # the bf16 inputs below
     q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
     eta = eta / d  # η‖x‖² ≈ η: inside (0, 2)
     P = pieces_for(BH, d // cfg.block_v, T // C, cfg.target_programs)
@@ -153,7 +153,7 @@ def split_delta_passes(shape, interpret, rows, passes=()):
     walks storing P and dR and the chunk gradients reading them (``chunk_grads="pallas_stored"``)."""
     B, T, H, d = shape
     BH, C = B * H, 64
-    cfg = delta_api.KernelConfig().resolved(BH, d)
+    cfg = delta_api.KernelConfig().resolved(BH, d, jnp.bfloat16, d)  # the bf16 inputs below
     q, x, y, do, log_decay, eta, run = inputs(BH, T, d, jnp.bfloat16)
     eta = eta / d
     g, gp, rl = delta_api._gates(log_decay, run, C)
