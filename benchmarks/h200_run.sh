@@ -649,6 +649,16 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # the buffers live at the forward+backward's peak under today's kernels (last dumped in next35)
     step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60)"; exit 2 ;;
+  next61)  # for the seventeenth run: the reverse walk adding (c ⊙ Q)ᵀ dO as dstate_prepare wrote it into dh's buffer
+    # (KernelConfig(dstate_q="prepare"), CPU-tested; one piece only, so the checks' few batch·heads need
+    # target_programs=1): GPU gradient checks, then whole-op timing and peak memory against the default, profile
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,fp32 grads,segments" \
+      --kernel-config "dstate_q=prepare,target_programs=1" --out "$out/$part/check.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" --configs "dstate_q=prepare" --out "$out/$part/bench.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+      --kernel-config "dstate_q=prepare" --top 8 --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

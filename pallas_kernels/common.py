@@ -221,22 +221,27 @@ def poisoned_outputs():
         _POISON_OUTPUTS.pop()
 
 
-def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name):
+def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params, interpret, name, aliases=None):
     """``pallas_call`` that, under :func:`poisoned_outputs`, hands the kernel NaN-filled outputs (integer ones:
-    their most negative value)."""
+    their most negative value).  ``aliases``: {input index: output index} — the output is written into that
+    input's buffer (it starts as the input, so it is not poisoned)."""
+    aliases = dict(aliases or {})
     if not _POISON_OUTPUTS[-1]:
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                              compiler_params=compiler_params, interpret=interpret, name=name)(*args)
-    n_in, n_out = len(args), len(out_shape)
+                              input_output_aliases=aliases, compiler_params=compiler_params, interpret=interpret,
+                              name=name)(*args)
+    n_in = len(args)
+    poisoned = [i for i in range(len(out_shape)) if i not in aliases.values()]
     poison = [jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else jnp.iinfo(s.dtype).min, s.dtype)
-              for s in out_shape]  # integer outputs (run indices): the most negative value, never a run index
+              for s in (out_shape[i] for i in poisoned)]  # integer outputs (run indices): never a run index
 
     def kernel_skipping_poison(*refs):
-        kernel(*refs[:n_in], *refs[n_in + n_out:])
+        kernel(*refs[:n_in], *refs[n_in + len(poison):])
 
-    return pl.pallas_call(kernel_skipping_poison, grid=grid, in_specs=list(in_specs) + list(out_specs),
+    return pl.pallas_call(kernel_skipping_poison, grid=grid,
+                          in_specs=list(in_specs) + [out_specs[i] for i in poisoned],
                           out_specs=out_specs, out_shape=out_shape,
-                          input_output_aliases={n_in + i: i for i in range(n_out)},
+                          input_output_aliases={**aliases, **{n_in + k: i for k, i in enumerate(poisoned)}},
                           compiler_params=compiler_params, interpret=interpret, name=name)(*args, *poison)
 
 

@@ -122,6 +122,14 @@ def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_sco
     # without segments
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored"}),
     (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_b": "stored", "segments": False}),
+    # the reverse walk adding (c ⊙ Q)ᵀ dO as dstate_prepare wrote it into dh's buffer: with the stored chunk
+    # gradients (dh the walk's second output) and the formed ones (its first), with stored B and no segments; with
+    # pieces the walk forms it itself
+    (32, 1, 16, "pallas_gpu", "pallas_stored", "split", {"dstate_q": "prepare"}),
+    (32, 1, 16, "pallas_gpu", "pallas", "split", {"dstate_q": "prepare"}),
+    (32, 1, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_q": "prepare", "dstate_b": "stored",
+                                                         "segments": False}),
+    (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_q": "prepare"}),
     # 64-column walks (what "auto" picks for many batch·heads), the output walk reading the scores kernel's
     (32, 1, 64, "pallas_gpu", "pallas_stored", "split", {"dv": 64, "fwd_scores": "kernel", "outputs": "pallas"}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
@@ -551,6 +559,7 @@ def test_walk_stages_follow_program_count():
     ({"stored_v": "bf16"}, "stored_v must be 'auto' or 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
     ({"fwd_scores": "inverse"}, "fwd_scores must be"), ({"prepare_warps": 3}, "prepare_warps must be None"),
+    ({"dstate_q": "kernel"}, "dstate_q must be 'walk' or 'prepare'"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -599,6 +608,19 @@ def test_kernel_resources_captures_every_triton_kernel():
     assert output_walk_dots("outputs=pallas,fwd_scores=kernel") == (1, [5])
     # "auto": 4 batch·heads x 4 value blocks is far under 264 output-walk programs, so the scores kernel
     assert output_walk_dots("outputs=pallas") == (1, [5])
+    # dstate_q="prepare" (one piece): (c ⊙ Q)ᵀ dO moves from the reverse walk (dots 4 -> 3, and it loads neither
+    # q nor dO: one load for two) to dstate_prepare (3 -> 4 dots, a second store)
+    def walk_and_prepare(cfg):
+        return {m["name"]: (m["ttir"].count("tt.dot"), m["ttir"].count("tt.load"), m["ttir"].count("tt.store"))
+                for m in lower_kernels("1x256x4x64", cfg)
+                if m["name"] in ("falcon_delta_dstate_walk", "falcon_delta_dstate_prepare")}
+    walk = walk_and_prepare("target_programs=1")
+    prepared = walk_and_prepare("target_programs=1,dstate_q=prepare")
+    assert prepared["falcon_delta_dstate_walk"][:2] == (walk["falcon_delta_dstate_walk"][0] - 1,
+                                                      walk["falcon_delta_dstate_walk"][1] - 1)
+    (dots, _, stores), (dots_p, _, stores_p) = (walk["falcon_delta_dstate_prepare"],
+                                                prepared["falcon_delta_dstate_prepare"])
+    assert (dots_p, stores_p) == (dots + 1, stores + 1)
     attention = {m["name"]: m for m in lower_kernels("1x256x4x64", "grad_loops=fori,grad_stages=3", op="attention")}
     assert {"falcon_decayed_attention_fwd", "falcon_decayed_attention_dstate",
             "falcon_decayed_attention_chunk_grads"} <= set(attention)
@@ -658,6 +680,11 @@ def test_saved_inverse_skips_the_backward_solve():
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xf32>", prepare[0])
     prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])  # the default: bf16 V
+    # dstate_q="prepare": the reverse walk writes dh into the buffer of the q-term prepare made (no new buffer)
+    for config, aliased in ((KernelConfig(target_programs=1), False),
+                            (KernelConfig(target_programs=1, dstate_q="prepare"), True)):
+        (walk,) = [line for line in lowered(config).splitlines() if 'name = "falcon_delta_dstate_walk' in line]
+        assert ("output_operand_aliases" in walk) == aliased
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():

@@ -54,8 +54,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, flatten_pad, interpret_default,
-                                   kernel_operands, next_pow2, pieces_for, resolve_implementation,
+from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_state_dtype, flatten_pad,
+                                   interpret_default, kernel_operands, next_pow2, pieces_for, resolve_implementation,
                                    reverse_chunk_cumsum, swap_time_heads, token_dims, unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
@@ -189,6 +189,11 @@ class KernelConfig:
     # one more dot in the chain, no B buffer).  H200 bf16 whole op fwd+bwd, from_t vs stored (next54): 1.328 vs
     # 1.370 ms at 8x2048x16x128, 1.362 vs 1.419 at 2x8192, 3.213 vs 3.299 at 1x32768; peak memory the same.
     dstate_b: str = "from_t"
+    # GPU, the split reverse walk's (c ⊙ Q)ᵀ dO term of dS: formed by every value-block program each step ("walk":
+    # q [C, dk] and dO loaded, one more dot) or once per chunk by dstate_prepare, written into dh's buffer and
+    # read back by the walk just before it writes that chunk's dh there ("prepare": the walk loads a [dk, block_v]
+    # tile instead of q and dO, no extra memory; one piece only, else "walk").  Not yet timed (next61).
+    dstate_q: str = "walk"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
     # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
     # "kernel" when the output walk runs at most 264 programs (two per SM of the H200's 132), else "walk".  H200
@@ -208,6 +213,7 @@ class KernelConfig:
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
+                              ("dstate_q", ("walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
                               ("grad_loops", GRAD_LOOPS),
                               ("stored_v", ("auto", "fp32", "input")),
@@ -446,11 +452,15 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         state_grad_pass = kernels.state_grad_split_pass
         lo = state_kw["walk_operands"] or jnp.float32
         b_from_t = config.dstate_b == "from_t"
+        # the walk's (c ⊙ Q)ᵀ dO per chunk from prepare, in dh's buffer (KernelConfig.dstate_q; one piece only)
+        q_term = config.dstate_q == "prepare" and pieces == 1
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
                                             num_warps=config.prepare_warps or config.state_warps, heads=heads,
                                             b_dtype=lo,
                                             v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32,
-                                            with_b=not b_from_t)
+                                            with_b=not b_from_t,
+                                            q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
+                                            walk_operands=state_kw["walk_operands"])
         state_kw["b_from_t"] = b_from_t
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
     else:

@@ -203,10 +203,12 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
 
 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
-                  residual_grad, write_dr=False):
+                  residual_grad, write_dr=False, q_term_ref=None):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
     (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
-    ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``."""
+    ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``.  ``q_term_ref``: every chunk's ``(c ⊙ Q)ᵀ dO`` as
+    :func:`prepare_vb` formed it, in the buffer dh is written to (read before it is overwritten); the walk then
+    loads neither q nor dO (``residual_grad`` must not need them)."""
     refs = list(out_refs)
     dr_ref = refs.pop(0) if write_dr else None
     dh_ref = refs.pop(0) if write_dh else None
@@ -217,17 +219,22 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         c = n_chunks - 1 - i
         rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows(gate_refs, c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
+        if q_term_ref is not None:
+            q_term = q_term_ref[c, :, :].astype(F32)  # before dh (the same buffer) is written
         if write_dh:
             dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
-        q, x = q_ref[rows, :], x_ref[rows, :]
-        do = do_ref[rows, :].astype(F32)
+        x = x_ref[rows, :]
+        if q_term_ref is None:
+            q, do = q_ref[rows, :], do_ref[rows, :].astype(F32)
+            # the row scales go on the narrow dO and dR blocks ([C, block_v]), not on the keys ([C, dk], in every
+            # program of a head, every step)
+            q_term = _sdot(q.T, cont[:, None] * do, p32, lo)
+        else:
+            q = do = None
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         if write_dr:
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
-        # the row scales go on the narrow dO and dR blocks ([C, block_v]), not on the keys ([C, dk], in every
-        # program of a head, every step)
-        return (a_last * dS + _sdot(q.T, cont[:, None] * do, p32, lo)
-                - _sdot(x.T, (eta * cont_p)[:, None] * dR, p32, lo))
+        return a_last * dS + q_term - _sdot(x.T, (eta * cont_p)[:, None] * dR, p32, lo)
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
@@ -522,28 +529,37 @@ def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, p
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, *b_refs, chunk,
-                               precision):
-    """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` and (``b_refs``: one output, else none) ``B = Tᵀ (w ⊙ X)``, so
-    that the reverse walk's ``dR = V + B dS`` (the split state-gradient walk)."""
+def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, *out_refs, chunk,
+                               precision, with_b=True, lo=None):
+    """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO``, (``with_b``) ``B = Tᵀ (w ⊙ X)``, so that the reverse walk's
+    ``dR = V + B dS`` (the split state-gradient walk), and (a last output, if any) the walk's ``(c ⊙ Q)ᵀ dO``
+    ``[dk, dv]`` (its operands rounded to ``lo`` as the walk would)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
+    refs = list(out_refs)
+    b_ref = refs.pop(0) if with_b else None
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
-    _, _, w_last, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
+    cont, _, w_last, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
     q, x = q_ref[...], x_ref[...]
+    do = do_ref[...].astype(F32)
     tinv_t = t_ref[...].T
     scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
-    v_ref[...] = _tdot(tinv_t, dot(scores.T, do_ref[...].astype(F32), p32), p32).astype(v_ref.dtype)
-    for b_ref in b_refs:
+    v_ref[...] = _tdot(tinv_t, dot(scores.T, do, p32), p32).astype(v_ref.dtype)
+    if b_ref is not None:
         b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
+    for q_term_ref in refs:
+        q_term_ref[...] = _sdot(q.T, cont[:, None] * do, p32, lo).astype(q_term_ref.dtype)
 
 
-def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *out_refs,
-                             chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, b_from_t=False):
+def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *refs,
+                             chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, b_from_t=False,
+                             q_term=False):
     """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
     recomputing the scores and applying Tᵀ).  ``b_from_t``: ``b_ref`` holds the chunk's T instead of B, and
     ``B dS = Tᵀ (w ⊙ X dS)`` is formed here (one more dot in the chain; a ``[C, C]`` tile read instead of
-    ``[C, dk]``, and no B buffer)."""
+    ``[C, dk]``, and no B buffer).  ``q_term``: the first of ``refs`` holds every chunk's ``(c ⊙ Q)ᵀ dO`` (the
+    buffer dh is written to), the rest are the outputs."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
+    q_term_ref, out_refs = (refs[0], refs[1:]) if q_term else (None, refs)
 
     def residual_grad(rows, q, x, do, g, rl, w_last, dS):
         if b_from_t:
@@ -554,7 +570,7 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
 
     _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
                   n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
-                  write_dr=write_dr)
+                  write_dr=write_dr, q_term_ref=q_term_ref)
 
 
 def _params(interpret, num_warps, num_stages):
@@ -729,20 +745,30 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32,
-               v_dtype=F32, with_b=True):
+               v_dtype=F32, with_b=True, q_term_dtype=None, walk_operands=None):
     """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
-    ``[BH, L, dk]`` (in ``b_dtype``; None without ``with_b``): the reverse walk's ``dR = V + B dS``."""
+    ``[BH, L, dk]`` (in ``b_dtype``; None without ``with_b``): the reverse walk's ``dR = V + B dS``; with a
+    ``q_term_dtype``, also the walk's ``(c ⊙ Q)ᵀ dO`` per chunk ``[BH, n_chunks, dk, dv]`` (its operands rounded
+    to ``walk_operands`` as in the walk), else None.  Returns ``(V, B, q_term)``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
-    outs = call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype)),
-                grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
-                out_specs=[sp.flat_v, sp.flat_k][:1 + with_b],
-                out_shape=[jax.ShapeDtypeStruct((BH, L, dv), v_dtype),
-                           jax.ShapeDtypeStruct((BH, L, dk), b_dtype)][:1 + with_b],
-                args=(q, x, eta, g, gp, rl, tinv, do), compiler_params=_params(interpret, num_warps, 1),
-                interpret=interpret, name="falcon_delta_dstate_prepare")
-    return tuple(outs) if with_b else (outs[0], None)
+    out_specs, out_shape = [sp.flat_v], [jax.ShapeDtypeStruct((BH, L, dv), v_dtype)]
+    if with_b:
+        out_specs.append(sp.flat_k)
+        out_shape.append(jax.ShapeDtypeStruct((BH, L, dk), b_dtype))
+    if q_term_dtype is not None:
+        out_specs.append(sp.state)
+        out_shape.append(jax.ShapeDtypeStruct((BH, L // chunk, dk, dv), q_term_dtype))
+    outs = list(call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype),
+                                       with_b=with_b, lo=walk_operands),
+                     grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
+                     out_specs=out_specs, out_shape=out_shape, args=(q, x, eta, g, gp, rl, tinv, do),
+                     compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
+                     name="falcon_delta_dstate_prepare"))
+    v = outs.pop(0)
+    b = outs.pop(0) if with_b else None
+    return v, b, (outs[0] if outs else None)
 
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
@@ -750,13 +776,15 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                           b_from_t=False):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
     (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk; ``b_from_t``: no B
-    (``vb``'s is None), the walk forms ``B dS = Tᵀ (w ⊙ X dS)`` from T.
+    (``vb``'s is None), the walk forms ``B dS = Tᵀ (w ⊙ X dS)`` from T.  A ``vb`` with a q-term (its third
+    entry, :func:`prepare_vb` with ``q_term_dtype`` = dh's dtype): the walk adds it instead of forming
+    ``(c ⊙ Q)ᵀ dO`` and writes dh over it (one piece, ``write_dh`` only).
     Same arguments and returns as :func:`state_grad_pass`."""
     dk = token_dims(q, heads)[2]
     if vb is None:
         vb = prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret, num_warps=num_warps,
                         heads=heads, b_dtype=walk_operands or F32, with_b=not b_from_t)
-    v, b = vb
+    v, b, q_term = vb
     grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
@@ -765,12 +793,21 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                 specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
+    args = [q, x, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
+    aliases = {}
+    if q_term is not None:
+        if pieces != 1 or not write_dh or q_term.dtype != shapes.chunk_states.dtype:
+            raise ValueError("state_grad_split_pass: a prepared q-term needs one piece, write_dh and dh's dtype "
+                             f"{shapes.chunk_states.dtype} (got pieces={pieces}, write_dh={write_dh}, "
+                             f"{q_term.dtype})")
+        in_specs.append(specs.chunk_states)
+        aliases = {len(args): int(write_dr is not None)}  # the q-term's buffer becomes dh
+        args.append(q_term)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
                                precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
-                               b_from_t=b_from_t)
-    return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=(q, x, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end),
-                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                               b_from_t=b_from_t, q_term=q_term is not None)
+    return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, args=tuple(args),
+                aliases=aliases, compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate_walk")
 
 
