@@ -85,6 +85,13 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep a filtered log
     | tee "$out/$part/$name.log"
 }
 
+profile_falcon1() {  # profile_falcon1 SECONDS TOP [profile_kernels.py args...]: Falcon-1's kernels at 8x2048, 1x32768
+  local limit=$1 top=$2
+  shift 2
+  step profile "$limit" python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
+    "$@" --top "$top" --out "$out/$part/profile.json"
+}
+
 case $part in
   checks)
     step check_regression 270 python3 benchmarks/gpu_check_regression.py --out "$out/$part/check_regression.json"
@@ -480,8 +487,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # 3 everywhere faster at fwd+bwd but slower forward at 8x2048); checks, profile, timing with jla alongside
     step check 120 python3 benchmarks/gpu_check_regression.py --only "fp32 values,fp32 grads" \
       --out "$out/$part/check.json"
-    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 70 8
     step bench 240 python3 benchmarks/bench_regression.py --memory-shapes "" \
       --rows "falcon-1 pallas (ours);jla 0.1.0 gated_deltanet" \
       --skip "ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops" \
@@ -542,8 +548,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
         --skip "$WHOLE_OP_VARIANTS,P formed" \
         --out "$out/$part/baseline.json"
     fi
-    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 70 8
     ;;
   next51)  # fifteenth run: the output walk reading the masked scores the triangular inverse stored
     # (KernelConfig(fwd_scores="inverse"): one QXᵀ per chunk instead of one per value block), checked and timed; the
@@ -557,8 +562,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --configs "fwd_scores=inverse;fwd_scores=inverse,tri_warps=2;grad_stages=2;grad_block_v=64" \
       --out "$out/$part/bench.json"
-    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --kernel-config "fwd_scores=inverse" --top 6 --out "$out/$part/profile.json"
+    profile_falcon1 70 6 --kernel-config "fwd_scores=inverse"
     ;;
   next52)  # fifteenth run, the final code (chunk gradients at 3 stages, 64 value columns): checks, timing with jla
     # alongside, peak memory at 1x32768, profile; last launch variants of the chunk gradients; P and h kept from the
@@ -571,8 +575,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas;jla gated_deltanet" \
       --skip "$WHOLE_OP_VARIANTS,deltanet mosaic" \
       --configs "save_states=True;grad_block_v=32;grad_stages=4;grad_block_k=16" --out "$out/$part/bench.json"
-    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 70 8
     ;;
   next53)  # fifteenth run, the final code with every peer in the same lease: jla gated_deltanet / deltanet, fla
     # chunk_gated_delta_rule / chunk_delta_rule, Falcon-2 and Falcon-3 (8x2048) for the ratios, peak memory at
@@ -595,8 +598,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" \
       --skip "$WHOLE_OP_VARIANTS" \
       --configs "dstate_b=from_t;fwd_scores=kernel;dstate_b=from_t,fwd_scores=kernel" --out "$out/$part/bench.json"
-    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --kernel-config "dstate_b=from_t,fwd_scores=kernel" --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 70 8 --kernel-config "dstate_b=from_t,fwd_scores=kernel"
     ;;
   next55)  # sixteenth run, under the new defaults (dstate_b=from_t, fwd_scores=auto): launch and pass choices
     # swept again — pieces at 2x8192 / 1x32768 (target_programs=256: 2 pieces), the reverse walk's warps, stages
@@ -617,8 +619,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench 300 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated;falcon-3 W=4;jla gated" --skip "$WHOLE_OP_VARIANTS" \
       --configs "grad_block_v=128;fwd_stages=2" --out "$out/$part/bench.json"
-    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 60 8
     ;;
   next57)  # sixteenth run: the final defaults' GPU checks (fp32 values with 32-column walks after next56's fp32
     # 64-column shared-memory overflow, bf16 values including the 64-column output walk, T=65536, extreme gates,
@@ -644,8 +645,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench 260 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
       --configs "prepare_warps=8;prepare_warps=2" --out "$out/$part/bench.json"
-    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 60 8
     # the buffers live at the forward+backward's peak under today's kernels (last dumped in next35)
     step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
     ;;
@@ -656,8 +656,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --kernel-config "dstate_q=prepare,target_programs=1" --out "$out/$part/check.json"
     step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
       --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" --configs "dstate_q=prepare" --out "$out/$part/bench.json"
-    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,1x32768x16x128 --impls "falcon-1" \
-      --kernel-config "dstate_q=prepare" --top 8 --out "$out/$part/profile.json"
+    profile_falcon1 60 8 --kernel-config "dstate_q=prepare"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61)"; exit 2 ;;
 esac
