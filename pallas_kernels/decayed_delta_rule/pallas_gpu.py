@@ -136,10 +136,14 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
             t_ref[blk[i], blk[k]] = (T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)).astype(t_ref.dtype)
 
 
+def _masked_scores(q, x, g, rl, precision):
+    """One chunk's masked scores ``QXᵀ ⊙ D`` (``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment), fp32."""
+    return dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+
+
 def _scores_kernel(q_ref, x_ref, g_ref, rl_ref, s_ref, *, precision):
-    """One chunk's masked scores ``QXᵀ ⊙ D`` (``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment)."""
-    g, rl = g_ref[...], rl_ref[...]
-    s_ref[...] = (dot(q_ref[...], x_ref[...].T, precision) * _masks(g, g, rl, rl, strict=False)).astype(s_ref.dtype)
+    """One chunk's masked scores (:func:`_masked_scores`), stored for the output walk."""
+    s_ref[...] = _masked_scores(q_ref[...], x_ref[...], g_ref[...], rl_ref[...], precision).astype(s_ref.dtype)
 
 
 def _sdot(a, b, p32, lo):
@@ -194,7 +198,7 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             if read_scores:
                 scores = sc_ref[rows, :]
             else:
-                scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+                scores = _masked_scores(q, x, g, rl, precision)
             o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, S, p32, lo)
             o_ref[rows, :] = o.astype(o_ref.dtype)
         return a_last * S + _sdot(x.T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
@@ -245,7 +249,7 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
     def residual_grad(rows, q, x, do, g, rl, w_last, dS):
-        scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+        scores = _masked_scores(q, x, g, rl, precision)
         dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
         return _tdot(t_ref[rows, :].T, dP, p32)
 
@@ -375,7 +379,7 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
     cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
     del cont, a_last
     tinv = t_ref[...]
-    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    scores = _masked_scores(q, x, g, rl, precision)
     sums = _value_sums_init(chunk)
     for j in range(y_ref.shape[-1] // block_v):  # static: a few blocks
         cols = pl.ds(j * block_v, block_v)
@@ -524,7 +528,7 @@ def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, p
     h = h_ref[...].astype(F32)  # stored in the inputs' dtype for bf16 inputs
     cont = jnp.where(rl == 0, jnp.exp(g), 0.0)
     P = u_ref[...].astype(F32) - _sdot(w_ref[...], h, p32, lo)
-    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    scores = _masked_scores(q, x, g, rl, precision)
     o = _sdot(scores, P, p32, lo) + cont[:, None] * _sdot(q, h, p32, lo)
     o_ref[...] = o.astype(o_ref.dtype)
 
@@ -542,7 +546,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
     q, x = q_ref[...], x_ref[...]
     do = do_ref[...].astype(F32)
     tinv_t = t_ref[...].T
-    scores = dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
+    scores = _masked_scores(q, x, g, rl, precision)
     v_ref[...] = _tdot(tinv_t, dot(scores.T, do, p32), p32).astype(v_ref.dtype)
     if b_ref is not None:
         b_ref[...] = _tdot(tinv_t, w_last[:, None] * x.astype(F32), p32).astype(b_ref.dtype)
