@@ -65,6 +65,10 @@ from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_c
                                                          decayed_delta_rule_reference)
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
+# an output-writing walk of at most this many programs leaves the GPU's SMs room (two per SM of the H200's 132):
+# it pipelines 3 stages rather than 2 (KernelConfig.walk_stages) and reads its scores from their own kernel
+# (KernelConfig.fwd_scores_for)
+FEW_OUTPUT_PROGRAMS = 264
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -273,7 +277,7 @@ class KernelConfig:
             return "walk"
         if self.fwd_scores != "auto":
             return self.fwd_scores
-        return "kernel" if output_programs <= 264 else "walk"
+        return "kernel" if output_programs <= FEW_OUTPUT_PROGRAMS else "walk"
 
     def stored_v_for(self, group: int) -> str:
         """``stored_v`` with "auto" resolved for steps of ``group`` rows (1: Falcon-1; the window: Falcon-3)."""
@@ -292,7 +296,7 @@ class KernelConfig:
         walk at 512 programs gains from the third stage too)."""
         if stages is not None:
             return stages
-        return 2 if output_programs > 264 else 3
+        return 2 if output_programs > FEW_OUTPUT_PROGRAMS else 3
 
     def block_v_for(self, bh: int, dv: int, dtype=None, dk: int | None = None) -> int:
         """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``); 64
