@@ -516,6 +516,10 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     bf16 = jnp.bfloat16
     assert [cfg.block_v_for(bh, 128, bf16, 128) for bh in (128, 127, 32, 16, 8)] == [64, 32, 32, 16, 16]
     assert KernelConfig(fwd_scores="walk").block_v_for(128, 128, bf16, 128) == 32  # 64 only with the scores kernel
+    # 256 batch·heads: 512 64-column programs, too many for "auto" to read stored scores, so 32 columns (as measured
+    # at 512 programs); asked for, the scores kernel takes 64 there too
+    assert cfg.block_v_for(256, 128, bf16, 128) == 32
+    assert KernelConfig(fwd_scores="kernel").block_v_for(256, 128, bf16, 128) == 64
     # 64 only for 16-bit inputs with dk <= 128: wider tiles overflow the H200's shared memory
     assert [cfg.block_v_for(128, 128, dt, dk) for dt, dk in ((jnp.float32, 128), (bf16, 256), (None, None))] == [32] * 3
     assert cfg.resolved(128, 128, bf16, 128).block_v == 64 and cfg.resolved(128, 128, jnp.float32, 128).block_v == 32

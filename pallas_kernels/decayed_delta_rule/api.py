@@ -305,7 +305,9 @@ class KernelConfig:
         if self.block_v is not None:
             return min(self.block_v, dv)
         narrow_tiles = dtype is not None and jnp.dtype(dtype).itemsize <= 2 and dk is not None and dk <= 128
-        if narrow_tiles and self.fwd_scores != "walk" and dv >= 64 and bh * (dv // 64) >= 256:
+        wide_programs = bh * (dv // 64)
+        if (narrow_tiles and dv >= 64 and wide_programs >= 256
+                and self.fwd_scores_for("pallas_gpu", wide_programs) == "kernel"):
             return 64
         width = min(32, dv)
         return 16 if width > 16 and bh * (dv // width) < 128 else width
