@@ -654,8 +654,8 @@ def test_benchmark_kernel_config_parser():
 
 def test_saved_inverse_skips_the_backward_solve():
     """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
-    forward + backward instead of two; ``stored_v="input"`` (the default): V leaves the prepare kernel in bf16,
-    ``"fp32"`` in fp32."""
+    forward + backward instead of two; ``stored_v="input"`` (what the default "auto" picks for Falcon-1): V leaves
+    the prepare kernel in bf16, ``"fp32"`` in fp32; ``dstate_q="prepare"``: the reverse walk's dh aliases an input."""
     B, T, H, D = 1, 256, 2, 128
     q = jnp.zeros((B, H, T, D), jnp.bfloat16)
     gate = jnp.zeros((B, H, T), jnp.float32)
@@ -673,21 +673,24 @@ def test_saved_inverse_skips_the_backward_solve():
     def calls(text, name):
         return text.count(f'name = "falcon_delta_{name}')
 
+    def call_lines(text, name):
+        return [line for line in text.splitlines() if f'name = "falcon_delta_{name}' in line]
+
     default, saved = lowered(KernelConfig()), lowered(KernelConfig(save_tri=True, stored_v="input"))
     assert calls(default, "tri_inverse") == 2 and calls(saved, "tri_inverse") == 1
     assert calls(saved, "dstate_prepare") == 1
-    prepare = [line for line in saved.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    prepare = call_lines(saved, "dstate_prepare")
     # V (its first output; the only one when the reverse walk forms B from T, the default) in bf16
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])
     fp32_v = lowered(KernelConfig(stored_v="fp32"))
-    prepare = [line for line in fp32_v.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    prepare = call_lines(fp32_v, "dstate_prepare")
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xf32>", prepare[0])
-    prepare = [line for line in default.splitlines() if 'name = "falcon_delta_dstate_prepare' in line]
+    prepare = call_lines(default, "dstate_prepare")
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])  # the default: bf16 V
     # dstate_q="prepare": the reverse walk writes dh into the buffer of the q-term prepare made (no new buffer)
     for config, aliased in ((KernelConfig(target_programs=1), False),
                             (KernelConfig(target_programs=1, dstate_q="prepare"), True)):
-        (walk,) = [line for line in lowered(config).splitlines() if 'name = "falcon_delta_dstate_walk' in line]
+        (walk,) = call_lines(lowered(config), "dstate_walk")
         assert ("output_operand_aliases" in walk) == aliased
 
 
