@@ -205,7 +205,7 @@ def main() -> int:
         print(f"      bf16 rel err: pallas {err_pal:.3e}, XLA chunk form {err_xla:.3e}", flush=True)
         check("bf16 error / XLA-form bf16 error", err_pal / err_xla, 2.0)
         if d >= 64:  # the 64-column output walk reading the scores kernel's scores (what "auto" picks for 16-bit
-            # inputs at >= 256 programs; this shape has few, so it is asked for)
+            # inputs at 256-264 programs, e.g. 8x2048x16x128; this shape has few, so it is asked for)
             wide = with_kernel_config(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32),
                                       KernelConfig(block_v=64, outputs="pallas", fwd_scores="kernel"))
             err_wide = rel(jax.jit(wide)(*xbf), ref["out"])
