@@ -87,9 +87,9 @@ class KernelConfig:
     # whole op at 1x32768x16x128, 16 vs 32: forward 1.186 vs 1.273 ms (the fused walk, 128 programs, against
     # the split one), fwd+bwd 3.799 vs 3.859; at 8x2048 and 2x8192 16 lost: 0.580 vs 0.394, 0.623 vs 0.450
     # forward, next46); 64 when that still gives at least 256 programs and the output walk reads its scores from
-    # the scores kernel (fwd_scores not "walk"; H200 bf16 whole op at 8x2048x16x128, 64 columns with the scores
-    # kernel vs 32 forming them: fwd 0.368 vs 0.392 ms, fwd+bwd 1.315 vs 1.334, next55; with the walk forming
-    # its scores 64 lost everywhere, next45)
+    # the scores kernel (fwd_scores_for at that count: 256-264 under "auto"; H200 bf16 whole op at 8x2048x16x128,
+    # 64 columns with the scores kernel vs 32 forming them: fwd 0.368 vs 0.392 ms, fwd+bwd 1.315 vs 1.334, next55;
+    # with the walk forming its scores 64 lost everywhere, next45)
     block_v: int | None = None
     tri_warps: int = 1  # the triangular inverse's 16-row substitution is serial: one warp (H200: 0.66 vs 0.90 ms fwd)
     fwd_warps: int = 4
