@@ -658,6 +658,25 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" --configs "dstate_q=prepare" --out "$out/$part/bench.json"
     profile_falcon1 60 8 --kernel-config "dstate_q=prepare"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61)"; exit 2 ;;
+  next62)  # seventeenth run: Falcon-1's keys read one row back in place (shifted_keys; no shifted copy of k), checked
+    # on the real lowering — the masked first window, odd T, segments, continuation with a carried key folded into
+    # the initial state, T = 65536 — with the few-batch·head checks on the fused output walk and one piece (where
+    # the keys are read in place), then with the reverse walk's q-term from dstate_prepare as well
+    step check 330 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,bf16,long bf16,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step check_prepare 150 python3 benchmarks/gpu_check_regression.py --only "segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1,dstate_q=prepare" --out "$out/$part/check_prepare.json"
+    ;;
+  next63)  # seventeenth run: the new defaults (keys in place, dstate_q=auto: prepare at 8x2048) against the shifted
+    # copy (keys_in_place=False) and the walk's own q-term (dstate_q=walk), with jla and peak memory in one lease;
+    # profile; the buffers live at the memory peak
+    step bench 270 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "keys_in_place=False;dstate_q=walk" --out "$out/$part/bench.json"
+    profile_falcon1 60 8
+    step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -57,10 +57,10 @@ def captured_triton_modules():
         lowering.lower_jaxpr_to_triton_module, mlir.custom_call = lower, custom_call
 
 
-def lower_kernels(shape_text: str, config_text: str, op: str = "delta") -> list[dict]:
+def lower_kernels(shape_text: str, config_text: str, op: str = "delta", shifted_keys: bool = False) -> list[dict]:
     """The Triton modules of the value and gradient of Falcon-1's kernels (``op="delta"``) or Falcon-1A's
     (``"attention"``) on ``BxTxHxD``, cross-lowered for CUDA; ``config_text`` names fields of that op's
-    KernelConfig."""
+    KernelConfig; ``shifted_keys``: the delta rule reading its keys one row back in place (as Falcon-1 calls it)."""
     import jax
     import jax.numpy as jnp
 
@@ -81,7 +81,7 @@ def lower_kernels(shape_text: str, config_text: str, op: str = "delta") -> list[
     def loss(q, k, v, *gates):  # (η, log γ) for the delta rule, (log γ,) for attention
         if op == "delta":
             o, s = decayed_delta_rule(q, k, v, *gates, run, s0, implementation="pallas_gpu", interpret=False,
-                                      layout="BTHD", config=config)
+                                      layout="BTHD", config=config, shifted_keys=shifted_keys)
         else:
             o, s = decayed_attention(q, k, v, *gates, run, s0, implementation="pallas_gpu", interpret=False,
                                      layout="BTHD", config=config)
@@ -130,6 +130,8 @@ def main() -> int:
     parser.add_argument("--shape", default="8x2048x16x128")
     parser.add_argument("--kernel-config", default="", help="the op's KernelConfig fields, e.g. 'grad_warps=8'")
     parser.add_argument("--only", default="", help="only kernels whose name contains this text")
+    parser.add_argument("--shifted-keys", action="store_true",
+                        help="the delta rule's kernels reading the keys one row back in place (Falcon-1's call)")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--out", default="kernel_dump", help="folder for each kernel's TTIR and PTX")
     parser.add_argument("--json", default="", help="also write the table here")
@@ -141,7 +143,7 @@ def main() -> int:
         return 1
     os.makedirs(args.out, exist_ok=True)
     try:
-        modules = lower_kernels(args.shape, args.kernel_config, args.op)
+        modules = lower_kernels(args.shape, args.kernel_config, args.op, args.shifted_keys)
     except ValueError as err:  # a bad --shape / --kernel-config: the message names it
         print(f"kernel_resources: {err}")
         return 2
@@ -159,7 +161,8 @@ def main() -> int:
             row = {"registers": None, "error": f"{type(err).__name__}: {str(err)[:300]}"}
         rows.append({"kernel": name, "num_warps": module.get("num_warps"), "num_stages": module.get("num_stages"),
                      **row})
-    print(f"{args.op} {args.shape} {args.kernel_config or '(default config)'}: {len(rows)} distinct kernel(s), "
+    keys = ", keys read one row back in place" if args.shifted_keys else ""
+    print(f"{args.op} {args.shape} {args.kernel_config or '(default config)'}{keys}: {len(rows)} distinct kernel(s), "
           f"standalone triton {triton.__version__}, {args.arch}")
     print(f"  {'registers':>9} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>7} {'warps':>5}  kernel")
     for r in sorted(rows, key=lambda r: (-r.get("spill_stores", 0), -(r["registers"] or 0))):

@@ -9,6 +9,7 @@ interpret mode is slow.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -170,6 +171,82 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
         assert np.all(np.isfinite(np.asarray(g))), name
         assert rel_err(g, w) < 5e-5, name
+
+
+def keys_one_row_later(k):
+    """``x[t] = k[t − 1]``, ``x[0] = 0`` along the time axis of ``[B, H, T, d]``: ``shifted_keys``' write features."""
+    return jnp.concatenate([jnp.zeros_like(k[:, :, :1]), k[:, :, :-1]], axis=2)
+
+
+@pytest.mark.parametrize("chunk,pieces,block_v,layout,extra", [
+    # the passes that read the keys one row back in place: the output walk (forming or reading its scores),
+    # the recompute walk, the split reverse walk (forming or reading (c ⊙ Q)ᵀ dO, B from T or stored), the
+    # stored chunk gradients (one program or two per chunk), in either layout
+    (16, 1, 16, "BHTD", {}),
+    (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare"}),
+    (16, 1, 32, "BTHD", {"chunk_grads": "pallas_stored_split", "dstate_b": "stored", "segments": False}),
+    (32, 1, 64, "BHTD", {"dv": 64, "fwd_scores": "kernel", "save_tri": True, "dk": 32}),
+    # passes that take the shifted copy the op makes in XLA instead: pieces, the split forward, the fused
+    # reverse walk, the formed chunk gradients, the XLA form
+    (16, 2, 16, "BTHD", {}),
+    (16, 1, 16, "BHTD", {"outputs": "split"}),
+    (16, 1, 16, "BHTD", {"state_grads": "pallas", "chunk_grads": "pallas"}),
+    (16, 1, 16, "BTHD", {"keys_in_place": False}),
+    (16, 1, 16, "xla", {}),
+])
+def test_shifted_keys_match_reference(chunk, pieces, block_v, layout, extra, rng):
+    """``shifted_keys=True``: the op takes the keys k and writes with ``x[t] = k[t − 1]`` (``x[0] = 0``), which
+    the GPU passes read in place one row back — a chunk's window one row earlier, the sequence's first window
+    read from row 0 and shifted down in registers — and the others get as a copy.  Values, final state and
+    gradients w.r.t. every input (k's through the shift) against the float64 reference on the shifted keys;
+    T = 53 (a padded last chunk), segments inside chunks, outputs poisoned."""
+    extra = dict(extra)
+    q, k, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, T=53, dk=extra.pop("dk", 16), dv=extra.pop("dv", 32),
+                                                 segments=extra.pop("segments", True))
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+    config = KernelConfig(block_v=block_v, outputs=extra.pop("outputs", "pallas"), **extra)
+    in_place = layout == "BTHD"
+    lay = time_major if in_place else (lambda a: a)
+
+    def loss_op(q, k, y, eta, log_gamma, s0):
+        kw = (dict(implementation="xla") if layout == "xla" else
+              dict(implementation="pallas_gpu", interpret=True, chunk_size=chunk, pieces=pieces, config=config,
+                   layout="BTHD" if in_place else "BHTD"))
+        o, s = decayed_delta_rule(*(lay(a) for a in (q, k, y, eta, log_gamma, run)), s0, shifted_keys=True, **kw)
+        return jnp.sum(o * lay(ct_o).astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype)), (o, s)
+
+    def loss_ref(q, k, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule_reference(q, keys_one_row_later(k), y, eta, log_gamma, run, s0)
+        return jnp.sum(o * ct_o) + jnp.sum(s * ct_s), (o, s)
+
+    argnums = tuple(range(6))
+    with poisoned_outputs():
+        (_, (o, s)), got = jax.jit(jax.value_and_grad(loss_op, argnums=argnums, has_aux=True))(
+            *(jnp.asarray(a, jnp.float32) for a in (q, k, y, eta, log_gamma, s0)))
+    (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
+        *(jnp.asarray(a) for a in (q, k, y, eta, log_gamma, s0)))
+    assert rel_err(o, lay(o_ref)) < FP32_TOL
+    assert rel_err(s, s_ref) < FP32_TOL
+    for name, g, w in zip(["q", "k", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < 5e-5, name
+
+
+def test_keys_read_in_place_only_where_every_pass_can():
+    """``keys_read_in_place``: the GPU defaults with one piece and the fused output walk; not with pieces, the split
+    forward, the fused reverse walk, the formed chunk gradients, on the TPU or with ``keys_in_place=False``."""
+    from pallas_kernels.decayed_delta_rule.api import keys_read_in_place
+
+    fused = KernelConfig(outputs="pallas").resolved(4, 32)
+    assert keys_read_in_place(fused, "pallas_gpu", 4, 32, 1)
+    assert keys_read_in_place(KernelConfig().resolved(128, 128), "pallas_gpu", 128, 128, 1)
+    assert not keys_read_in_place(KernelConfig().resolved(4, 32), "pallas_gpu", 4, 32, 1)  # split forward
+    assert not keys_read_in_place(fused, "pallas_gpu", 4, 32, 2)
+    assert not keys_read_in_place(fused, "pallas_tpu", 4, 32, 1)
+    assert not keys_read_in_place(dataclasses.replace(fused, keys_in_place=False), "pallas_gpu", 4, 32, 1)
+    for name, value in (("state_grads", "pallas"), ("chunk_grads", "pallas"), ("chunk_grads", "xla")):
+        assert not keys_read_in_place(dataclasses.replace(fused, **{name: value}), "pallas_gpu", 4, 32, 1), name
 
 
 PASSES = {"pallas": KernelConfig(chunk_grads="pallas"), "xla": KernelConfig(chunk_grads="xla", outputs="xla"),
@@ -345,13 +422,20 @@ def falcon_inputs(rng, B=2, T=45, H=2, dk=16, dv=16):
     pytest.param({"timing": "rbw", "alignment": "same_step", "clamp": True}, True, marks=pytest.mark.slow),
     pytest.param({"alignment": "same_step", "scale_coupled": True, "segments": True}, True,
                  marks=pytest.mark.slow),
+    # the passes that read the keys one row back in place (one piece, the fused output walk), step 0's pair with
+    # the carried key folded into the initial state
+    ({"timing": "rbw", "segments": True, "keys_in_place": True}, True),
 ])
-def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng):
+def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng, monkeypatch):
     """Falcon-1 against the XLA chunk form, continuing from a non-trivial state (outputs, state and,
     with ``check_grads``, gradients); ``clamp`` puts λ = 1e6 on a third of the steps so γ sits at
     its clamp."""
+    from falcon_jax.forms import chunk_pallas
+
     q, k, v, beta, lam = falcon_inputs(rng, B=1)  # interpret mode costs per grid step: keep batch·heads small
     options = dict(options)
+    if options.pop("keys_in_place", False):
+        monkeypatch.setattr(chunk_pallas, "KERNEL_CONFIG", KernelConfig(outputs="pallas", target_programs=1))
     if options.pop("segments", False):
         options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 45)), axis=1))
     if options.pop("clamp", False):
@@ -537,6 +621,12 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert KernelConfig(fwd_scores="walk").fwd_scores_for("pallas_gpu", 16) == "walk"
     assert KernelConfig(fwd_scores="kernel").fwd_scores_for("pallas_gpu", 512) == "kernel"
     assert cfg.dstate_b == "from_t"
+    # the reverse walk's (c ⊙ Q)ᵀ dO from dstate_prepare from 256 walk programs on (8x2048x16x128: 128 batch·heads
+    # x 2 blocks of 64 columns), formed in the walk below (2x8192, 1x32768: 128)
+    assert [cfg.dstate_q_for(n) for n in (128, 255, 256, 512)] == ["walk", "walk", "prepare", "prepare"]
+    assert cfg.split_block_v_for(128, 128) == 64 and cfg.split_block_v_for(16, 128) == 16
+    assert KernelConfig(dstate_q="walk").dstate_q_for(512) == "walk"
+    assert KernelConfig(dstate_q="prepare").dstate_q_for(1) == "prepare"
     # V in bf16 for Falcon-1's one row per step, fp32 for a window's rows (Falcon-3)
     assert (cfg.stored_v_for(1), cfg.stored_v_for(4)) == ("input", "fp32")
     assert KernelConfig(stored_v="input").stored_v_for(4) == "input"
@@ -563,7 +653,7 @@ def test_walk_stages_follow_program_count():
     ({"stored_v": "bf16"}, "stored_v must be 'auto' or 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
     ({"fwd_scores": "inverse"}, "fwd_scores must be"), ({"prepare_warps": 3}, "prepare_warps must be None"),
-    ({"dstate_q": "kernel"}, "dstate_q must be 'walk' or 'prepare'"),
+    ({"dstate_q": "kernel"}, "dstate_q must be 'auto' or 'walk' or 'prepare'"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -69,6 +69,8 @@ IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
 # it pipelines 3 stages rather than 2 (KernelConfig.walk_stages) and reads its scores from their own kernel
 # (KernelConfig.fwd_scores_for)
 FEW_OUTPUT_PROGRAMS = 264
+# the split reverse walk takes (c ⊙ Q)ᵀ dO from dstate_prepare from this many programs on (KernelConfig.dstate_q)
+MANY_WALK_PROGRAMS = 256
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -196,8 +198,12 @@ class KernelConfig:
     # GPU, the split reverse walk's (c ⊙ Q)ᵀ dO term of dS: formed by every value-block program each step ("walk":
     # q [C, dk] and dO loaded, one more dot) or once per chunk by dstate_prepare, written into dh's buffer and
     # read back by the walk just before it writes that chunk's dh there ("prepare": the walk loads a [dk, block_v]
-    # tile instead of q and dO, no extra memory; one piece only, else "walk").  Not yet timed (next61).
-    dstate_q: str = "walk"
+    # tile instead of q and dO, no extra memory; one piece only, else "walk"), or "auto" (the default since the
+    # seventeenth run): "prepare" when the walk runs at least 256 programs.  H200 bf16 whole op fwd+bwd, prepare vs
+    # walk (next61): 1.231 vs 1.297 ms at 8x2048x16x128 (256 programs of 64 columns: the walk 298 -> 182 us,
+    # prepare 142 -> 192), but 1.437 vs 1.340 at 2x8192 and 3.401 vs 3.151 at 1x32768 (128 programs: the walk
+    # 1,006 -> 1,157 us at 1x32768)
+    dstate_q: str = "auto"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
     # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
     # "kernel" when the output walk runs at most 264 programs (two per SM of the H200's 132), else "walk".  H200
@@ -206,6 +212,10 @@ class KernelConfig:
     # costs more than the dots when the SMs are full).  next51 stored them from the one-warp triangular inverse
     # instead: the inverse doubled (174 -> 349 us at 1x32768).
     fwd_scores: str = "auto"
+    # ``decayed_delta_rule(shifted_keys=True)`` (Falcon-1's call): the GPU passes read the keys one row back in
+    # place where every pass of the call can (``keys_read_in_place``), so no shifted copy of k is made (its
+    # [B, T, H, dk] buffer was live at the forward+backward's peak), or False: the op shifts k in XLA first
+    keys_in_place: bool = True
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -217,7 +227,7 @@ class KernelConfig:
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
-                              ("dstate_q", ("walk", "prepare")),
+                              ("dstate_q", ("auto", "walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
                               ("grad_loops", GRAD_LOOPS),
                               ("stored_v", ("auto", "fp32", "input")),
@@ -226,8 +236,9 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
-        if not isinstance(self.save_tri, bool):
-            raise ValueError(f"KernelConfig: save_tri must be True or False, got {self.save_tri!r}.")
+        for name in ("save_tri", "keys_in_place"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelConfig: {name} must be True or False, got {getattr(self, name)!r}.")
         if self.grad_block_k < 16 or self.grad_block_k & (self.grad_block_k - 1):
             raise ValueError(f"KernelConfig: grad_block_k must be a power of two >= 16, got {self.grad_block_k!r}.")
         if self.prepare_warps not in (None, 1, 2, 4, 8, 16):
@@ -279,6 +290,12 @@ class KernelConfig:
             return self.fwd_scores
         return "kernel" if output_programs <= FEW_OUTPUT_PROGRAMS else "walk"
 
+    def dstate_q_for(self, walk_programs: int) -> str:
+        """``dstate_q`` with "auto" resolved for a split reverse walk of ``walk_programs`` programs."""
+        if self.dstate_q != "auto":
+            return self.dstate_q
+        return "prepare" if walk_programs >= MANY_WALK_PROGRAMS else "walk"
+
     def stored_v_for(self, group: int) -> str:
         """``stored_v`` with "auto" resolved for steps of ``group`` rows (1: Falcon-1; the window: Falcon-3)."""
         if self.stored_v != "auto":
@@ -328,10 +345,36 @@ class KernelConfig:
         return width
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
-def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
-    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13, 14))
+def _kernel_op(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
+               key_shift):
+    out, _ = _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
+                      key_shift)
     return out
+
+
+def keys_read_in_place(config: "KernelConfig", backend: str, bh: int, dv: int, pieces: int) -> bool:
+    """Whether the passes a call runs read the keys one row back in place (``shifted_keys=True``): the GPU's
+    output walk, split state-gradient walk and stored chunk gradients (the defaults), one piece.  Elsewhere
+    the op shifts the keys in XLA (a copy).  ``config`` resolved for the call."""
+    return (config.keys_in_place and backend == "pallas_gpu" and pieces == 1
+            and config.outputs_for(backend, bh, dv) == "pallas"
+            and config.state_grads_for(backend) == "split"
+            and config.chunk_grads_for(backend) in ("pallas_stored", "pallas_stored_split"))
+
+
+def _rows_one_later(a, axis):
+    """``out[t] = a[t − 1]`` along ``axis``, ``out[0] = 0``: write features from keys (``shifted_keys``)."""
+    T = a.shape[axis]
+    first = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
+    return jnp.concatenate([first, jax.lax.slice_in_dim(a, 0, T - 1, axis=axis)], axis=axis)
+
+
+def _rows_one_earlier(a, axis):
+    """``out[t] = a[t + 1]``, ``out[T − 1] = 0``: the transpose of :func:`_rows_one_later`."""
+    T = a.shape[axis]
+    last = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
+    return jnp.concatenate([jax.lax.slice_in_dim(a, 1, T, axis=axis), last], axis=axis)
 
 
 def _gates(log_gamma, run, chunk, group=1):
@@ -387,13 +430,14 @@ def _check_split(config, backend):
                                       "leave it at its default for this backend")
 
 
-def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
+def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads, key_shift):
     _check_split(config, backend)
+    keys = {"key_shift": True} if key_shift else {}  # x holds the keys, read one row back (keys_read_in_place)
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
     tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
-                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
+                                    **config.tri_kw(backend, q.dtype), **_layout_kw(heads), **keys)
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
               num_stages=config.walk_stages(config.fwd_stages),
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
@@ -414,18 +458,21 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         stages = config.walk_stages(config.fwd_stages, output_programs=output_programs)
         if config.fwd_scores_for(backend, output_programs) == "kernel":
             kw["scores"] = kernels.masked_scores_pass(q, x, g, rl, chunk=chunk, interpret=interpret, heads=heads,
-                                                      dtype=kw["walk_operands"] or jnp.float32)
+                                                      dtype=kw["walk_operands"] or jnp.float32, **keys)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
-                                        **dict(kw, num_stages=stages))
+                                        **dict(kw, num_stages=stages), **keys)
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 
-def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads):
-    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads)
+def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
+              key_shift):
+    return _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
+                    key_shift)
 
 
-def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts):
+def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
+    keys = {"key_shift": True} if key_shift else {}
     q, x, y, eta, g, gp, rl, starts, saved_tinv = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
@@ -444,12 +491,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     #    on the H200 it beat W, U + the state-only walk, 0.22 vs 0.24 + 0.16 ms at 8x2048x16x128)
     if saved_tinv is None:
         tinv = kernels.tri_inverse_pass(x, eta, g, gp, rl, chunk=chunk, interpret=interpret, group=group,
-                                        **config.tri_kw(backend, q.dtype), **_layout_kw(heads))
+                                        **config.tri_kw(backend, q.dtype), **_layout_kw(heads), **keys)
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
     if stored:
         p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
-                                       write_p=True, **fwd_kw)
+                                       write_p=True, **fwd_kw, **keys)
     else:
         h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
@@ -459,16 +506,17 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         lo = state_kw["walk_operands"] or jnp.float32
         b_from_t = config.dstate_b == "from_t"
         # the walk's (c ⊙ Q)ᵀ dO per chunk from prepare, in dh's buffer (KernelConfig.dstate_q; one piece only)
-        q_term = config.dstate_q == "prepare" and pieces == 1
+        state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
+        walk_programs = BH * pieces * (dv // state_kw["block_v"])
+        q_term = config.dstate_q_for(walk_programs) == "prepare" and pieces == 1
         state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
                                             num_warps=config.prepare_warps or config.state_warps, heads=heads,
                                             b_dtype=lo,
                                             v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32,
                                             with_b=not b_from_t,
                                             q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
-                                            walk_operands=state_kw["walk_operands"])
+                                            walk_operands=state_kw["walk_operands"], **keys)
         state_kw["b_from_t"] = b_from_t
-        state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
     else:
         state_grad_pass = kernels.state_grad_pass
     if pieces > 1:
@@ -482,7 +530,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
     if stored:
         dr_dtype = jnp.float32 if config.stored_dr == "fp32" else state_kw["walk_operands"] or jnp.float32
         dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
-                                           **state_kw)
+                                           **state_kw, **keys)
     else:
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
@@ -493,7 +541,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v,
             interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
             walk_operands=config.walk_operand_dtype(q.dtype), block_k=config.grad_block_k, loops=config.grad_loops,
-            **_layout_kw(heads))
+            **_layout_kw(heads), **keys)
     elif chunk_grads == "xla":
         dq, dx, dy, deta, dg, dgp = xla_chunk_grads(q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk,
                                                     group=group, heads=heads,
@@ -507,6 +555,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, res, cts)
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
+    if key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
+        dx = _rows_one_earlier(dx, axis=1)
     return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
@@ -548,7 +598,8 @@ _column_op.defvjp(lambda *a: _column_forward(*a), _column_bwd)
 
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation: str = "auto", config: KernelConfig | None = None,
-                       pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD"):
+                       pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD",
+                       shifted_keys: bool = False):
     """Chunked decayed delta rule (residual on the undecayed state).
 
     Args:
@@ -561,6 +612,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``. The GPU Triton
         kernels (scalar gates) read and write it in place; the other paths transpose.
+      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is zero, so give it
+        ``eta = 0`` and fold a carried key's step into ``initial_state`` (Falcon's prefix-aligned pair
+        ``(k_{t−1}, v_t)`` without a shifted copy of k).  The GPU's default passes read k one row back in place
+        (:func:`keys_read_in_place`); the other paths shift it in XLA.  x's gradient is k's.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
@@ -571,8 +626,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     if in_place and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
         o, final = decayed_delta_rule(*(swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
                                       chunk_size=chunk_size, implementation=implementation, config=config,
-                                      pieces=pieces, interpret=interpret)
+                                      pieces=pieces, interpret=interpret, shifted_keys=shifted_keys)
         return swap_time_heads(o), final
+    if shifted_keys and (implementation != "pallas_gpu" or per_column):
+        x, shifted_keys = _rows_one_later(x, axis=1 if in_place else 2), False
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -603,11 +660,14 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     # tokens stay [B, L, H, d] (padded in time only); the gates are [B·H, L] either way.
     tokens, gates = kernel_operands(in_place, L, gate_kernel=config.gate_transpose == "pallas",
                                     interpret=bool(interpret))
+    key_shift = shifted_keys and keys_read_in_place(config, implementation, B * H, dv, P)
+    if shifted_keys and not key_shift:
+        x = _rows_one_later(x, axis=1 if in_place else 2)
     f32 = jnp.float32
     o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
                           gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P, bool(interpret),
-                          implementation, 1, H if in_place else None)
+                          implementation, 1, H if in_place else None, key_shift)
     o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
     return o, final.reshape(B, H, dk, dv)
 
@@ -737,6 +797,6 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     o, final = _kernel_op(q_v.reshape(B * H, Ls * Wp, dk), virtual(x_e), virtual(y_e), w_v,
                           pad(log_gamma.astype(f32), Ls), pad(run.astype(jnp.int32), Ls, "edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, P,
-                          bool(interpret), implementation, Wp, None)
+                          bool(interpret), implementation, Wp, None, False)
     o = o.reshape(B * H, Ls, Wp, dv)[:, :T, Wp - 1]
     return o.reshape(B, H, T, dv), final.reshape(B, H, dk, dv)

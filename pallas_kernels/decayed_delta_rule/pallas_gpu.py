@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (call, chunk_specs, column_block, column_loop, dot, precision_for, row_block,
-                                   token_dims, triton_params, walk_layout, walk_outputs)
+from pallas_kernels.common import (call, chunk_specs, column_block, column_loop, dot, pltriton, precision_for,
+                                   row_block, token_dims, triton_params, walk_layout, walk_outputs)
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)
 F32 = jnp.float32
@@ -110,7 +110,52 @@ def _unit_lower_inverses(blocks):
     return list(lax.fori_loop(jnp.int32(1), jnp.int32(n), body, tuple(eye for _ in blocks)))
 
 
-def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group):
+class _KeysOneRowBack:
+    """The write features ``x`` of a block of rows, read in place from the keys ``k`` one row back:
+    ``x[t] = k[t − 1]``, and the sequence's first row zero (the op folds a carried key's step into the initial
+    state), so no shifted copy of k is made (``shifted_keys=True`` in the op).
+
+    Indexed like the x ref it stands for — ``[...]``, ``[rows, :]``, ``[:, cols]`` — with ``rows`` a static or
+    ``pl.ds`` slice counted from ``base``, the sequence row of this block's first row (a chunk program's
+    ``c · C``; 0 for a walk over the whole sequence).  ``k_ref`` holds the whole sequence, ``k[0]`` at row
+    ``pad``.  A window is one load one row earlier; one that may start at the sequence's first row is a masked
+    load (row −1 reads zero, never touching memory), which Triton feeds to the dots as it does a plain load.
+    ``pad``: 0 on the GPU; 1 in interpret mode, whose windows are dynamic slices that clamp a start of −1 to 0
+    — there k has a NaN row in front (:func:`_key_source`), so a window the mask failed to cover shows."""
+
+    def __init__(self, k_ref, base, rows, pad):
+        self.k_ref, self.base, self.rows, self.pad = k_ref, base, rows, pad
+
+    def __getitem__(self, idx):
+        rows, cols = (slice(None), slice(None)) if idx is Ellipsis else idx
+        if isinstance(rows, slice):
+            if rows != slice(None):
+                raise ValueError(f"_KeysOneRowBack: row slices are pl.ds windows or ':', got {rows!r}")
+            start, n = 0, self.rows
+        else:
+            start, n = rows.start, rows.size
+        first = self.base + start  # the window's first x row
+        window = self.k_ref.at[pl.ds(first - 1 + self.pad, n), cols]
+        if (isinstance(start, int) and start > 0) or (isinstance(first, int) and first > 0):
+            return window[...]  # never the sequence's first row
+        width = self.k_ref.shape[-1] if isinstance(cols, slice) else cols.size
+        keep = lax.broadcasted_iota(jnp.int32, (n, width), 0) + first > 0
+        return pltriton.load(window, mask=keep, other=jnp.zeros((), window.dtype))
+
+
+def _keys(x_ref, key_shift, key_pad, base=0, rows=None):
+    """``x_ref`` itself, or with ``key_shift`` the keys it holds read one row back (:class:`_KeysOneRowBack`)."""
+    return _KeysOneRowBack(x_ref, base, rows, key_pad) if key_shift else x_ref
+
+
+def _chunk_keys(x_ref, key_shift, key_pad, chunk):
+    """:func:`_keys` in a program of a (batch·head, chunk) grid: the chunk's ``[C, dk]`` rows."""
+    return _keys(x_ref, key_shift, key_pad, pl.program_id(1) * chunk, chunk)
+
+
+def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group, key_shift=False,
+                key_pad=0):
+    x_ref = _chunk_keys(x_ref, key_shift, key_pad, chunk)
     nb = chunk // BLOCK
     blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
     eta = [eta_ref[b] for b in blk]
@@ -141,8 +186,9 @@ def _masked_scores(q, x, g, rl, precision):
     return dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
 
 
-def _scores_kernel(q_ref, x_ref, g_ref, rl_ref, s_ref, *, precision):
+def _scores_kernel(q_ref, x_ref, g_ref, rl_ref, s_ref, *, precision, key_shift=False, key_pad=0):
     """One chunk's masked scores (:func:`_masked_scores`), stored for the output walk."""
+    x_ref = _chunk_keys(x_ref, key_shift, key_pad, q_ref.shape[0])
     s_ref[...] = _masked_scores(q_ref[...], x_ref[...], g_ref[...], rl_ref[...], precision).astype(s_ref.dtype)
 
 
@@ -174,7 +220,9 @@ def _chunk_rows(refs, c, chunk):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
-                    n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False):
+                    n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False, key_shift=False,
+                    key_pad=0):
+    x_ref = _keys(x_ref, key_shift, key_pad)  # one piece: the walk's rows are the sequence's
     refs = list(out_refs)
     sc_ref = refs.pop(0) if read_scores else None  # an input: every chunk's masked scores (masked_scores_pass)
     o_ref = refs.pop(0) if write_o else None
@@ -244,7 +292,8 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
 
 
 def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
-                       chunk, n_chunks, write_dh, precision, lo=None, write_dr=False):
+                       chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, key_shift=False,
+                       key_pad=0):
     """The fused reverse walk: ``dP = (QXᵀ⊙D)ᵀ dO + w ⊙ X dS``, ``dR = Tᵀ dP`` inside the walk."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
@@ -253,9 +302,10 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
         return _tdot(t_ref[rows, :].T, dP, p32)
 
-    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
-                  write_dr=write_dr)
+    _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
+                  out_refs,
+                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
+                  residual_grad=residual_grad, write_dr=write_dr)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
@@ -465,21 +515,24 @@ def _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, o
 
 
 def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, da_ref,
-                            dop_ref, dey_ref, *out_refs, chunk, block_k, precision, group, lo=None, loops="unrolled"):
+                            dop_ref, dey_ref, *out_refs, chunk, block_k, precision, group, lo=None, loops="unrolled",
+                            key_shift=False, key_pad=0):
     """Second half of the split chunk gradients (:func:`_key_grads`) from the first half's stored sums."""
-    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, (da_ref[...], dop_ref[...], dey_ref[...]),
+    _key_grads(q_ref, _chunk_keys(x_ref, key_shift, key_pad, chunk), do_ref, h_ref, dh_ref, p_ref, dr_ref,
+               (da_ref[...], dop_ref[...], dey_ref[...]),
                _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk), out_refs, chunk=chunk, block_k=block_k,
                precision=precision, group=group, lo=lo, loops=loops)
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled"):
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
+                              key_shift=False, key_pad=0):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
     (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
     sums, rows = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
                                     block_v=block_v, precision=precision, lo=lo, loops=loops)
-    _key_grads(q_ref, x_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows, out_refs, chunk=chunk,
-               block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
+    _key_grads(q_ref, _chunk_keys(x_ref, key_shift, key_pad, chunk), do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows,
+               out_refs, chunk=chunk, block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
 
 
 def _chunk_grad_stored_values_kernel(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *sum_refs,
@@ -534,7 +587,7 @@ def _output_kernel(q_ref, x_ref, w_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, p
 
 
 def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, v_ref, *out_refs, chunk,
-                               precision, with_b=True, lo=None):
+                               precision, with_b=True, lo=None, key_shift=False, key_pad=0):
     """One chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO``, (``with_b``) ``B = Tᵀ (w ⊙ X)``, so that the reverse walk's
     ``dR = V + B dS`` (the split state-gradient walk), and (a last output, if any) the walk's ``(c ⊙ Q)ᵀ dO``
     ``[dk, dv]`` (its operands rounded to ``lo`` as the walk would)."""
@@ -543,7 +596,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
     b_ref = refs.pop(0) if with_b else None
     eta, g, gp, rl = eta_ref[...], g_ref[...], gp_ref[...], rl_ref[...]
     cont, _, w_last, _ = _gates(eta, g, gp, rl, g_ref[chunk - 1], rl_ref[chunk - 1])
-    q, x = q_ref[...], x_ref[...]
+    q, x = q_ref[...], _chunk_keys(x_ref, key_shift, key_pad, chunk)[...]
     do = do_ref[...].astype(F32)
     tinv_t = t_ref[...].T
     scores = _masked_scores(q, x, g, rl, precision)
@@ -556,7 +609,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *refs,
                              chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, b_from_t=False,
-                             q_term=False):
+                             q_term=False, key_shift=False, key_pad=0):
     """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
     recomputing the scores and applying Tᵀ).  ``b_from_t``: ``b_ref`` holds the chunk's T instead of B, and
     ``B dS = Tᵀ (w ⊙ X dS)`` is formed here (one more dot in the chain; a ``[C, C]`` tile read instead of
@@ -572,41 +625,77 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
             b_ds = _sdot(b_ref[rows, :], dS, p32, lo)
         return v_ref[rows, :].astype(F32) + b_ds
 
-    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
-                  write_dr=write_dr, q_term_ref=q_term_ref)
+    _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
+                  out_refs,
+                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
+                  residual_grad=residual_grad, write_dr=write_dr, q_term_ref=q_term_ref)
 
 
 def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
+def _key_spec(sp, x, key_shift, heads):
+    """x's block in a (batch·head, chunk) grid: the chunk's rows (``sp.k``), or with ``key_shift`` (x holds the
+    keys, read one row back in place: :class:`_KeysOneRowBack`) the batch·head's whole sequence."""
+    if not key_shift:
+        return sp.k
+    _, L, dk = token_dims(x, heads)
+    return row_block(heads, L, dk, lambda b, c: (b, 0, 0))
+
+
+def _key_kw(key_shift, interpret):
+    """A kernel's keywords for reading the keys one row back (:class:`_KeysOneRowBack`), or none."""
+    return {"key_shift": True, "key_pad": int(bool(interpret))} if key_shift else {}
+
+
+def _key_source(x, key_shift, interpret):
+    """The array a pass's kernel reads x from: x itself; with ``key_shift`` in interpret mode, x with a NaN row
+    in front (the ``pad`` of :class:`_KeysOneRowBack`; time is axis 1 in either layout)."""
+    if not (key_shift and interpret):
+        return x
+    return jnp.concatenate([jnp.full_like(x[:, :1], jnp.nan), x], axis=1)
+
+
+def _one_piece(key_shift, pieces, name):
+    if key_shift and pieces != 1:
+        raise ValueError(f"{name}: key_shift (keys read one row back in place) walks one piece, got pieces={pieces}")
+
+
 def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None,
-                     t_dtype=F32):
+                     t_dtype=F32, key_shift=False):
     """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` in ``t_dtype`` (row cC+s = row s of chunk c's T; solved
     in fp32, rounded once when stored).
 
     ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
-    ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``)."""
+    ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``).  ``key_shift``: x holds the keys,
+    and row t's write feature is ``x[t − 1]`` (zero at t = 0), read in place (:class:`_KeysOneRowBack`; the
+    other passes take the same flag)."""
     BH, L, dk = token_dims(x, heads)
     sp = chunk_specs(x, dk, chunk, heads)
-    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group)
-    (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.row, sp.row, sp.row, sp.row],
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group,
+                               **_key_kw(key_shift, interpret))
+    (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[_key_spec(sp, x, key_shift, heads), sp.row, sp.row,
+                                                             sp.row, sp.row],
                    out_specs=[sp.square],
-                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)], args=(x, eta, g, gp, rl),
+                   out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)],
+                   args=(_key_source(x, key_shift, interpret), eta, g, gp, rl),
                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                    name="falcon_delta_tri_inverse")
     return tinv
 
 
-def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None, dtype=F32):
+def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None, dtype=F32, key_shift=False):
     """Every chunk's masked scores ``QXᵀ ⊙ D`` ``[BH, L, C]`` in ``dtype``, one program per chunk, for
     ``forward_pass(scores=...)``."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, dk, chunk, heads)
-    (scores,) = call(functools.partial(_scores_kernel, precision=precision_for(q.dtype)), grid=(BH, L // chunk),
-                     in_specs=[sp.k, sp.k, sp.row, sp.row], out_specs=[sp.square],
-                     out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), dtype)], args=(q, x, g, rl),
+    (scores,) = call(functools.partial(_scores_kernel, precision=precision_for(q.dtype),
+                                       **_key_kw(key_shift, interpret)),
+                     grid=(BH, L // chunk), in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row],
+                     out_specs=[sp.square],
+                     out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), dtype)],
+                     args=(q, _key_source(x, key_shift, interpret), g, rl),
                      compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                      name="falcon_delta_masked_scores")
     return scores
@@ -620,7 +709,8 @@ def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
-                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False, scores=None):
+                 num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False, scores=None,
+                 key_shift=False):
     """Chunk walk for every (batch·head, piece, value block).
 
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
@@ -631,6 +721,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     ``[B, L, H, d]``, read in place.  ``scores``: every chunk's masked scores ``[BH, L, C]``
     (:func:`masked_scores_pass`), read instead of each program forming ``QXᵀ`` itself (write_o only).
     """
+    _one_piece(key_shift, pieces, "forward_pass")
     grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
@@ -642,8 +733,9 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
-                               read_scores=scores is not None)
-    args = (q, x, y, eta, g, gp, rl, tinv, s0) + ((scores,) if scores is not None else ())
+                               read_scores=scores is not None, **_key_kw(key_shift, interpret))
+    args = (q, _key_source(x, key_shift, interpret), y, eta, g, gp, rl, tinv, s0)
+    args += (scores,) if scores is not None else ()
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=args, compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_delta_fwd")
@@ -727,12 +819,13 @@ def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None):
+                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None, key_shift=False):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
     Returns (dR [BH, L, dv] the residuals' gradient if write_dr (None, or the dtype to store it in),
     dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
+    _one_piece(key_shift, pieces, "state_grad_pass")
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
@@ -741,15 +834,16 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None)
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
+                               **_key_kw(key_shift, interpret))
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
+                args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate")
 
 
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32,
-               v_dtype=F32, with_b=True, q_term_dtype=None, walk_operands=None):
+               v_dtype=F32, with_b=True, q_term_dtype=None, walk_operands=None, key_shift=False):
     """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
     ``[BH, L, dk]`` (in ``b_dtype``; None without ``with_b``): the reverse walk's ``dR = V + B dS``; with a
     ``q_term_dtype``, also the walk's ``(c ⊙ Q)ᵀ dO`` per chunk ``[BH, n_chunks, dk, dv]`` (its operands rounded
@@ -765,9 +859,11 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
         out_specs.append(sp.state)
         out_shape.append(jax.ShapeDtypeStruct((BH, L // chunk, dk, dv), q_term_dtype))
     outs = list(call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype),
-                                       with_b=with_b, lo=walk_operands),
-                     grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v],
-                     out_specs=out_specs, out_shape=out_shape, args=(q, x, eta, g, gp, rl, tinv, do),
+                                       with_b=with_b, lo=walk_operands, **_key_kw(key_shift, interpret)),
+                     grid=(BH, L // chunk), in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row,
+                                                      sp.row, sp.square, sp.v],
+                     out_specs=out_specs, out_shape=out_shape,
+                     args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, tinv, do),
                      compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                      name="falcon_delta_dstate_prepare"))
     v = outs.pop(0)
@@ -777,7 +873,7 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
                           num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=None,
-                          b_from_t=False):
+                          b_from_t=False, key_shift=False):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
     (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk; ``b_from_t``: no B
     (``vb``'s is None), the walk forms ``B dS = Tᵀ (w ⊙ X dS)`` from T.  A ``vb`` with a q-term (its third
@@ -787,8 +883,9 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
     dk = token_dims(q, heads)[2]
     if vb is None:
         vb = prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret, num_warps=num_warps,
-                        heads=heads, b_dtype=walk_operands or F32, with_b=not b_from_t)
+                        heads=heads, b_dtype=walk_operands or F32, with_b=not b_from_t, key_shift=key_shift)
     v, b, q_term = vb
+    _one_piece(key_shift, pieces, "state_grad_split_pass")
     grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
@@ -797,7 +894,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                 specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
-    args = [q, x, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
+    args = [q, _key_source(x, key_shift, interpret), eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
     aliases = {}
     if q_term is not None:
         if pieces != 1 or not write_dh or q_term.dtype != shapes.chunk_states.dtype:
@@ -809,7 +906,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
         args.append(q_term)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
                                precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
-                               b_from_t=b_from_t, q_term=q_term is not None)
+                               b_from_t=b_from_t, q_term=q_term is not None, **_key_kw(key_shift, interpret))
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, args=tuple(args),
                 aliases=aliases, compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate_walk")
@@ -861,21 +958,24 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
 
 
 def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, num_warps=4, num_stages=1, group=1,
-                    heads=None, walk_operands=None, block_k=32, loops="unrolled"):
+                    heads=None, walk_operands=None, block_k=32, loops="unrolled", key_shift=False):
     """The key half of :func:`chunk_grad_split_pass` from the value half's ``sums``: dq, dx (like q, x) by
     blocks of ``block_k`` key columns, and fp32 dη, dg, dgp ``[BH, L]``."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, do.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
-                             precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
+                             precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
+                             **_key_kw(key_shift, interpret))
     return call(
         keys, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.k, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v,
+        in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
+                  sp.flat_v, sp.flat_v,
                   sp.square, sp.square, sp.row],
         out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, x, eta, g, gp, rl, do, h, dh, *sums), compiler_params=_params(interpret, num_warps, num_stages),
+        args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, do, h, dh, *sums),
+        compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_keys")
 
 
@@ -894,7 +994,8 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
 
 
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
-                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled"):
+                           num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
+                           key_shift=False):
     """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
     ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
     without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key columns.  Same returns as
@@ -904,21 +1005,24 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
+                               **_key_kw(key_shift, interpret))
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
-        in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state, sp.flat_v, sp.flat_v],
+        in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state,
+                  sp.state, sp.flat_v, sp.flat_v],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, x, y, eta, g, gp, rl, do, h, dh, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
-        interpret=interpret, name="falcon_delta_chunk_grads_stored")
+        args=(q, _key_source(x, key_shift, interpret), y, eta, g, gp, rl, do, h, dh, p, dr),
+        compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+        name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
 
 
 def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
                                  num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32,
-                                 loops="unrolled"):
+                                 loops="unrolled", key_shift=False):
     """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
     (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and a row, fp32), then :func:`chunk_grad_keys`.  Fewer live
     tiles per program than the fused kernel, for one more round trip of the sums.  Same returns."""
@@ -938,5 +1042,5 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
     dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, (p, dr, *sums), chunk=chunk,
                                             interpret=interpret, num_warps=num_warps, num_stages=num_stages,
                                             group=group, heads=heads, walk_operands=walk_operands, block_k=block_k,
-                                            loops=loops)
+                                            loops=loops, key_shift=key_shift)
     return dq, dx, dy, deta, dg, dgp
