@@ -677,6 +677,12 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     profile_falcon1 60 8
     step memory_ours 110 python3 benchmarks/memory_report.py --out /tmp/memdump_ours
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63)"; exit 2 ;;
+  next64)  # seventeenth run: today's final default (keys in place, dstate_q=auto) against jla gated_deltanet once more
+    # (a second lease), peak memory at 1x32768 and 1x131072 (linear in T), and the shifted copy's for comparison
+    step bench 300 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "keys_in_place=False" --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -202,7 +202,7 @@ class KernelConfig:
     # seventeenth run): "prepare" when the walk runs at least 256 programs.  H200 bf16 whole op fwd+bwd, prepare vs
     # walk (next61): 1.231 vs 1.297 ms at 8x2048x16x128 (256 programs of 64 columns: the walk 298 -> 182 us,
     # prepare 142 -> 192), but 1.437 vs 1.340 at 2x8192 and 3.401 vs 3.151 at 1x32768 (128 programs: the walk
-    # 1,006 -> 1,157 us at 1x32768)
+    # 1,006 -> 1,157 us at 1x32768); with the keys in place, 1.304 vs 1.364 ms at 8x2048 (next63)
     dstate_q: str = "auto"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
     # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
@@ -214,7 +214,10 @@ class KernelConfig:
     fwd_scores: str = "auto"
     # ``decayed_delta_rule(shifted_keys=True)`` (Falcon-1's call): the GPU passes read the keys one row back in
     # place where every pass of the call can (``keys_read_in_place``), so no shifted copy of k is made (its
-    # [B, T, H, dk] buffer was live at the forward+backward's peak), or False: the op shifts k in XLA first
+    # [B, T, H, dk] buffer was live at the forward+backward's peak), or False: the op shifts k in XLA first.
+    # H200 bf16 Falcon-1 fwd+bwd peak memory at 1x32768x16x128 (temp + outputs): 1,359 vs 1,493 MB (jla
+    # gated_deltanet 1,149); fwd 0.369 / 0.410 / 1.082 ms vs 0.374 / 0.428 / 1.098 at 8x2048 / 2x8192 / 1x32768,
+    # fwd+bwd 1.304 / 1.397 / 3.232 vs 1.299 / 1.395 / 3.257 (next63)
     keys_in_place: bool = True
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
