@@ -615,9 +615,9 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``. The GPU Triton
         kernels (scalar gates) read and write it in place; the other paths transpose.
-      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is zero, so give it
-        ``eta = 0`` and fold a carried key's step into ``initial_state`` (Falcon's prefix-aligned pair
-        ``(k_{t−1}, v_t)`` without a shifted copy of k).  The GPU's default passes read k one row back in place
+      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is zero (fold a
+        carried key's step into ``initial_state``, as ``falcon`` does): Falcon's prefix-aligned pair
+        ``(k_{t−1}, v_t)`` without a shifted copy of k.  The GPU's default passes read k one row back in place
         (:func:`keys_read_in_place`); the other paths shift it in XLA.  x's gradient is k's.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
