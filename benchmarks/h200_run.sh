@@ -689,7 +689,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check 240 python3 benchmarks/gpu_check_regression.py \
       --only "fp32 values,bf16,long bf16,segments,fp32 grads,bf16 grads" \
       --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
-    step bench 200 python3 benchmarks/bench_regression.py --rows "falcon-1 pallas (ours)" \
+    step bench 200 python3 benchmarks/bench_regression.py --rows "falcon-1 pallas (ours)" --memory-shapes "" \
       --skip "$WHOLE_OP_VARIANTS" --configs "keys_in_place=False" --out "$out/$part/bench.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65)"; exit 2 ;;
