@@ -121,12 +121,10 @@ class _KeysOneRowBack:
     ``pad``.  A window is one load one row earlier; one that may start at the sequence's first row is a masked
     load (row −1 reads zero, never touching memory), which Triton feeds to the dots as it does a plain load.
     ``pad``: 0 on the GPU; 1 in interpret mode, whose windows are dynamic slices that clamp a start of −1 to 0
-    — there k has a NaN row in front (:func:`_key_source`), so a window the mask failed to cover shows.
-    ``first``: False where the caller knows no window holds the sequence's first row (a walk's chunks after the
-    first, :func:`_walk_chunks`), so that no load is masked there."""
+    — there k has a NaN row in front (:func:`_key_source`), so a window the mask failed to cover shows."""
 
-    def __init__(self, k_ref, base, rows, pad, first=True):
-        self.k_ref, self.base, self.rows, self.pad, self.first = k_ref, base, rows, pad, first
+    def __init__(self, k_ref, base, rows, pad):
+        self.k_ref, self.base, self.rows, self.pad = k_ref, base, rows, pad
 
     def __getitem__(self, idx):
         rows, cols = (slice(None), slice(None)) if idx is Ellipsis else idx
@@ -138,31 +136,16 @@ class _KeysOneRowBack:
             start, n = rows.start, rows.size
         first = self.base + start  # the window's first x row
         window = self.k_ref.at[pl.ds(first - 1 + self.pad, n), cols]
-        if not self.first or (isinstance(start, int) and start > 0) or (isinstance(first, int) and first > 0):
+        if (isinstance(start, int) and start > 0) or (isinstance(first, int) and first > 0):
             return window[...]  # never the sequence's first row
         width = self.k_ref.shape[-1] if isinstance(cols, slice) else cols.size
         keep = lax.broadcasted_iota(jnp.int32, (n, width), 0) + first > 0
         return pltriton.load(window, mask=keep, other=jnp.zeros((), window.dtype))
 
 
-def _keys(x_ref, key_shift, key_pad, base=0, rows=None, first=True):
+def _keys(x_ref, key_shift, key_pad, base=0, rows=None):
     """``x_ref`` itself, or with ``key_shift`` the keys it holds read one row back (:class:`_KeysOneRowBack`)."""
-    return _KeysOneRowBack(x_ref, base, rows, key_pad, first) if key_shift else x_ref
-
-
-def _walk_chunks(body, x_ref, key_shift, key_pad, n_chunks, carry, reverse=False):
-    """``lax.fori_loop`` over a one-piece walk's chunks, ``carry = body(i, carry, x)`` with x the keys (``x_ref`` or
-    the view of :func:`_keys`); with ``key_shift`` the sequence's first chunk (step 0, or the last step of a
-    ``reverse`` walk) is taken out of the loop, so that only it masks its key window."""
-    if not key_shift:
-        return lax.fori_loop(0, n_chunks, lambda i, c: body(i, c, x_ref), carry)
-    later = _keys(x_ref, key_shift, key_pad, first=False)
-    first = _keys(x_ref, key_shift, key_pad)
-    if reverse:
-        carry = lax.fori_loop(0, n_chunks - 1, lambda i, c: body(i, c, later), carry)
-        return body(jnp.int32(n_chunks - 1), carry, first)
-    carry = body(jnp.int32(0), carry, first)
-    return lax.fori_loop(1, n_chunks, lambda i, c: body(i, c, later), carry)
+    return _KeysOneRowBack(x_ref, base, rows, key_pad) if key_shift else x_ref
 
 
 def _chunk_keys(x_ref, key_shift, key_pad, chunk):
@@ -239,6 +222,7 @@ def _chunk_rows(refs, c, chunk):
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
                     n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False, key_shift=False,
                     key_pad=0):
+    x_ref = _keys(x_ref, key_shift, key_pad)  # one piece: the walk's rows are the sequence's
     refs = list(out_refs)
     sc_ref = refs.pop(0) if read_scores else None  # an input: every chunk's masked scores (masked_scores_pass)
     o_ref = refs.pop(0) if write_o else None
@@ -247,10 +231,10 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
     (s_end_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
-    def body(c, S, keys):
+    def body(c, S):
         rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
-        x = keys[rows, :]
+        x = x_ref[rows, :]
         if write_h:
             h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
@@ -267,12 +251,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
             o_ref[rows, :] = o.astype(o_ref.dtype)
         return a_last * S + _sdot(x.T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
 
-    # one piece (key_shift): the walk's rows are the sequence's
-    s_end_ref[...] = _walk_chunks(body, x_ref, key_shift, key_pad, n_chunks, s0_ref[...].astype(F32))
+    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
-                  residual_grad, write_dr=False, q_term_ref=None, key_shift=False, key_pad=0):
+                  residual_grad, write_dr=False, q_term_ref=None):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
     (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
     ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``.  ``q_term_ref``: every chunk's ``(c ⊙ Q)ᵀ dO`` as
@@ -284,7 +267,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
     (ds_start_ref,) = refs
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
-    def body(i, dS, keys):
+    def body(i, dS):
         c = n_chunks - 1 - i
         rows, eta, g, gp, rl, g_last, rl_last = _chunk_rows(gate_refs, c, chunk)
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
@@ -292,7 +275,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
             q_term = q_term_ref[c, :, :].astype(F32)  # before dh (the same buffer) is written
         if write_dh:
             dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
-        x = keys[rows, :]
+        x = x_ref[rows, :]
         if q_term_ref is None:
             q, do = q_ref[rows, :], do_ref[rows, :].astype(F32)
             # the row scales go on the narrow dO and dR blocks ([C, block_v]), not on the keys ([C, dk], in every
@@ -305,8 +288,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
         return a_last * dS + q_term - _sdot(x.T, (eta * cont_p)[:, None] * dR, p32, lo)
 
-    ds_start_ref[...] = _walk_chunks(body, x_ref, key_shift, key_pad, n_chunks, ds_end_ref[...].astype(F32),
-                                     reverse=True)
+    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
 
 def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
@@ -320,9 +302,10 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
         return _tdot(t_ref[rows, :].T, dP, p32)
 
-    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
-                  write_dr=write_dr, key_shift=key_shift, key_pad=key_pad)
+    _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
+                  out_refs,
+                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
+                  residual_grad=residual_grad, write_dr=write_dr)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
@@ -642,9 +625,10 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
             b_ds = _sdot(b_ref[rows, :], dS, p32, lo)
         return v_ref[rows, :].astype(F32) + b_ds
 
-    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
-                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
-                  write_dr=write_dr, q_term_ref=q_term_ref, key_shift=key_shift, key_pad=key_pad)
+    _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
+                  out_refs,
+                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
+                  residual_grad=residual_grad, write_dr=write_dr, q_term_ref=q_term_ref)
 
 
 def _params(interpret, num_warps, num_stages):
