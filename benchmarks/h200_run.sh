@@ -685,7 +685,8 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     ;;
   next65)  # seventeenth run: the walks' first chunk taken out of their loops (only it masks its key window: the
     # 8x2048 reverse walk's spills 76 -> 48 bytes standalone), checked on the real lowering, then timed against
-    # the shifted copy in the same lease (in next63 / next64 the masked walks cost 0.4% / 2% at 8x2048)
+    # the shifted copy in the same lease (in next63 / next64 the masked walks cost 0.4% / 2% at 8x2048); no gain,
+    # reverted after this run, so the part now times today's walks
     step check 240 python3 benchmarks/gpu_check_regression.py \
       --only "fp32 values,bf16,long bf16,segments,fp32 grads,bf16 grads" \
       --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
