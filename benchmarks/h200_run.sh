@@ -693,6 +693,14 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step bench 200 python3 benchmarks/bench_regression.py --rows "falcon-1 pallas (ours)" --memory-shapes "" \
       --skip "$WHOLE_OP_VARIANTS" --configs "keys_in_place=False" --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65)"; exit 2 ;;
+  next66)  # seventeenth run: narrower split reverse walks now that dstate_q=auto hands the q-term to dstate_prepare
+    # from 256 walk programs on (2x8192: 16 columns give 256 programs; 8x2048: 32 columns give 512), and 16-column
+    # output walks at 2x8192 (256 programs, still reading the scores kernel's scores), against the default
+    step bench 200 python3 benchmarks/bench_regression.py --shapes 8x2048x16x128,2x8192x16x128 \
+      --rows "falcon-1 pallas (ours)" --memory-shapes "" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "split_block_v=16;split_block_v=32;block_v=16;block_v=16,split_block_v=16" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
