@@ -444,6 +444,36 @@ def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng, monkeyp
     assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_falcon1_state_gradients_through_the_folded_first_step(in_place, rng, monkeypatch):
+    """Falcon-1 continuing from a state: the gradients w.r.t. the carried state S and the carried key (which
+    ``falcon`` folds into the op's initial state as step 0's pair) equal the XLA chunk form's, with the keys read in
+    place (one piece, the fused output walk) and through the op's shifted copy (the small-shape default)."""
+    from falcon_jax.forms import chunk_pallas
+
+    if in_place:
+        monkeypatch.setattr(chunk_pallas, "KERNEL_CONFIG", KernelConfig(outputs="pallas", target_programs=1))
+    q, k, v, beta, lam = falcon_inputs(rng, B=1, T=40)
+    kw = dict(variant="1", chunk_size=16, return_final_state=True)
+    _, state = falcon(q[:, :7], k[:, :7], v[:, :7], beta[:, :7], lam[:, :7], **kw)
+    ct = jnp.asarray(rng.normal(size=v[:, 7:].shape), jnp.float32)
+    ct_s = jnp.asarray(rng.normal(size=state.S.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(S, last_key):
+            out, final = falcon(q[:, 7:], k[:, 7:], v[:, 7:], beta[:, 7:], lam[:, 7:], impl=impl,
+                                initial_state=state.replace(S=S, last_key=last_key), **kw)
+            return jnp.sum(out * ct) + jnp.sum(final.S * ct_s)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(state.S, state.last_key)
+
+    with poisoned_outputs():
+        got = grads("pallas")
+    want = grads("xla")
+    for name, g, w in zip(("S", "last_key"), got, want):
+        assert float(jnp.max(jnp.abs(w))) > 0, name  # the carried key does reach the loss
+        assert rel_err(g, w) < 1e-4, name
+
+
 @pytest.mark.parametrize("window", [1, 3])
 def test_falcon_hands_the_kernel_config_to_the_op(window, monkeypatch, rng):
     """``chunk_pallas.KERNEL_CONFIG`` reaches the regression op from ``falcon(impl="pallas")`` (the benchmarks time
