@@ -173,11 +173,9 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
         assert rel_err(g, w) < 5e-5, name
 
 
-def keys_one_row_later(k, first=None):
-    """``x[t] = k[t − 1]``, ``x[0] = first`` (``[B, H, d]``; None: 0) along the time axis of ``[B, H, T, d]``:
-    ``shifted_keys``' write features."""
-    row0 = jnp.zeros_like(k[:, :, :1]) if first is None else first[:, :, None]
-    return jnp.concatenate([row0, k[:, :, :-1]], axis=2)
+def keys_one_row_later(k):
+    """``x[t] = k[t − 1]``, ``x[0] = 0`` along the time axis of ``[B, H, T, d]``: ``shifted_keys``' write features."""
+    return jnp.concatenate([jnp.zeros_like(k[:, :, :1]), k[:, :, :-1]], axis=2)
 
 
 @pytest.mark.parametrize("chunk,pieces,block_v,layout,extra", [
@@ -185,72 +183,54 @@ def keys_one_row_later(k, first=None):
     # the recompute walk, the split reverse walk (forming or reading (c ⊙ Q)ᵀ dO, B from T or stored), the
     # stored chunk gradients (one program or two per chunk), in either layout
     (16, 1, 16, "BHTD", {}),
-    (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare", "first_key": True}),
-    # row 0 with a write feature (a carried key) that starts a segment: the initial state is dropped before it
-    (16, 1, 16, "BTHD", {"first_key": True, "run_from_one": True}),
+    (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare"}),
     (16, 1, 32, "BTHD", {"chunk_grads": "pallas_stored_split", "dstate_b": "stored", "segments": False}),
     (32, 1, 64, "BHTD", {"dv": 64, "fwd_scores": "kernel", "save_tri": True, "dk": 32}),
     # passes that take the shifted copy the op makes in XLA instead: pieces, the split forward, the fused
     # reverse walk, the formed chunk gradients, the XLA form
-    (16, 2, 16, "BTHD", {"first_key": True}),
+    (16, 2, 16, "BTHD", {}),
     (16, 1, 16, "BHTD", {"outputs": "split"}),
     (16, 1, 16, "BHTD", {"state_grads": "pallas", "chunk_grads": "pallas"}),
     (16, 1, 16, "BTHD", {"keys_in_place": False}),
-    (16, 1, 16, "xla", {"first_key": True}),
+    (16, 1, 16, "xla", {}),
 ])
 def test_shifted_keys_match_reference(chunk, pieces, block_v, layout, extra, rng):
     """``shifted_keys=True``: the op takes the keys k and writes with ``x[t] = k[t − 1]`` (``x[0] = 0``), which
     the GPU passes read in place one row back — a chunk's window one row earlier, the sequence's first window
-    a masked load — and the others get as a copy.  ``first_key``: row 0's write feature (a carried key; the
-    in-place passes fold its step into the initial state), also where row 0 starts a segment (``run_from_one``).
-    Values, final state and gradients w.r.t. every input (k's through the shift, the first key's) against the
-    float64 reference on the shifted keys; T = 53 (a padded last chunk), segments inside chunks, outputs
-    poisoned."""
+    read from row 0 and shifted down in registers — and the others get as a copy.  Values, final state and
+    gradients w.r.t. every input (k's through the shift) against the float64 reference on the shifted keys;
+    T = 53 (a padded last chunk), segments inside chunks, outputs poisoned."""
     extra = dict(extra)
     q, k, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, T=53, dk=extra.pop("dk", 16), dv=extra.pop("dv", 32),
                                                  segments=extra.pop("segments", True))
-    first = rng.normal(size=s0.shape[:3]) / 4 if extra.pop("first_key", False) else None
-    if extra.pop("run_from_one", False):
-        run = run + 1
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
     config = KernelConfig(block_v=block_v, outputs=extra.pop("outputs", "pallas"), **extra)
     in_place = layout == "BTHD"
     lay = time_major if in_place else (lambda a: a)
 
-    def loss_op(q, k, y, eta, log_gamma, s0, first):
+    def loss_op(q, k, y, eta, log_gamma, s0):
         kw = (dict(implementation="xla") if layout == "xla" else
               dict(implementation="pallas_gpu", interpret=True, chunk_size=chunk, pieces=pieces, config=config,
                    layout="BTHD" if in_place else "BHTD"))
-        o, s = decayed_delta_rule(*(lay(a) for a in (q, k, y, eta, log_gamma, run)), s0, shifted_keys=True,
-                                  first_key=first, **kw)
+        o, s = decayed_delta_rule(*(lay(a) for a in (q, k, y, eta, log_gamma, run)), s0, shifted_keys=True, **kw)
         return jnp.sum(o * lay(ct_o).astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype)), (o, s)
 
-    def loss_ref(q, k, y, eta, log_gamma, s0, first):
-        o, s = decayed_delta_rule_reference(q, keys_one_row_later(k, first), y, eta, log_gamma, run, s0)
+    def loss_ref(q, k, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule_reference(q, keys_one_row_later(k), y, eta, log_gamma, run, s0)
         return jnp.sum(o * ct_o) + jnp.sum(s * ct_s), (o, s)
 
-    argnums = tuple(range(6 if first is None else 7))
+    argnums = tuple(range(6))
     with poisoned_outputs():
         (_, (o, s)), got = jax.jit(jax.value_and_grad(loss_op, argnums=argnums, has_aux=True))(
-            *(None if a is None else jnp.asarray(a, jnp.float32) for a in (q, k, y, eta, log_gamma, s0, first)))
+            *(jnp.asarray(a, jnp.float32) for a in (q, k, y, eta, log_gamma, s0)))
     (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
-        *(None if a is None else jnp.asarray(a) for a in (q, k, y, eta, log_gamma, s0, first)))
+        *(jnp.asarray(a) for a in (q, k, y, eta, log_gamma, s0)))
     assert rel_err(o, lay(o_ref)) < FP32_TOL
     assert rel_err(s, s_ref) < FP32_TOL
-    for name, g, w in zip(["q", "k", "y", "eta", "log_gamma", "initial_state", "first_key"], got, want):
+    for name, g, w in zip(["q", "k", "y", "eta", "log_gamma", "initial_state"], got, want):
         assert np.all(np.isfinite(np.asarray(g))), name
         assert rel_err(g, w) < 5e-5, name
-
-
-def test_first_key_needs_shifted_keys_and_the_state_shape(rng):
-    """``first_key`` is refused without ``shifted_keys`` and with a shape other than ``[B, H, dk]``, naming both."""
-    q, k, y, eta, log_gamma, run, s0 = (jnp.asarray(a) for a in op_inputs(rng, T=20))
-    with pytest.raises(ValueError, match="first_key is row 0's write feature under shifted_keys=True"):
-        decayed_delta_rule(q, k, y, eta, log_gamma, run, s0, first_key=k[:, :, 0], implementation="xla")
-    with pytest.raises(ValueError, match=r"first_key must be \[B, H, dk\] = \[1, 2, 16\]"):
-        decayed_delta_rule(q, k, y, eta, log_gamma, run, s0, shifted_keys=True, first_key=k[:, 0],
-                           implementation="xla")
 
 
 def test_keys_read_in_place_only_where_every_pass_can():

@@ -366,48 +366,11 @@ def keys_read_in_place(config: "KernelConfig", backend: str, bh: int, dv: int, p
             and config.chunk_grads_for(backend) in ("pallas_stored", "pallas_stored_split"))
 
 
-def _rows_one_later(a, axis, first=None):
-    """``out[t] = a[t − 1]`` along ``axis``, ``out[0] = first`` (``[B, H, d]``; None: zero): write features from
-    keys (``shifted_keys``)."""
+def _rows_one_later(a, axis):
+    """``out[t] = a[t − 1]`` along ``axis``, ``out[0] = 0``: write features from keys (``shifted_keys``)."""
     T = a.shape[axis]
-    if first is None:
-        row0 = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
-    else:
-        row0 = jnp.expand_dims(first.astype(a.dtype), axis)  # [B, H, d] -> the time axis at ``axis``
-    return jnp.concatenate([row0, jax.lax.slice_in_dim(a, 0, T - 1, axis=axis)], axis=axis)
-
-
-def _first_row(a, heads):
-    """Row 0 of a kernel operand as ``[BH, ...]``: tokens ``[BH, L, d]`` or ``[B, L, H, d]`` (``heads``), gates
-    ``[BH, L]``."""
-    row = a[:, 0]
-    return row.reshape(-1, row.shape[-1]) if heads is not None and a.ndim == 4 else row
-
-
-def _state_after_first_row(s0, x0, y0, eta0, lg0, keep):
-    """``[BH, dk, dv]``: the state after row 0, ``e^{lg0} S + η0 x0 (y0 − Sᵀ x0)ᵀ`` with ``S`` = s0, or zero
-    where row 0 starts a segment (``keep`` False)."""
-    prev = jnp.where(keep[:, None, None], s0, 0.0)
-    resid = y0 - jnp.einsum("bk,bkd->bd", x0, prev, precision=jax.lax.Precision.HIGHEST)
-    return jnp.exp(lg0)[:, None, None] * prev + (eta0[:, None] * x0)[:, :, None] * resid[:, None, :]
-
-
-def _fold_first_row(x0, y, eta, log_gamma, run, s0, heads):
-    """``shifted_keys`` in place: the kernels read row 0's write feature as zero, so its step (feature ``x0``
-    ``[BH, dk]``, a carried key) is done here — ``s0`` becomes the state after row 0, whose η and log γ become 0
-    and whose run index 0.  Returns ``(s0, eta, log_gamma, run)`` and what the backward needs."""
-    eta0, lg0, run0 = eta[:, 0], log_gamma[:, 0], run[:, 0]
-    folded = _state_after_first_row(s0, x0, _first_row(y, heads).astype(jnp.float32), eta0, lg0, run0 == 0)
-    return ((folded, eta.at[:, 0].set(0.0), log_gamma.at[:, 0].set(0.0), run - run0[:, None]),
-            (s0, x0, eta0, lg0, run0 == 0))
-
-
-def _first_row_grads(fold_res, y, heads, ds_folded):
-    """The backward of :func:`_fold_first_row`: gradients w.r.t. s0, x0, y's row 0, η0 and log γ0."""
-    s0, x0, eta0, lg0, keep = fold_res
-    y0 = _first_row(y, heads).astype(jnp.float32)
-    _, vjp = jax.vjp(lambda *a: _state_after_first_row(*a, keep), s0, x0, y0, eta0, lg0)
-    return vjp(ds_folded)
+    first = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
+    return jnp.concatenate([first, jax.lax.slice_in_dim(a, 0, T - 1, axis=axis)], axis=axis)
 
 
 def _rows_one_earlier(a, axis):
@@ -473,10 +436,6 @@ def _check_split(config, backend):
 def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads, key_shift):
     _check_split(config, backend)
     keys = {"key_shift": True} if key_shift else {}  # x holds the keys, read one row back (keys_read_in_place)
-    fold_res = None
-    if key_shift:  # s0 is (s0, row 0's write feature): row 0's step is folded into s0 (its gradient w.r.t. y's
-        # row 0 then joins dy in place in the backward, not as a [B, T, H, dv] sum in XLA)
-        (s0, eta, log_gamma, run), fold_res = _fold_first_row(s0[1], y, eta, log_gamma, run, s0[0], heads)
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
@@ -505,7 +464,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
                                                       dtype=kw["walk_operands"] or jnp.float32, **keys)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
                                         **dict(kw, num_stages=stages), **keys)
-    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, fold_res)
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
 
 
 def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
@@ -517,7 +476,7 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
     keys = {"key_shift": True} if key_shift else {}
-    q, x, y, eta, g, gp, rl, starts, saved_tinv, fold_res = res
+    q, x, y, eta, g, gp, rl, starts, saved_tinv = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
@@ -599,15 +558,9 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
-    dlog_gamma = _log_gamma_grad(dg, dgp, chunk, group)
-    ds0 = ds_start[:, 0]
     if key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
         dx = _rows_one_earlier(dx, axis=1)
-        ds0, dx0, dy0, deta0, dlg0 = _first_row_grads(fold_res, y, heads, ds0)
-        ds0 = (ds0, dx0)
-        dy = dy.at[:, 0].add(dy0.reshape(dy[:, 0].shape).astype(dy.dtype))  # in place: one row of dy
-        deta, dlog_gamma = deta.at[:, 0].set(deta0), dlog_gamma.at[:, 0].set(dlg0)  # the kernels saw η0 = lg0 = 0
-    return dq, dx, dy, deta, dlog_gamma, None, ds0
+    return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
@@ -649,7 +602,7 @@ _column_op.defvjp(lambda *a: _column_forward(*a), _column_bwd)
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation: str = "auto", config: KernelConfig | None = None,
                        pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD",
-                       shifted_keys: bool = False, first_key=None):
+                       shifted_keys: bool = False):
     """Chunked decayed delta rule (residual on the undecayed state).
 
     Args:
@@ -662,35 +615,24 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``. The GPU Triton
         kernels (scalar gates) read and write it in place; the other paths transpose.
-      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is ``first_key``:
-        Falcon's prefix-aligned pair ``(k_{t−1}, v_t)`` without a shifted copy of k.  The GPU's default passes
-        read k one row back in place (:func:`keys_read_in_place`) and do row 0's step in XLA, folded into the
-        initial state; the other paths shift k in XLA.  x's gradient is k's.
-      first_key: ``[B, H, dk]``, row 0's write feature under ``shifted_keys`` (a key carried from an earlier
-        segment); None: zero.
+      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is zero (fold a
+        carried key's step into ``initial_state``, as ``falcon`` does): Falcon's prefix-aligned pair
+        ``(k_{t−1}, v_t)`` without a shifted copy of k.  The GPU's default passes read k one row back in place
+        (:func:`keys_read_in_place`); the other paths shift it in XLA.  x's gradient is k's.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
     check_layout(layout)
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     per_column = eta.ndim == 4 or log_gamma.ndim == 4
-    if first_key is not None:
-        if not shifted_keys:
-            raise ValueError("decayed_delta_rule: first_key is row 0's write feature under shifted_keys=True; pass "
-                             "shifted_keys=True, or put the feature into x's row 0 yourself.")
-        want = initial_state.shape[:3]
-        if first_key.shape != want:
-            raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
-                             f"leading dims), got {list(first_key.shape)}.")
     in_place = layout == "BTHD"
     if in_place and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
         o, final = decayed_delta_rule(*(swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
                                       chunk_size=chunk_size, implementation=implementation, config=config,
-                                      pieces=pieces, interpret=interpret, shifted_keys=shifted_keys,
-                                      first_key=first_key)
+                                      pieces=pieces, interpret=interpret, shifted_keys=shifted_keys)
         return swap_time_heads(o), final
     if shifted_keys and (implementation != "pallas_gpu" or per_column):
-        x, shifted_keys = _rows_one_later(x, 1 if in_place else 2, first_key), False
+        x, shifted_keys = _rows_one_later(x, axis=1 if in_place else 2), False
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -723,15 +665,12 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
                                     interpret=bool(interpret))
     key_shift = shifted_keys and keys_read_in_place(config, implementation, B * H, dv, P)
     if shifted_keys and not key_shift:
-        x = _rows_one_later(x, 1 if in_place else 2, first_key)
+        x = _rows_one_later(x, axis=1 if in_place else 2)
     f32 = jnp.float32
-    s0 = initial_state.astype(f32).reshape(B * H, dk, dv)
-    if key_shift:  # with row 0's write feature, which the op folds into the initial state
-        s0 = (s0, jnp.zeros((B * H, dk), f32) if first_key is None else first_key.astype(f32).reshape(B * H, dk))
     o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
                           gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
-                          s0, chunk, config, P, bool(interpret), implementation, 1, H if in_place else None,
-                          key_shift)
+                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P, bool(interpret),
+                          implementation, 1, H if in_place else None, key_shift)
     o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
     return o, final.reshape(B, H, dk, dv)
 
