@@ -701,6 +701,18 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "split_block_v=16;split_block_v=32;block_v=16;block_v=16,split_block_v=16" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66)"; exit 2 ;;
+  next67)  # seventeenth run (its change was reverted after it, so the part now times today's code): row 0's step
+    # (the carried key's pair) folded inside the op, so that its gradient w.r.t. v's row 0 would join dv in place
+    # (next63's profile had a new 42 us [B, T, H, dv] fusion at 8x2048 adding it in XLA): GPU checks on the
+    # in-place path, timing and memory against the shifted copy, profile
+    step check 200 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,bf16,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" --configs "keys_in_place=False" \
+      --out "$out/$part/bench.json"
+    profile_falcon1 40 10
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
