@@ -183,6 +183,7 @@ def keys_one_row_later(k):
     # the recompute walk, the split reverse walk (forming or reading (c ⊙ Q)ᵀ dO, B from T or stored), the
     # stored chunk gradients (one program or two per chunk), in either layout
     (16, 1, 16, "BHTD", {}),
+    (16, 1, 16, "BTHD", {"fwd_scores": "walk"}),
     (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare"}),
     (16, 1, 32, "BTHD", {"chunk_grads": "pallas_stored_split", "dstate_b": "stored", "segments": False}),
     (32, 1, 64, "BHTD", {"dv": 64, "fwd_scores": "kernel", "save_tri": True, "dk": 32}),
