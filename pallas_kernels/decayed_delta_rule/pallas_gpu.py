@@ -112,7 +112,7 @@ def _unit_lower_inverses(blocks):
 
 class _KeysOneRowBack:
     """The write features ``x`` of a block of rows, read in place from the keys ``k`` one row back:
-    ``x[t] = k[t − 1]``, and the sequence's first row zero (the op folds a carried key's step into the initial
+    ``x[t] = k[t − 1]``, and the sequence's first row zero (``falcon`` folds a carried key's step into the initial
     state), so no shifted copy of k is made (``shifted_keys=True`` in the op).
 
     Indexed like the x ref it stands for — ``[...]``, ``[rows, :]``, ``[:, cols]`` — with ``rows`` a static or
@@ -121,7 +121,7 @@ class _KeysOneRowBack:
     ``pad``.  A window is one load one row earlier; one that may start at the sequence's first row is a masked
     load (row −1 reads zero, never touching memory), which Triton feeds to the dots as it does a plain load.
     ``pad``: 0 on the GPU; 1 in interpret mode, whose windows are dynamic slices that clamp a start of −1 to 0
-    — there k has a NaN row in front (:func:`_key_source`), so a window the mask failed to cover shows."""
+    — there k has a NaN row in front (:func:`_key_operand`), so a window the mask failed to cover shows."""
 
     def __init__(self, k_ref, base, rows, pad):
         self.k_ref, self.base, self.rows, self.pad = k_ref, base, rows, pad
@@ -292,8 +292,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
 
 
 def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, ds_end_ref, *out_refs,
-                       chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, key_shift=False,
-                       key_pad=0):
+                       chunk, n_chunks, write_dh, precision, lo=None, write_dr=False):
     """The fused reverse walk: ``dP = (QXᵀ⊙D)ᵀ dO + w ⊙ X dS``, ``dR = Tᵀ dP`` inside the walk."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
 
@@ -302,10 +301,9 @@ def _state_grad_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_r
         dP = _sdot(scores.T, do, p32, lo) + w_last[:, None] * _sdot(x, dS, p32, lo)
         return _tdot(t_ref[rows, :].T, dP, p32)
 
-    _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
-                  out_refs,
-                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
-                  residual_grad=residual_grad, write_dr=write_dr)
+    _reverse_walk(q_ref, x_ref, (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref, out_refs, chunk=chunk,
+                  n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo, residual_grad=residual_grad,
+                  write_dr=write_dr)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, do_ref, h_ref, dh_ref,
@@ -644,17 +642,16 @@ def _key_spec(sp, x, key_shift, heads):
     return row_block(heads, L, dk, lambda b, c: (b, 0, 0))
 
 
-def _key_kw(key_shift, interpret):
-    """A kernel's keywords for reading the keys one row back (:class:`_KeysOneRowBack`), or none."""
-    return {"key_shift": True, "key_pad": int(bool(interpret))} if key_shift else {}
-
-
-def _key_source(x, key_shift, interpret):
-    """The array a pass's kernel reads x from: x itself; with ``key_shift`` in interpret mode, x with a NaN row
-    in front (the ``pad`` of :class:`_KeysOneRowBack`; time is axis 1 in either layout)."""
-    if not (key_shift and interpret):
-        return x
-    return jnp.concatenate([jnp.full_like(x[:, :1], jnp.nan), x], axis=1)
+def _key_operand(x, key_shift, interpret):
+    """``(the array a pass's kernel reads x from, the kernel's keywords)``: x and none; with ``key_shift``
+    (:class:`_KeysOneRowBack`) the keywords, and in interpret mode x with a NaN row in front, the view's ``pad``
+    (time is axis 1 in either layout)."""
+    if not key_shift:
+        return x, {}
+    pad = int(bool(interpret))
+    if pad:
+        x = jnp.concatenate([jnp.full_like(x[:, :1], jnp.nan), x], axis=1)
+    return x, {"key_shift": True, "key_pad": pad}
 
 
 def _one_piece(key_shift, pieces, name):
@@ -673,13 +670,13 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     other passes take the same flag)."""
     BH, L, dk = token_dims(x, heads)
     sp = chunk_specs(x, dk, chunk, heads)
-    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group,
-                               **_key_kw(key_shift, interpret))
+    keys, key_kw = _key_operand(x, key_shift, interpret)
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group, **key_kw)
     (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[_key_spec(sp, x, key_shift, heads), sp.row, sp.row,
                                                              sp.row, sp.row],
                    out_specs=[sp.square],
                    out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), t_dtype)],
-                   args=(_key_source(x, key_shift, interpret), eta, g, gp, rl),
+                   args=(keys, eta, g, gp, rl),
                    compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                    name="falcon_delta_tri_inverse")
     return tinv
@@ -690,12 +687,12 @@ def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None
     ``forward_pass(scores=...)``."""
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, dk, chunk, heads)
-    (scores,) = call(functools.partial(_scores_kernel, precision=precision_for(q.dtype),
-                                       **_key_kw(key_shift, interpret)),
+    keys, key_kw = _key_operand(x, key_shift, interpret)
+    (scores,) = call(functools.partial(_scores_kernel, precision=precision_for(q.dtype), **key_kw),
                      grid=(BH, L // chunk), in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row],
                      out_specs=[sp.square],
                      out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), dtype)],
-                     args=(q, _key_source(x, key_shift, interpret), g, rl),
+                     args=(q, keys, g, rl),
                      compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                      name="falcon_delta_masked_scores")
     return scores
@@ -722,6 +719,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     (:func:`masked_scores_pass`), read instead of each program forming ``QXᵀ`` itself (write_o only).
     """
     _one_piece(key_shift, pieces, "forward_pass")
+    keys, key_kw = _key_operand(x, key_shift, interpret)
     grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
@@ -733,8 +731,8 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
-                               read_scores=scores is not None, **_key_kw(key_shift, interpret))
-    args = (q, _key_source(x, key_shift, interpret), y, eta, g, gp, rl, tinv, s0)
+                               read_scores=scores is not None, **key_kw)
+    args = (q, keys, y, eta, g, gp, rl, tinv, s0)
     args += (scores,) if scores is not None else ()
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                 args=args, compiler_params=_params(interpret, num_warps, num_stages),
@@ -819,13 +817,12 @@ def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write
 
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
-                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None, key_shift=False):
+                    num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
     Returns (dR [BH, L, dv] the residuals' gradient if write_dr (None, or the dtype to store it in),
     dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
-    _one_piece(key_shift, pieces, "state_grad_pass")
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
@@ -834,10 +831,9 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
-                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
-                               **_key_kw(key_shift, interpret))
+                               precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, tinv, do, ds_end),
+                args=(q, x, eta, g, gp, rl, tinv, do, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate")
 
@@ -858,12 +854,13 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
     if q_term_dtype is not None:
         out_specs.append(sp.state)
         out_shape.append(jax.ShapeDtypeStruct((BH, L // chunk, dk, dv), q_term_dtype))
+    keys, key_kw = _key_operand(x, key_shift, interpret)
     outs = list(call(functools.partial(_state_grad_prepare_kernel, chunk=chunk, precision=precision_for(q.dtype),
-                                       with_b=with_b, lo=walk_operands, **_key_kw(key_shift, interpret)),
+                                       with_b=with_b, lo=walk_operands, **key_kw),
                      grid=(BH, L // chunk), in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row,
                                                       sp.row, sp.square, sp.v],
                      out_specs=out_specs, out_shape=out_shape,
-                     args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, tinv, do),
+                     args=(q, keys, eta, g, gp, rl, tinv, do),
                      compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                      name="falcon_delta_dstate_prepare"))
     v = outs.pop(0)
@@ -894,7 +891,8 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                 specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
-    args = [q, _key_source(x, key_shift, interpret), eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
+    keys, key_kw = _key_operand(x, key_shift, interpret)
+    args = [q, keys, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
     aliases = {}
     if q_term is not None:
         if pieces != 1 or not write_dh or q_term.dtype != shapes.chunk_states.dtype:
@@ -906,7 +904,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
         args.append(q_term)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
                                precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
-                               b_from_t=b_from_t, q_term=q_term is not None, **_key_kw(key_shift, interpret))
+                               b_from_t=b_from_t, q_term=q_term is not None, **key_kw)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, args=tuple(args),
                 aliases=aliases, compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate_walk")
@@ -964,17 +962,17 @@ def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, 
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, do.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
-    keys = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
-                             precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
-                             **_key_kw(key_shift, interpret))
+    keys, key_kw = _key_operand(x, key_shift, interpret)
+    kernel = functools.partial(_chunk_grad_keys_kernel, chunk=chunk, block_k=min(block_k, dk),
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops, **key_kw)
     return call(
-        keys, grid=(BH, L // chunk),
+        kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
                   sp.flat_v, sp.flat_v,
                   sp.square, sp.square, sp.row],
         out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, _key_source(x, key_shift, interpret), eta, g, gp, rl, do, h, dh, *sums),
+        args=(q, keys, eta, g, gp, rl, do, h, dh, *sums),
         compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_keys")
 
@@ -1004,9 +1002,9 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     BH, L, dk = token_dims(q, heads)
     sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
+    keys, key_kw = _key_operand(x, key_shift, interpret)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
-                               **_key_kw(key_shift, interpret))
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops, **key_kw)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state,
@@ -1014,7 +1012,7 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, _key_source(x, key_shift, interpret), y, eta, g, gp, rl, do, h, dh, p, dr),
+        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr),
         compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
         name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
