@@ -57,6 +57,17 @@ def pad_time(a, length: int, mode: str = "constant"):
     return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2), mode=mode)
 
 
+def shift_time(a, d: int, axis: int):
+    """``out[p] = a[p − d]`` along ``axis``, zeros where ``p − d`` falls outside (``d`` < 0: rows move earlier)."""
+    if d == 0:
+        return a
+    T = a.shape[axis]
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (d, 0) if d > 0 else (0, -d)
+    start = max(-d, 0)
+    return jax.lax.slice_in_dim(jnp.pad(a, widths), start, start + T, axis=axis)
+
+
 def flatten_pad(a, length: int, mode: str = "constant"):
     """``[B, H, T, ...]`` -> ``[B·H, length, ...]``, padded at the end of T (see :func:`pad_time`)."""
     return pad_time(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), length, mode)

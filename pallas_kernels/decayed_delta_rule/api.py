@@ -56,7 +56,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_state_dtype, flatten_pad,
                                    interpret_default, kernel_operands, next_pow2, pieces_for, resolve_implementation,
-                                   reverse_chunk_cumsum, swap_time_heads, token_dims, unsupported_dims_reason)
+                                   reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
+                                   unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
 from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
@@ -366,20 +367,6 @@ def keys_read_in_place(config: "KernelConfig", backend: str, bh: int, dv: int, p
             and config.chunk_grads_for(backend) in ("pallas_stored", "pallas_stored_split"))
 
 
-def _rows_one_later(a, axis):
-    """``out[t] = a[t − 1]`` along ``axis``, ``out[0] = 0``: write features from keys (``shifted_keys``)."""
-    T = a.shape[axis]
-    first = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
-    return jnp.concatenate([first, jax.lax.slice_in_dim(a, 0, T - 1, axis=axis)], axis=axis)
-
-
-def _rows_one_earlier(a, axis):
-    """``out[t] = a[t + 1]``, ``out[T − 1] = 0``: the transpose of :func:`_rows_one_later`."""
-    T = a.shape[axis]
-    last = jnp.zeros_like(jax.lax.slice_in_dim(a, 0, 1, axis=axis))
-    return jnp.concatenate([jax.lax.slice_in_dim(a, 1, T, axis=axis), last], axis=axis)
-
-
 def _gates(log_gamma, run, chunk, group=1):
     """Per-row chunk-local g, gp = g − log γ and run index.  ``group > 1``: ``log_gamma`` and ``run`` are per
     *step* ``[BH, L / group]`` and every step has ``group`` rows (its virtual writes), which all share the step's
@@ -559,7 +546,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
     if key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
-        dx = _rows_one_earlier(dx, axis=1)
+        dx = shift_time(dx, -1, axis=1)
     return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
 
 
@@ -632,7 +619,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
                                       pieces=pieces, interpret=interpret, shifted_keys=shifted_keys)
         return swap_time_heads(o), final
     if shifted_keys and (implementation != "pallas_gpu" or per_column):
-        x, shifted_keys = _rows_one_later(x, axis=1 if in_place else 2), False
+        x, shifted_keys = shift_time(x, 1, axis=1 if in_place else 2), False
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -665,7 +652,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
                                     interpret=bool(interpret))
     key_shift = shifted_keys and keys_read_in_place(config, implementation, B * H, dv, P)
     if shifted_keys and not key_shift:
-        x = _rows_one_later(x, axis=1 if in_place else 2)
+        x = shift_time(x, 1, axis=1 if in_place else 2)
     f32 = jnp.float32
     o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
                           gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
