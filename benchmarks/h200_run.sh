@@ -713,6 +713,31 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --out "$out/$part/bench.json"
     profile_falcon1 40 10
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67)"; exit 2 ;;
+  next68)  # eighteenth run: row 0's step (the carried key's pair) folded inside the op again, now with its gradient
+    # w.r.t. v's row 0 added by the stored chunk-gradient kernel (dy_first), so no XLA update of dv follows; the
+    # reverse walk's dR written over V's buffer. GPU checks on the in-place path; timing and memory against the
+    # shifted copy and jla; profile; the temp allocation laid out (memory_report)
+    step check 200 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,bf16,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "keys_in_place=False" --out "$out/$part/bench.json"
+    profile_falcon1 50 10
+    step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 40
+    ;;
+  next69)  # eighteenth run: the first-row addend of the stored chunk gradients as a branch only chunk 0's program
+    # takes (next68's select cost that kernel 14 / 30 us) -- it cost 623 vs 446 us and went back to the select, so
+    # the part now times today's code; timing against the shifted copy; profile; the temp allocation laid out, and
+    # XLA's buffer assignment kept
+    step bench 120 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas (ours)" --skip "$WHOLE_OP_VARIANTS" --configs "keys_in_place=False" \
+      --out "$out/$part/bench.json"
+    profile_falcon1 50 10
+    step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 40
+    gzip -c /tmp/memdump_ours/*jit_both*buffer-assignment.txt > "$out/$part/buffer_assignment.txt.gz" || true
+    gzip -c /tmp/memdump_ours/*jit_both*live-range.txt > "$out/$part/live_range.txt.gz" || true
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

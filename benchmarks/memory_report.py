@@ -70,7 +70,68 @@ def main() -> int:
         total = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", text)
         if total:
             print(f"  peak: {int(total.group(1).replace(' ', '')) * mb:.1f} MB")
+        assignment = path.replace("-live-range.txt", "-buffer-assignment.txt")
+        if os.path.exists(assignment):
+            print_temp_layout(open(assignment).read(), text, defs, args.lines)
+        else:
+            print(f"  (no {os.path.basename(assignment)}: {sorted(os.listdir(args.out))[:20]})")
     return 0
+
+
+def temp_layout(assignment: str, live_range: str):
+    """The preallocated temp allocation of an XLA buffer-assignment dump, laid out: ``(size, rows)`` with rows
+    ``(offset, size, start, end, name)`` sorted by offset — each value's place in the allocation and its live
+    range (instruction positions of the live-range dump; -1 where it has none).  Where the allocation is larger
+    than the most temp bytes live at once, the difference is XLA's packing."""
+    ranges = {m.group(1): (int(m.group(2)), int(m.group(3)))
+              for m in re.finditer(r"^\s+([\w.\-]+\{\d*\}):(\d+)-(\d+)$", live_range, re.M)}
+    size, rows = 0, []
+    for block in re.split(r"^(?=allocation \d+:)", assignment, flags=re.M):
+        head = re.match(r"allocation \d+: size (\d+), (?:page \d+, )?preallocated-temp", block)
+        if not head:
+            continue
+        size = int(head.group(1))
+        for m in re.finditer(r"value: <\d+ ([\w.\-]+)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\)", block):
+            name = m.group(1) + (m.group(2) or "{}")
+            start, end = ranges.get(name, (-1, -1))
+            rows.append((int(m.group(4)), int(m.group(3)), start, end, name))
+    return size, sorted(rows)
+
+
+def live_temp_peak(rows):
+    """``(bytes, position)``: the most temp bytes live at one instruction position, from :func:`temp_layout`'s
+    rows (values without a live range left out; values aliasing one buffer counted once by offset)."""
+    events = sorted({r[2] for r in rows if r[2] >= 0})
+    best = (0, -1)
+    for t in events:
+        spans = {}  # offset -> bytes: values aliasing one buffer (same offset) counted once
+        for offset, nbytes, start, end, _ in rows:
+            if start <= t <= end:  # XLA's live ranges include both ends
+                spans[offset] = max(spans.get(offset, 0), nbytes)
+        live = sum(spans.values())
+        best = max(best, (live, t))
+    return best
+
+
+def print_temp_layout(assignment, live_range, defs, lines):
+    mb = 1e-6
+    size, rows = temp_layout(assignment, live_range)
+    if not rows:
+        heads = re.findall(r"^allocation \d+: size \d+, [^\n]{0,60}", assignment, re.M)
+        print(f"  (no preallocated-temp allocation; the largest: {sorted(heads, key=lambda h: -int(h.split()[3][:-1]))[:5]})")
+        return
+    peak, at = live_temp_peak(rows)
+    print(f"== temp allocation {size * mb:.1f} MB; at most {peak * mb:.1f} MB of it live at once (position {at}): "
+          f"{(size - peak) * mb:.1f} MB is packing.  Values of 1 MB or more by offset:")
+    print(f"  {'offset MB':>9} {'size MB':>8}  live       value  op")
+    shown = 0
+    for offset, nbytes, start, end, name in rows:
+        if nbytes < 1e6 or shown >= lines:
+            continue
+        shown += 1
+        line = defs.get(name.split("{")[0], "")
+        op = re.search(r'op_name="([^"]*)"', line)
+        print(f"  {offset * mb:9.1f} {nbytes * mb:8.1f}  {start:>4}-{end:<4}  {name}  {op.group(1)[-80:] if op else ''}")
 
 
 if __name__ == "__main__":

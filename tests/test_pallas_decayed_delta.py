@@ -173,9 +173,11 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
         assert rel_err(g, w) < 5e-5, name
 
 
-def keys_one_row_later(k):
-    """``x[t] = k[t − 1]``, ``x[0] = 0`` along the time axis of ``[B, H, T, d]``: ``shifted_keys``' write features."""
-    return jnp.concatenate([jnp.zeros_like(k[:, :, :1]), k[:, :, :-1]], axis=2)
+def keys_one_row_later(k, first_key=None):
+    """``x[t] = k[t − 1]``, ``x[0] = first_key`` (None: 0) along the time axis of ``[B, H, T, d]``:
+    ``shifted_keys``' write features."""
+    row0 = jnp.zeros_like(k[:, :, :1]) if first_key is None else first_key[:, :, None]
+    return jnp.concatenate([row0, k[:, :, :-1]], axis=2)
 
 
 @pytest.mark.parametrize("chunk,pieces,block_v,layout,extra", [
@@ -183,55 +185,79 @@ def keys_one_row_later(k):
     # the recompute walk, the split reverse walk (forming or reading (c ⊙ Q)ᵀ dO, B from T or stored), the
     # stored chunk gradients (one program or two per chunk), in either layout
     (16, 1, 16, "BHTD", {}),
-    (16, 1, 16, "BTHD", {"fwd_scores": "walk"}),
-    (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare"}),
+    (16, 1, 16, "BTHD", {"fwd_scores": "walk", "first_key": "none"}),
+    (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare", "first_key": "reset"}),
     (16, 1, 32, "BTHD", {"chunk_grads": "pallas_stored_split", "dstate_b": "stored", "segments": False}),
     (32, 1, 64, "BHTD", {"dv": 64, "fwd_scores": "kernel", "save_tri": True, "dk": 32}),
     # passes that take the shifted copy the op makes in XLA instead: pieces, the split forward, the fused
     # reverse walk, the formed chunk gradients, the XLA form
     (16, 2, 16, "BTHD", {}),
-    (16, 1, 16, "BHTD", {"outputs": "split"}),
-    (16, 1, 16, "BHTD", {"state_grads": "pallas", "chunk_grads": "pallas"}),
+    (16, 1, 16, "BHTD", {"outputs": "split", "first_key": "reset"}),
+    (16, 1, 16, "BHTD", {"state_grads": "pallas", "chunk_grads": "pallas", "first_key": "none"}),
     (16, 1, 16, "BTHD", {"keys_in_place": False}),
     (16, 1, 16, "xla", {}),
+    (16, 1, 16, "xla", {"first_key": "reset"}),
 ])
 def test_shifted_keys_match_reference(chunk, pieces, block_v, layout, extra, rng):
-    """``shifted_keys=True``: the op takes the keys k and writes with ``x[t] = k[t − 1]`` (``x[0] = 0``), which
-    the GPU passes read in place one row back — a chunk's window one row earlier, the sequence's first window
-    read from row 0 and shifted down in registers — and the others get as a copy.  Values, final state and
-    gradients w.r.t. every input (k's through the shift) against the float64 reference on the shifted keys;
-    T = 53 (a padded last chunk), segments inside chunks, outputs poisoned."""
+    """``shifted_keys=True``: the op takes the keys k and writes with ``x[t] = k[t − 1]`` and ``x[0] =
+    first_key``, which the GPU passes read in place one row back — a chunk's window one row earlier, row −1
+    masked and row 0's step folded into the initial state inside the op — and the others get as a copy.
+    Values, final state and gradients w.r.t. every input (k's through the shift, first_key's) against the
+    float64 reference on the shifted keys; T = 53 (a padded last chunk), segments inside chunks, outputs
+    poisoned.  ``first_key``: random (default), none (zero row 0), or random with row 0 starting a segment
+    (the step resets the initial state, then writes)."""
     extra = dict(extra)
     q, k, y, eta, log_gamma, run, s0 = op_inputs(rng, B=2, T=53, dk=extra.pop("dk", 16), dv=extra.pop("dv", 32),
                                                  segments=extra.pop("segments", True))
+    first = extra.pop("first_key", "random")
+    first_key = None if first == "none" else rng.normal(size=k.shape[:2] + k.shape[3:]) / 4
+    if first == "reset":
+        run = run + 1  # every run index ≠ 0: the state resets before row 0
     ct_o = jnp.asarray(rng.normal(size=y.shape))
     ct_s = jnp.asarray(rng.normal(size=s0.shape))
     config = KernelConfig(block_v=block_v, outputs=extra.pop("outputs", "pallas"), **extra)
     in_place = layout == "BTHD"
     lay = time_major if in_place else (lambda a: a)
 
-    def loss_op(q, k, y, eta, log_gamma, s0):
+    def loss_op(q, k, y, eta, log_gamma, s0, *first_key):
         kw = (dict(implementation="xla") if layout == "xla" else
               dict(implementation="pallas_gpu", interpret=True, chunk_size=chunk, pieces=pieces, config=config,
                    layout="BTHD" if in_place else "BHTD"))
-        o, s = decayed_delta_rule(*(lay(a) for a in (q, k, y, eta, log_gamma, run)), s0, shifted_keys=True, **kw)
+        o, s = decayed_delta_rule(*(lay(a) for a in (q, k, y, eta, log_gamma, run)), s0, shifted_keys=True,
+                                  first_key=first_key[0] if first_key else None, **kw)
         return jnp.sum(o * lay(ct_o).astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype)), (o, s)
 
-    def loss_ref(q, k, y, eta, log_gamma, s0):
-        o, s = decayed_delta_rule_reference(q, keys_one_row_later(k), y, eta, log_gamma, run, s0)
+    def loss_ref(q, k, y, eta, log_gamma, s0, *first_key):
+        o, s = decayed_delta_rule_reference(q, keys_one_row_later(k, *first_key), y, eta, log_gamma, run, s0)
         return jnp.sum(o * ct_o) + jnp.sum(s * ct_s), (o, s)
 
-    argnums = tuple(range(6))
+    args = (q, k, y, eta, log_gamma, s0) + (() if first_key is None else (first_key,))
+    argnums = tuple(range(len(args)))
     with poisoned_outputs():
         (_, (o, s)), got = jax.jit(jax.value_and_grad(loss_op, argnums=argnums, has_aux=True))(
-            *(jnp.asarray(a, jnp.float32) for a in (q, k, y, eta, log_gamma, s0)))
+            *(jnp.asarray(a, jnp.float32) for a in args))
     (_, (o_ref, s_ref)), want = jax.value_and_grad(loss_ref, argnums=argnums, has_aux=True)(
-        *(jnp.asarray(a) for a in (q, k, y, eta, log_gamma, s0)))
+        *(jnp.asarray(a) for a in args))
     assert rel_err(o, lay(o_ref)) < FP32_TOL
     assert rel_err(s, s_ref) < FP32_TOL
-    for name, g, w in zip(["q", "k", "y", "eta", "log_gamma", "initial_state"], got, want):
+    for name, g, w in zip(["q", "k", "y", "eta", "log_gamma", "initial_state", "first_key"], got, want):
         assert np.all(np.isfinite(np.asarray(g))), name
+        if name == "initial_state" and first == "reset":  # reset before row 0: it cannot reach the loss
+            assert float(jnp.max(jnp.abs(g))) == 0.0, name
+            continue
+        assert float(jnp.max(jnp.abs(w))) > 0, name  # every input reaches the loss
         assert rel_err(g, w) < 5e-5, name
+
+
+def test_first_key_needs_shifted_keys_and_its_shape(rng):
+    """``first_key`` without ``shifted_keys``, or not ``[B, H, dk]``, is refused with the fix named."""
+    q, k, y, eta, log_gamma, run, s0 = (jnp.asarray(a, jnp.float32) for a in op_inputs(rng, B=1, T=8))
+    good = jnp.zeros(k.shape[:2] + k.shape[3:])
+    with pytest.raises(ValueError, match="shifted_keys=True"):
+        decayed_delta_rule(q, k, y, eta, log_gamma, run, s0, implementation="xla", first_key=good)
+    with pytest.raises(ValueError, match=r"first_key must be \[B, H, dk\]"):
+        decayed_delta_rule(q, k, y, eta, log_gamma, run, s0, implementation="xla", shifted_keys=True,
+                           first_key=good[..., :-1])
 
 
 def test_keys_read_in_place_only_where_every_pass_can():
@@ -776,7 +802,8 @@ def test_benchmark_kernel_config_parser():
 def test_saved_inverse_skips_the_backward_solve():
     """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
     forward + backward instead of two; ``stored_v="input"`` (what the default "auto" picks for Falcon-1): V leaves
-    the prepare kernel in bf16, ``"fp32"`` in fp32; ``dstate_q="prepare"``: the reverse walk's dh aliases an input."""
+    the prepare kernel in bf16, ``"fp32"`` in fp32; the reverse walk's dR aliases V where they share a dtype, and
+    with ``dstate_q="prepare"`` its dh aliases the q-term."""
     B, T, H, D = 1, 256, 2, 128
     q = jnp.zeros((B, H, T, D), jnp.bfloat16)
     gate = jnp.zeros((B, H, T), jnp.float32)
@@ -808,11 +835,15 @@ def test_saved_inverse_skips_the_backward_solve():
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xf32>", prepare[0])
     prepare = call_lines(default, "dstate_prepare")
     assert re.search(rf"-> \(?tensor<{B * H}x{T}x{D}xbf16>", prepare[0])  # the default: bf16 V
-    # dstate_q="prepare": the reverse walk writes dh into the buffer of the q-term prepare made (no new buffer)
-    for config, aliased in ((KernelConfig(target_programs=1), False),
-                            (KernelConfig(target_programs=1, dstate_q="prepare"), True)):
+    # the reverse walk writes dR (output 0) over V (operand 6) where they share a dtype (bf16 V, not fp32 V), and
+    # with dstate_q="prepare" dh (output 1) into the buffer of the q-term prepare made (operand 10): no new buffers
+    for config, want in ((KernelConfig(target_programs=1), {(0, 6)}),
+                         (KernelConfig(target_programs=1, stored_v="fp32"), set()),
+                         (KernelConfig(target_programs=1, dstate_q="prepare"), {(0, 6), (1, 10)})):
         (walk,) = call_lines(lowered(config), "dstate_walk")
-        assert ("output_operand_aliases" in walk) == aliased
+        got = {(int(out), int(operand)) for out, operand in re.findall(
+            r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", walk)}
+        assert got == want, (config, got)
 
 
 def test_kernel_config_tri_dtype_per_backend_and_inputs():

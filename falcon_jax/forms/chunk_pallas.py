@@ -225,11 +225,12 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
                                    implementation=_implementation(), config=KERNEL_CONFIG)
     elif rule.regression and rule.alignment == "shifted" and eta.ndim == 3:
         # Falcon-1: the op reads the keys one row back (x_t = k_{t−1}) in place, so no shifted copy of k is
-        # made; step 0's pair (the carried key, v_0) is folded into the initial state here
-        S0, eta, lg = _fold_first_step(stream, v, eta, lg, state.S, ax)
-        o, S = decayed_delta_rule(q_read.astype(kd), k.astype(kd), v.astype(kd), eta, lg, run, S0,
+        # made; step 0's write feature is the carried key (zero without one or at a segment start)
+        first_key = jax.lax.index_in_dim(stream.x_ext, 0, axis=ax, keepdims=False)
+        o, S = decayed_delta_rule(q_read.astype(kd), k.astype(kd), v.astype(kd), eta, lg, run, state.S,
                                   chunk_size=chunk_size, implementation=_implementation(), config=KERNEL_CONFIG,
-                                  shifted_keys=True, **({"layout": "BTHD"} if time_major else {}))
+                                  shifted_keys=True, first_key=first_key,
+                                  **({"layout": "BTHD"} if time_major else {}))
     else:
         op = decayed_delta_rule if rule.regression else decayed_attention_per_column
         layout = {"layout": "BTHD"} if time_major else {}
@@ -239,20 +240,6 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)
     return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)
-
-
-def _fold_first_step(stream, v, eta, lg, S, axis):
-    """Step 0 of the write stream done in XLA: ``S_0 = γ_0 S + η_0 x_0 (v_0 − Sᵀ x_0)ᵀ`` with ``x_0`` the carried
-    key (zero without one or at a segment start, where η_0 = 0 too), and η_0 = log γ_0 = 0 handed on, so that the
-    op's row 0, whose write feature is zero under ``shifted_keys``, is the identity.  Returns ``(S_0, η, log γ)``;
-    S ``[B, H, dk, dv]``, η and log γ ``[B, H, T]`` (``axis`` = 1: ``[B, T, H]``)."""
-    first = lambda a: jax.lax.index_in_dim(a, 0, axis=axis, keepdims=False)  # noqa: E731
-    x0, v0 = first(stream.x_ext).astype(S.dtype), first(v).astype(S.dtype)  # [B, H, d]
-    eta0, lg0 = first(eta), first(lg)  # [B, H]
-    resid = v0 - jnp.einsum("bhk,bhkd->bhd", x0, S)
-    S0 = jnp.exp(lg0)[..., None, None] * S + jnp.einsum("bh,bhk,bhd->bhkd", eta0, x0, resid)
-    at0 = (slice(None),) * axis + (0,)
-    return S0, eta.at[at0].set(0.0), lg.at[at0].set(0.0)
 
 
 def _implementation() -> str:

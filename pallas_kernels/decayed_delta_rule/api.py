@@ -367,6 +367,49 @@ def keys_read_in_place(config: "KernelConfig", backend: str, bh: int, dv: int, p
             and config.chunk_grads_for(backend) in ("pallas_stored", "pallas_stored_split"))
 
 
+def _first_row(a, heads):
+    """Row 0 of a token operand as ``[BH, d]``: ``[BH, L, d]``, or ``[B, L, H, d]`` with ``heads``."""
+    row = a[:, 0]
+    return row.reshape(-1, row.shape[-1]) if heads is not None else row
+
+
+def _state_after_first_row(s0, x0, y0, eta0, lg0, keep):
+    """``[BH, dk, dv]``: the state after row 0, ``e^{log γ₀} S + η₀ x₀ (y₀ − Sᵀ x₀)ᵀ`` with ``S = s0``, or
+    ``S = 0`` where row 0 starts a segment (``keep`` False).  x0 ``[BH, dk]``, y0 ``[BH, dv]``, gates ``[BH]``."""
+    prev = jnp.where(keep[:, None, None], s0, 0.0)
+    resid = y0 - jnp.einsum("bk,bkd->bd", x0, prev, precision=jax.lax.Precision.HIGHEST)
+    return jnp.exp(lg0)[:, None, None] * prev + (eta0[:, None] * x0)[:, :, None] * resid[:, None, :]
+
+
+def _fold_first_row(s0, x0, y, eta, log_gamma, run, heads):
+    """Row 0's step (write feature ``x0`` ``[BH, dk]``: ``first_key``) done in XLA: returns the kernel operands
+    ``(s0, eta, log_gamma, run)`` with s0 the state after row 0 and row 0 an identity step (η = log γ = 0, run
+    index 0, so the kernels neither write nor reset there), and the residuals :func:`_first_row_grads` needs.
+    Gates ``[BH, L]``; y a token operand (:func:`_first_row`)."""
+    eta0, lg0, run0 = eta[:, 0], log_gamma[:, 0], run[:, 0]
+    keep = run0 == 0
+    y0 = _first_row(y, heads).astype(jnp.float32)
+    folded = _state_after_first_row(s0, x0, y0, eta0, lg0, keep)
+    operands = (folded, eta.at[:, 0].set(0.0), log_gamma.at[:, 0].set(0.0), run - run0[:, None])
+    return operands, (s0, x0, y0, eta0, lg0, keep)
+
+
+def _first_row_grads(residuals, ds_folded):
+    """The backward of :func:`_fold_first_row`: gradients w.r.t. s0, x0, y's row 0, η₀ and log γ₀."""
+    *primals, keep = residuals
+    _, vjp = jax.vjp(lambda *a: _state_after_first_row(*a, keep), *primals)
+    return vjp(ds_folded)
+
+
+def _keys_one_row_later(k, first_key, axis):
+    """Write features from keys: ``x[t] = k[t − 1]`` along ``axis``, ``x[0] = first_key`` ``[B, H, dk]`` (None:
+    zero)."""
+    if first_key is None:
+        return shift_time(k, 1, axis=axis)
+    row0 = jnp.expand_dims(first_key.astype(k.dtype), axis)  # [B, H, dk] -> [B, H, 1, dk] or [B, 1, H, dk]
+    return jnp.concatenate([row0, jax.lax.slice_in_dim(k, 0, k.shape[axis] - 1, axis=axis)], axis=axis)
+
+
 def _gates(log_gamma, run, chunk, group=1):
     """Per-row chunk-local g, gp = g − log γ and run index.  ``group > 1``: ``log_gamma`` and ``run`` are per
     *step* ``[BH, L / group]`` and every step has ``group`` rows (its virtual writes), which all share the step's
@@ -423,6 +466,10 @@ def _check_split(config, backend):
 def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads, key_shift):
     _check_split(config, backend)
     keys = {"key_shift": True} if key_shift else {}  # x holds the keys, read one row back (keys_read_in_place)
+    fold = None
+    if key_shift:  # s0 is (s0, first_key [BH, dk]): row 0's step is folded into s0 here, so that its gradient
+        # w.r.t. y's row 0 can join the chunk gradients' dy in the kernel (an XLA sum would copy all of dy)
+        (s0, eta, log_gamma, run), fold = _fold_first_row(*s0, y, eta, log_gamma, run, heads)
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
     g, gp, rl = _gates(log_gamma, run, chunk, group)
@@ -451,7 +498,7 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
                                                       dtype=kw["walk_operands"] or jnp.float32, **keys)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
                                         **dict(kw, num_stages=stages), **keys)
-    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None)
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, fold)
 
 
 def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
@@ -463,7 +510,7 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
     keys = {"key_shift": True} if key_shift else {}
-    q, x, y, eta, g, gp, rl, starts, saved_tinv = res
+    q, x, y, eta, g, gp, rl, starts, saved_tinv, fold = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
@@ -523,6 +570,10 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
                                            **state_kw, **keys)
     else:
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
+    ds0 = ds_start[:, 0]
+    if key_shift:  # through row 0's folded step (keys_read_in_place implies the stored chunk gradients)
+        ds0, dx0, dy0, deta0, dlg0 = _first_row_grads(fold, ds0)
+        ds0, keys = (ds0, dx0), dict(keys, dy_first=dy0)
     # 3) per-chunk gradients
     if stored:
         stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
@@ -545,9 +596,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         dq, dx, dy, deta, dg, dgp = kernels.chunk_grad_pass(
             q, x, y, eta, g, gp, rl, tinv, do, h, dh, chunk=chunk, block_v=config.block_v, interpret=interpret,
             num_warps=config.grad_warps, num_stages=config.grad_stages, group=group, **_layout_kw(heads))
+    dlog_gamma = _log_gamma_grad(dg, dgp, chunk, group)
     if key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
         dx = shift_time(dx, -1, axis=1)
-    return dq, dx, dy, deta, _log_gamma_grad(dg, dgp, chunk, group), None, ds_start[:, 0]
+        # the kernels saw η₀ = log γ₀ = 0: row 0's gates reach the output through the fold alone
+        deta, dlog_gamma = deta.at[:, 0].set(deta0), dlog_gamma.at[:, 0].set(dlg0)
+    return dq, dx, dy, deta, dlog_gamma, None, ds0
 
 
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
@@ -589,7 +643,7 @@ _column_op.defvjp(lambda *a: _column_forward(*a), _column_bwd)
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation: str = "auto", config: KernelConfig | None = None,
                        pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD",
-                       shifted_keys: bool = False):
+                       shifted_keys: bool = False, first_key=None):
     """Chunked decayed delta rule (residual on the undecayed state).
 
     Args:
@@ -602,24 +656,36 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``. The GPU Triton
         kernels (scalar gates) read and write it in place; the other paths transpose.
-      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is zero (fold a
-        carried key's step into ``initial_state``, as ``falcon`` does): Falcon's prefix-aligned pair
-        ``(k_{t−1}, v_t)`` without a shifted copy of k.  The GPU's default passes read k one row back in place
-        (:func:`keys_read_in_place`); the other paths shift it in XLA.  x's gradient is k's.
+      shifted_keys: x holds the keys k and row t's write feature is ``k[t − 1]``; row 0's is ``first_key``:
+        Falcon's prefix-aligned pair ``(k_{t−1}, v_t)`` without a shifted copy of k.  The GPU's default passes
+        read k one row back in place (:func:`keys_read_in_place`) and row 0's step is done in XLA, folded into
+        the initial state; the other paths shift k in XLA.  x's gradient is k's.
+      first_key: ``[B, H, dk]``, row 0's write feature under ``shifted_keys`` (a key carried from an earlier
+        segment; its gradient is returned like any input's); None: zero.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
     check_layout(layout)
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     per_column = eta.ndim == 4 or log_gamma.ndim == 4
+    if first_key is not None:
+        if not shifted_keys:
+            raise ValueError("decayed_delta_rule: first_key is row 0's write feature under shifted_keys=True; pass "
+                             "shifted_keys=True, or put the feature into x's row 0 yourself.")
+        want = initial_state.shape[:3]
+        if first_key.shape != want:
+            raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
+                             f"leading dims), got {list(first_key.shape)}.")
     in_place = layout == "BTHD"
     if in_place and (implementation != "pallas_gpu" or per_column):  # only these read BTHD in place
         o, final = decayed_delta_rule(*(swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
                                       chunk_size=chunk_size, implementation=implementation, config=config,
-                                      pieces=pieces, interpret=interpret, shifted_keys=shifted_keys)
+                                      pieces=pieces, interpret=interpret, shifted_keys=shifted_keys,
+                                      first_key=first_key)
         return swap_time_heads(o), final
-    if shifted_keys and (implementation != "pallas_gpu" or per_column):
-        x, shifted_keys = shift_time(x, 1, axis=1 if in_place else 2), False
+    time_axis = 1 if in_place else 2
+    if shifted_keys and (implementation == "xla" or per_column):  # x[t] = k[t − 1], x[0] = first_key
+        x, shifted_keys = _keys_one_row_later(x, first_key, time_axis), False
     if implementation == "xla":
         o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
@@ -652,12 +718,19 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
                                     interpret=bool(interpret))
     key_shift = shifted_keys and keys_read_in_place(config, implementation, B * H, dv, P)
     if shifted_keys and not key_shift:
-        x = shift_time(x, 1, axis=1 if in_place else 2)
+        x = shift_time(x, 1, axis=time_axis)
     f32 = jnp.float32
-    o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
-                          gates(eta.astype(f32)), gates(log_gamma.astype(f32)), gates(run.astype(jnp.int32), mode="edge"),
-                          initial_state.astype(f32).reshape(B * H, dk, dv), chunk, config, P, bool(interpret),
-                          implementation, 1, H if in_place else None, key_shift)
+    heads = H if in_place else None
+    y_k, eta_k, lg_k, run_k = (tokens(y.astype(dtype)), gates(eta.astype(f32)), gates(log_gamma.astype(f32)),
+                               gates(run.astype(jnp.int32), mode="edge"))
+    s0 = initial_state.astype(f32).reshape(B * H, dk, dv)
+    x0 = None if first_key is None else first_key.astype(f32).reshape(B * H, dk)
+    if key_shift:  # the op folds row 0's step itself (_forward), so that its dy row joins the kernels' dy
+        s0 = (s0, jnp.zeros((B * H, dk), f32) if x0 is None else x0)
+    elif shifted_keys and x0 is not None:  # the shifted copy's row 0 is zero: row 0's step folded here
+        (s0, eta_k, lg_k, run_k), _ = _fold_first_row(s0, x0, y_k, eta_k, lg_k, run_k, heads)
+    o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), y_k, eta_k, lg_k, run_k, s0, chunk,
+                          config, P, bool(interpret), implementation, 1, heads, key_shift)
     o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
     return o, final.reshape(B, H, dk, dv)
 
