@@ -738,6 +738,22 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     gzip -c /tmp/memdump_ours/*jit_both*buffer-assignment.txt > "$out/$part/buffer_assignment.txt.gz" || true
     gzip -c /tmp/memdump_ours/*jit_both*live-range.txt > "$out/$part/live_range.txt.gz" || true
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69)"; exit 2 ;;
+  next70)  # eighteenth run: the chunk gradients write dx over the stored P (kept in the tokens' layout for it), so
+    # the backward's peak (next69's layout: h, dh, P, dR and dx at the chunk gradients) loses one [B, T, H, d]
+    # buffer: GPU checks on the in-place path and on the default at the checks' shapes (the shifted copy), timing and
+    # memory (1x32768 and 1x131072) against the copy and jla, profile, the temp allocation laid out
+    step check 150 python3 benchmarks/gpu_check_regression.py \
+      --only "fp32 values,bf16,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step check_default 80 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16 grads" \
+      --out "$out/$part/check_default.json"
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "keys_in_place=False" --out "$out/$part/bench.json"
+    profile_falcon1 50 10
+    step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 30
+    gzip -c /tmp/memdump_ours/*jit_both*buffer-assignment.txt > "$out/$part/buffer_assignment.txt.gz" || true
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -846,6 +846,38 @@ def test_saved_inverse_skips_the_backward_solve():
         assert got == want, (config, got)
 
 
+@pytest.mark.parametrize("chunk_grads,kernel,p_index,dx_index", [
+    ("pallas_stored", "chunk_grads_stored", 10, 2), ("pallas_stored_split", "chunk_grads_keys", 9, 1),
+    ("pallas_split", "chunk_grads_keys", 9, 1)])
+def test_chunk_gradients_write_dx_over_p(chunk_grads, kernel, p_index, dx_index):
+    """The kernel that writes dx writes it over the stored P (its operand ``p_index``), in the model's layout and in
+    the flat one, where dk = dv and P is in x's dtype; with dk ≠ dv, or P in fp32 (``walk_operands="fp32"``), not."""
+    B, T, H = 1, 256, 2
+
+    def aliases(layout, dk, dv, walk_operands="input"):
+        shape = (lambda d: (B, T, H, d)) if layout == "BTHD" else (lambda d: (B, H, T, d))
+        q, y = jnp.zeros(shape(dk), jnp.bfloat16), jnp.zeros(shape(dv), jnp.bfloat16)
+        gate = jnp.zeros(shape(1)[:3], jnp.float32)
+        run = jnp.zeros(shape(1)[:3], jnp.int32)
+        s0 = jnp.zeros((B, H, dk, dv), jnp.float32)
+
+        def loss(q, x, y):
+            o, s = decayed_delta_rule(q, x, y, gate, gate, run, s0, implementation="pallas_gpu", interpret=False,
+                                      layout=layout, config=KernelConfig(chunk_grads=chunk_grads,
+                                                                         walk_operands=walk_operands))
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, y).lower(lowering_platforms=("cuda",)).as_text()
+        (line,) = [ln for ln in text.splitlines() if f'name = "falcon_delta_{kernel}"' in ln]
+        return {(int(o), int(i)) for o, i in re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)",
+                                                        line)}
+
+    assert aliases("BTHD", 64, 64) == {(dx_index, p_index)}
+    assert aliases("BHTD", 64, 64) == {(dx_index, p_index)}
+    assert aliases("BTHD", 32, 64) == set()
+    assert aliases("BTHD", 64, 64, walk_operands="fp32") == set()
+
+
 def test_kernel_config_tri_dtype_per_backend_and_inputs():
     """T is stored in the inputs' dtype only for bf16/fp16 inputs on the GPU with ``tri_dtype="input"`` (the
     default)."""

@@ -196,8 +196,8 @@ def _sdot(a, b, p32, lo):
     """A walk's dot with an fp32 state-sized operand (S, P, dS, dR): at ``p32`` (TF32 for bf16 inputs), or,
     with ``lo`` a dtype (``KernelConfig(walk_operands="input")``), both operands rounded to it first — the
     bf16 MMA the peers use; S and dS themselves stay fp32."""
-    if lo is None:
-        return dot(a.astype(F32), b, p32)
+    if lo is None:  # b may be a state stored in the inputs' dtype (the chunk gradients' h, dh)
+        return dot(a.astype(F32), b.astype(F32), p32)
     return dot(a.astype(lo), b.astype(lo), None)
 
 
@@ -720,7 +720,7 @@ def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None
 
 
 def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
-    """(spec, shape) of a ``[BH, L, dv]`` array of ``dtype`` a walk writes row by row (P, dR)."""
+    """(spec, shape) of a ``[BH, L, dv]`` array of ``dtype`` a walk writes row by row (dR)."""
     BH, L, _ = token_dims(x, heads)
     spec = pl.BlockSpec((None, L // pieces, block_v), lambda b, p, v: (b, p, v))
     return spec, jax.ShapeDtypeStruct((BH, L, y.shape[-1]), dtype)
@@ -734,7 +734,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
 
     s0 [BH, P, dk, dv]: initial state of each piece.  Returns (o like y if write_o,
-    P = η ⊙ residuals [BH, L, dv] in ``walk_operands`` or fp32 if write_p,
+    P = η ⊙ residuals shaped like y in ``walk_operands`` or fp32 if write_p,
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
     ``[B, L, H, d]``, read in place.  ``scores``: every chunk's masked scores ``[BH, L, C]``
     (:func:`masked_scores_pass`), read instead of each program forming ``QXᵀ`` itself (write_o only).
@@ -747,8 +747,8 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
                 specs.piece_state] + [t_spec] * (scores is not None)
     first = [(specs.rows_v, y)] if write_o else []
-    if write_p:
-        first.append(_walk_rows(x, y, chunk, pieces, block_v, walk_operands or F32, heads))
+    if write_p:  # in y's layout, so that the chunk gradients can write dx over it (_dx_over_p)
+        first.append((specs.rows_v, jax.ShapeDtypeStruct(y.shape, walk_operands or F32)))
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
@@ -959,21 +959,23 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
 def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
                       num_stages=1, heads=None, walk_operands=None):
     """The value half of :func:`chunk_grad_split_pass`: returns ``dy`` (like y) and the sums the key half
-    reads — ``P``, ``dR`` ``[BH, L, dv]`` (in ``walk_operands`` or fp32), ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]``
+    reads — ``P`` (shaped like y), ``dR`` ``[BH, L, dv]`` (both in ``walk_operands`` or fp32), ``−dR Pᵀ``,
+    ``dO Pᵀ`` ``[BH, L, C]``
     fp32 and the fp32 row sum ``Σ_v dR ⊙ Y`` ``[BH, L]``."""
     BH, L, _ = token_dims(q, heads)
     dv = y.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
-    pr = jax.ShapeDtypeStruct((BH, L, dv), walk_operands or F32)
+    p = jax.ShapeDtypeStruct(y.shape, walk_operands or F32)  # like y (see _dx_over_p)
+    dr = jax.ShapeDtypeStruct((BH, L, dv), walk_operands or F32)
     values = functools.partial(_chunk_grad_values_kernel, chunk=chunk, block_v=block_v,
                                precision=precision_for(q.dtype), lo=walk_operands)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v, sp.state, sp.state],
-        out_specs=[sp.v, sp.flat_v, sp.flat_v, sp.square, sp.square, sp.row],
-        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), pr, pr, sq, sq, vec],
+        out_specs=[sp.v, sp.v, sp.flat_v, sp.square, sp.square, sp.row],
+        out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), p, dr, sq, sq, vec],
         args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_values")
     return dy, tuple(sums)
@@ -992,11 +994,11 @@ def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, 
     return call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
-                  sp.flat_v, sp.flat_v,
+                  sp.v, sp.flat_v,
                   sp.square, sp.square, sp.row],
         out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, keys, eta, g, gp, rl, do, h, dh, *sums),
+        args=(q, keys, eta, g, gp, rl, do, h, dh, *sums), aliases=_dx_over_p(sums[0], x, 9, 1),
         compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_keys")
 
@@ -1015,6 +1017,15 @@ def chunk_grad_split_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, bl
     return dq, dx, dy, deta, dg, dgp
 
 
+def _dx_over_p(p, x, p_index, dx_index):
+    """``aliases`` that write a chunk-gradient kernel's dx over the stored ``P`` where they share shape and dtype
+    (``dk = dv``; P is kept in the tokens' layout for this): one fewer ``[B, T, H, d]`` buffer at the
+    backward's peak.  Safe without a barrier: a program reads only its chunk's P rows, and every dx it stores
+    depends on all of them (``P dhᵀ`` of the full tile; the value sums), so each P load precedes the first
+    dx store.  XLA copies P first if anything else still reads it."""
+    return {p_index: dx_index} if p.shape == x.shape and p.dtype == x.dtype else {}
+
+
 def _first_row_operand(dy_first, dv):
     """The optional ``dy_first`` ``[BH, dv]`` input of the stored chunk gradients: (specs, args, kernel kw)."""
     if dy_first is None:
@@ -1025,8 +1036,8 @@ def _first_row_operand(dy_first, dv):
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
                            num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
                            key_shift=False, dy_first=None):
-    """The chunk gradients from the ``P`` and ``dR`` ``[BH, L, dv]`` the walks stored (``forward_pass(write_p=True)``,
-    ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
+    """The chunk gradients from the ``P`` (like y) and ``dR`` ``[BH, L, dv]`` the walks stored
+    (``forward_pass(write_p=True)``, ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
     without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key columns.  Same returns as
     :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as ``lax.fori_loop``
     (``common.column_loop``).  ``dy_first`` ``[BH, dv]``: added to dy's row 0 (the gradient w.r.t. y's first
@@ -1043,11 +1054,11 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state,
-                  sp.state, sp.flat_v, sp.flat_v, *first_specs],
+                  sp.state, sp.v, sp.flat_v, *first_specs],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr, *first_args),
+        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr, *first_args), aliases=_dx_over_p(p, x, 10, 2),
         compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
         name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
@@ -1069,7 +1080,7 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
                                precision=precision_for(q.dtype), lo=walk_operands, loops=loops, **first_kw)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
-        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.flat_v, sp.flat_v, *first_specs],
+        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.v, sp.flat_v, *first_specs],
         out_specs=[sp.v, sp.square, sp.square, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec],
         args=(y, eta, g, gp, rl, do, p, dr, *first_args), compiler_params=_params(interpret, num_warps, num_stages),
