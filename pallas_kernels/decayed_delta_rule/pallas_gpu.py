@@ -914,9 +914,9 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
                                                  write_dh=write_dh, write_dr=write_dr, heads=heads)
     keys, key_kw = _key_operand(x, key_shift, interpret)
     args = [q, keys, eta, g, gp, rl, v, tinv if b_from_t else b, do, ds_end]
-    # dR is written over V (same shape and blocks; each chunk's V rows are read before its dR rows are stored),
-    # so the two never take memory side by side: the backward's live peak is this walk (XLA copies V first if
-    # something reads it later)
+    # dR is written over V (same shape and blocks; each chunk's dR rows are formed from its V rows, read by the
+    # same program first), so the two never take memory side by side (XLA copies V first if something reads it
+    # later)
     aliases = {6: 0} if write_dr is not None and jnp.dtype(write_dr) == v.dtype else {}
     if q_term is not None:
         if pieces != 1 or not write_dh or q_term.dtype != shapes.chunk_states.dtype:
