@@ -754,6 +754,23 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 30
     gzip -c /tmp/memdump_ours/*jit_both*buffer-assignment.txt > "$out/$part/buffer_assignment.txt.gz" || true
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70)"; exit 2 ;;
+  next71)  # eighteenth run: y's row-0 gradient through the fold without the chunk gradients' select: the kernels
+    # keep eta_0 (inert: row 0's feature is zero), XLA writes x0^T dS0 into dR's row 0 (one row of a buffer only
+    # the chunk gradients read), and dy = eta * dR gives the row (next68/70: the select cost that kernel 8-14 us
+    # at 8x2048, 11-30 at 1x32768). Checks on the in-place path, timing, memory, profile
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step bench 120 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas (ours)" --skip "$WHOLE_OP_VARIANTS" --out "$out/$part/bench.json"
+    profile_falcon1 50 12
+    ;;
+  next72)  # eighteenth run, the session's final code (next71's dR-row-0 form, the select gone from the kernels):
+    # timing and memory (1x32768, 1x131072) against the shifted copy and jla in one lease, the temp layout
+    step bench 240 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "keys_in_place=False" --out "$out/$part/bench.json"
+    step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 12
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -383,14 +383,16 @@ def _state_after_first_row(s0, x0, y0, eta0, lg0, keep):
 
 def _fold_first_row(s0, x0, y, eta, log_gamma, run, heads):
     """Row 0's step (write feature ``x0`` ``[BH, dk]``: ``first_key``) done in XLA: returns the kernel operands
-    ``(s0, eta, log_gamma, run)`` with s0 the state after row 0 and row 0 an identity step (η = log γ = 0, run
-    index 0, so the kernels neither write nor reset there), and the residuals :func:`_first_row_grads` needs.
+    ``(s0, eta, log_gamma, run)`` with s0 the state after row 0 and row 0 an identity step for the kernels
+    (log γ = 0 and run index 0, so they neither decay nor reset there; their row-0 feature is zero — the masked
+    row −1, or the shifted copy's zero row — so they write nothing there whatever η₀ is, and η₀ stays: the
+    in-place chunk gradients form row 0's dy as ``η₀ dR₀``), and the residuals :func:`_first_row_grads` needs.
     Gates ``[BH, L]``; y a token operand (:func:`_first_row`)."""
     eta0, lg0, run0 = eta[:, 0], log_gamma[:, 0], run[:, 0]
     keep = run0 == 0
     y0 = _first_row(y, heads).astype(jnp.float32)
     folded = _state_after_first_row(s0, x0, y0, eta0, lg0, keep)
-    operands = (folded, eta.at[:, 0].set(0.0), log_gamma.at[:, 0].set(0.0), run - run0[:, None])
+    operands = (folded, eta, log_gamma.at[:, 0].set(0.0), run - run0[:, None])
     return operands, (s0, x0, y0, eta0, lg0, keep)
 
 
@@ -467,8 +469,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     _check_split(config, backend)
     keys = {"key_shift": True} if key_shift else {}  # x holds the keys, read one row back (keys_read_in_place)
     fold = None
-    if key_shift:  # s0 is (s0, first_key [BH, dk]): row 0's step is folded into s0 here, so that its gradient
-        # w.r.t. y's row 0 can join the chunk gradients' dy in the kernel (an XLA sum would copy all of dy)
+    if key_shift:  # s0 is (s0, first_key [BH, dk]): row 0's step is folded into s0 here, so that the backward
+        # forms its gradient w.r.t. y's row 0 through the chunk gradients' dy (an XLA sum would copy all of dy)
         (s0, eta, log_gamma, run), fold = _fold_first_row(*s0, y, eta, log_gamma, run, heads)
     kernels = _BACKENDS[backend]
     BH, dv = token_dims(q, heads)[0], y.shape[-1]
@@ -572,8 +574,14 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     ds0 = ds_start[:, 0]
     if key_shift:  # through row 0's folded step (keys_read_in_place implies the stored chunk gradients)
-        ds0, dx0, dy0, deta0, dlg0 = _first_row_grads(fold, ds0)
-        ds0, keys = (ds0, dx0), dict(keys, dy_first=dy0)
+        x0 = fold[1]
+        # y's row 0 reaches the loss through the fold alone: ∂/∂y₀ = η₀ dS₀ᵀ x₀.  The walk left dR's row 0 at
+        # zero (its feature is zero), so it takes x₀ᵀ dS₀ there, and the chunk gradients' dy = η ⊙ dR gives that
+        # row (an in-place update of the one row of a buffer only they read; the row touches nothing else
+        # there, all its products being with the zero feature)
+        dr = dr.at[:, 0].set(jnp.einsum("bk,bkd->bd", x0, ds0, precision=jax.lax.Precision.HIGHEST).astype(dr.dtype))
+        ds0, dx0, _, deta0, dlg0 = _first_row_grads(fold, ds0)
+        ds0 = (ds0, dx0)
     # 3) per-chunk gradients
     if stored:
         stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
@@ -599,7 +607,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
     dlog_gamma = _log_gamma_grad(dg, dgp, chunk, group)
     if key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
         dx = shift_time(dx, -1, axis=1)
-        # the kernels saw η₀ = log γ₀ = 0: row 0's gates reach the output through the fold alone
+        # the kernels saw log γ₀ = 0 and a zero feature: row 0's gates reach the output through the fold alone
         deta, dlog_gamma = deta.at[:, 0].set(deta0), dlog_gamma.at[:, 0].set(dlg0)
     return dq, dx, dy, deta, dlog_gamma, None, ds0
 
@@ -725,7 +733,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
                                gates(run.astype(jnp.int32), mode="edge"))
     s0 = initial_state.astype(f32).reshape(B * H, dk, dv)
     x0 = None if first_key is None else first_key.astype(f32).reshape(B * H, dk)
-    if key_shift:  # the op folds row 0's step itself (_forward), so that its dy row joins the kernels' dy
+    if key_shift:  # the op folds row 0's step itself (_forward), so that the kernels form its dy row
         s0 = (s0, jnp.zeros((B * H, dk), f32) if x0 is None else x0)
     elif shifted_keys and x0 is not None:  # the shifted copy's row 0 is zero: row 0's step folded here
         (s0, eta_k, lg_k, run_k), _ = _fold_first_row(s0, x0, y_k, eta_k, lg_k, run_k, heads)

@@ -441,39 +441,22 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
     _store_value_sums((da_ref, dop_ref, dey_ref), sums)
 
 
-def _split_first_row(refs, first_row):
-    """``(dy_first_ref or None, the rest)`` of a stored chunk-gradient kernel's refs after ``dr_ref``."""
-    return (refs[0], refs[1:]) if first_row else (None, refs)
-
-
-def _first_row_mask(chunk):
-    """``[C, 1]``: true on the sequence's row 0 (row 0 of chunk 0's program).  Read at the kernel's top level:
-    interpret mode cannot evaluate ``program_id`` inside a loop body.  (A ``lax.cond`` that only chunk 0's
-    program takes instead of the select cost the 8x2048 chunk gradients 623 vs 446 us on the H200, next69.)"""
-    return (lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) == 0) & (pl.program_id(1) == 0)
-
-
 def _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *, chunk, block_v,
-                       precision, lo, loops="unrolled", dy_first_ref=None):
+                       precision, lo, loops="unrolled"):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
-    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR`` (plus ``dy_first`` ``[dv]`` on the
-    sequence's row 0 when given): no T, no scores, no chunk state — per value
+    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores, no chunk state — per value
     block the two ``[C, C]`` sums and a row sum (the state's row terms come from the key half, see
     :func:`_key_grads`).  Returns (sums, the chunk's gate rows :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
     rows = _row_gates(eta_ref, g_ref, gp_ref, rl_ref, chunk)
     eta = rows[0]
-    first = None if dy_first_ref is None else _first_row_mask(chunk)
 
     def value_block(j, sums):
         cols = column_block(j, block_v)
         dR = dr_ref[:, cols].astype(F32)
         terms = _value_block_terms(do_ref[:, cols].astype(F32), p_ref[:, cols].astype(F32), dR,
                                    y_ref[:, cols].astype(F32), p32, lo)
-        dy = eta[:, None] * dR
-        if first is not None:  # row 0's gradient through the step the op folded outside the kernels
-            dy = dy + jnp.where(first, dy_first_ref[cols][None, :], 0.0)
-        dy_ref[:, cols] = dy.astype(dy_ref.dtype)
+        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return tuple(acc + t for acc, t in zip(sums, terms))
 
     return column_loop(y_ref.shape[-1] // block_v, value_block, _value_sums_init(chunk), loops), rows
@@ -540,26 +523,22 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
-                              *refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
-                              key_shift=False, key_pad=0, first_row=False):
+                              dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
+                              key_shift=False, key_pad=0):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
-    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`).
-    ``first_row``: a ``dy_first`` ref follows ``dr_ref``."""
-    dy_first_ref, (dy_ref, *out_refs) = _split_first_row(refs, first_row)
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
     sums, rows = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
-                                    block_v=block_v, precision=precision, lo=lo, loops=loops,
-                                    dy_first_ref=dy_first_ref)
+                                    block_v=block_v, precision=precision, lo=lo, loops=loops)
     _key_grads(q_ref, _chunk_keys(x_ref, key_shift, key_pad, chunk), do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows,
                out_refs, chunk=chunk, block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
 
 
-def _chunk_grad_stored_values_kernel(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, *refs,
-                                     chunk, block_v, precision, lo=None, loops="unrolled", first_row=False):
+def _chunk_grad_stored_values_kernel(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *sum_refs,
+                                     chunk, block_v, precision, lo=None, loops="unrolled"):
     """The value half of :func:`_chunk_grad_stored_kernel` as its own program: dy and the value sums, stored
     (two ``[C, C]`` fp32 tiles and a row per chunk) for :func:`_chunk_grad_keys_kernel`."""
-    dy_first_ref, (dy_ref, *sum_refs) = _split_first_row(refs, first_row)
     sums, _ = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
-                                 block_v=block_v, precision=precision, lo=lo, loops=loops, dy_first_ref=dy_first_ref)
+                                 block_v=block_v, precision=precision, lo=lo, loops=loops)
     _store_value_sums(sum_refs, sums)
 
 
@@ -1026,39 +1005,29 @@ def _dx_over_p(p, x, p_index, dx_index):
     return {p_index: dx_index} if p.shape == x.shape and p.dtype == x.dtype else {}
 
 
-def _first_row_operand(dy_first, dv):
-    """The optional ``dy_first`` ``[BH, dv]`` input of the stored chunk gradients: (specs, args, kernel kw)."""
-    if dy_first is None:
-        return [], (), {}
-    return [pl.BlockSpec((None, dv), lambda b, c: (b, 0))], (dy_first.astype(F32),), {"first_row": True}
-
-
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
                            num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
-                           key_shift=False, dy_first=None):
+                           key_shift=False):
     """The chunk gradients from the ``P`` (like y) and ``dR`` ``[BH, L, dv]`` the walks stored
-    (``forward_pass(write_p=True)``, ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value sums of :func:`chunk_grad_values`
-    without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key columns.  Same returns as
-    :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as ``lax.fori_loop``
-    (``common.column_loop``).  ``dy_first`` ``[BH, dv]``: added to dy's row 0 (the gradient w.r.t. y's first
-    row through a step done outside the kernels), so that no XLA update of dy follows."""
+    (``forward_pass(write_p=True)``, ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value
+    sums of :func:`chunk_grad_values` without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key
+    columns.  Same returns as :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as
+    ``lax.fori_loop`` (``common.column_loop``)."""
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys, key_kw = _key_operand(x, key_shift, interpret)
-    first_specs, first_args, first_kw = _first_row_operand(dy_first, dv)
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops, **key_kw,
-                               **first_kw)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops, **key_kw)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state,
-                  sp.state, sp.v, sp.flat_v, *first_specs],
+                  sp.state, sp.v, sp.flat_v],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr, *first_args), aliases=_dx_over_p(p, x, 10, 2),
+        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr), aliases=_dx_over_p(p, x, 10, 2),
         compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
         name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
@@ -1066,7 +1035,7 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
 
 def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret,
                                  num_warps=4, num_stages=1, group=1, heads=None, walk_operands=None, block_k=32,
-                                 loops="unrolled", key_shift=False, dy_first=None):
+                                 loops="unrolled", key_shift=False):
     """:func:`chunk_grad_stored_pass` as two programs per chunk: the value sums from the stored ``P``, ``dR``
     (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and a row, fp32), then :func:`chunk_grad_keys`.  Fewer live
     tiles per program than the fused kernel, for one more round trip of the sums.  Same arguments and returns."""
@@ -1075,15 +1044,14 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
     sp = chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
-    first_specs, first_args, first_kw = _first_row_operand(dy_first, dv)
     values = functools.partial(_chunk_grad_stored_values_kernel, chunk=chunk, block_v=block_v,
-                               precision=precision_for(q.dtype), lo=walk_operands, loops=loops, **first_kw)
+                               precision=precision_for(q.dtype), lo=walk_operands, loops=loops)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
-        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.v, sp.flat_v, *first_specs],
+        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.v, sp.flat_v],
         out_specs=[sp.v, sp.square, sp.square, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec],
-        args=(y, eta, g, gp, rl, do, p, dr, *first_args), compiler_params=_params(interpret, num_warps, num_stages),
+        args=(y, eta, g, gp, rl, do, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_stored_values")
     dq, dx, deta, dg, dgp = chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, (p, dr, *sums), chunk=chunk,
                                             interpret=interpret, num_warps=num_warps, num_stages=num_stages,
