@@ -714,7 +714,8 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     profile_falcon1 40 10
     ;;
   next68)  # eighteenth run: row 0's step (the carried key's pair) folded inside the op again, now with its gradient
-    # w.r.t. v's row 0 added by the stored chunk-gradient kernel (dy_first), so no XLA update of dv follows; the
+    # w.r.t. v's row 0 added by the stored chunk-gradient kernel (dy_first, replaced after next70 by an update of
+    # the stored dR's row 0; the part now runs today's code), so no XLA update of dv follows; the
     # reverse walk's dR written over V's buffer. GPU checks on the in-place path; timing and memory against the
     # shifted copy and jla; profile; the temp allocation laid out (memory_report)
     step check 200 python3 benchmarks/gpu_check_regression.py \

@@ -473,9 +473,10 @@ def test_falcon1_pallas_equals_xla_chunk_form(options, check_grads, rng, monkeyp
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_falcon1_state_gradients_through_the_folded_first_step(in_place, rng, monkeypatch):
-    """Falcon-1 continuing from a state: the gradients w.r.t. the carried state S and the carried key (which
-    ``falcon`` folds into the op's initial state as step 0's pair) equal the XLA chunk form's, with the keys read in
-    place (one piece, the fused output walk) and through the op's shifted copy (the small-shape default)."""
+    """Falcon-1 continuing from a state: the gradients w.r.t. the carried state S and the carried key (step 0's
+    write feature, ``first_key``, which the op folds into its initial state) equal the XLA chunk form's, with the
+    keys read in place (one piece, the fused output walk) and through the op's shifted copy (the small-shape
+    default)."""
     from falcon_jax.forms import chunk_pallas
 
     if in_place:
