@@ -772,6 +772,31 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "keys_in_place=False" --out "$out/$part/bench.json"
     step memory_ours 100 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 12
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72)"; exit 2 ;;
+  next73)  # eighteenth run: V and dR in the tokens' layout, and the one-program stored chunk gradients write dy over
+    # dR at their end, after a barrier (every thread's dR reads done), so dy takes no buffer of its own at the
+    # backward's peak (next72: 820 MB temp, all live at that kernel). Checks on the in-place path and the default,
+    # timing against jla, memory and its layout, profile
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,segments,fp32 grads,bf16 grads" \
+      --kernel-config "outputs=pallas,target_programs=1" --out "$out/$part/check.json"
+    step check_default 60 python3 benchmarks/gpu_check_regression.py --only "fp32 grads,bf16 grads" \
+      --out "$out/$part/check_default.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" --out "$out/$part/bench.json"
+    profile_falcon1 40 8
+    step memory_ours 80 python3 benchmarks/memory_report.py --out /tmp/memdump_ours --lines 10
+    ;;
+  next74)  # eighteenth run: the speed cost of next73's dy over dR (with V and dR in the tokens' layout), in one lease:
+    # today's default and BASELINE=<dir> (a78b2cd, `git archive a78b2cd | tar -x -C .ab/old`, carried), twice each
+    for round in 1 2; do
+      step "bench_new_$round" 60 python3 benchmarks/bench_regression.py --memory-shapes "" \
+        --rows "falcon-1 pallas (ours)" --skip "$WHOLE_OP_VARIANTS" --out "$out/$part/bench_new_$round.json"
+      if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE" ]; then
+        step "bench_old_$round" 60 env PYTHONPATH="/tmp/site:$PWD/$BASELINE" \
+          python3 "$BASELINE/benchmarks/bench_regression.py" --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+          --skip "$WHOLE_OP_VARIANTS" --out "$out/$part/bench_old_$round.json"
+      fi
+    done
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

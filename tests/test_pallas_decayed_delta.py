@@ -847,12 +847,14 @@ def test_saved_inverse_skips_the_backward_solve():
         assert got == want, (config, got)
 
 
-@pytest.mark.parametrize("chunk_grads,kernel,p_index,dx_index", [
-    ("pallas_stored", "chunk_grads_stored", 10, 2), ("pallas_stored_split", "chunk_grads_keys", 9, 1),
-    ("pallas_split", "chunk_grads_keys", 9, 1)])
-def test_chunk_gradients_write_dx_over_p(chunk_grads, kernel, p_index, dx_index):
+@pytest.mark.parametrize("chunk_grads,kernel,p_index,dx_index,dy_over_dr", [
+    ("pallas_stored", "chunk_grads_stored", 10, 2, {(0, 11)}), ("pallas_stored_split", "chunk_grads_keys", 9, 1, set()),
+    ("pallas_split", "chunk_grads_keys", 9, 1, set())])
+def test_chunk_gradients_write_over_stored_buffers(chunk_grads, kernel, p_index, dx_index, dy_over_dr):
     """The kernel that writes dx writes it over the stored P (its operand ``p_index``), in the model's layout and in
-    the flat one, where dk = dv and P is in x's dtype; with dk ≠ dv, or P in fp32 (``walk_operands="fp32"``), not."""
+    the flat one, where dk = dv and P is in x's dtype; the one-program stored chunk gradients also write dy over
+    dR (operand 11) where dR is in y's dtype.  With dk ≠ dv only dy's; with P and dR in fp32 (``walk_operands=
+    "fp32"``) neither."""
     B, T, H = 1, 256, 2
 
     def aliases(layout, dk, dv, walk_operands="input"):
@@ -873,9 +875,9 @@ def test_chunk_gradients_write_dx_over_p(chunk_grads, kernel, p_index, dx_index)
         return {(int(o), int(i)) for o, i in re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)",
                                                         line)}
 
-    assert aliases("BTHD", 64, 64) == {(dx_index, p_index)}
-    assert aliases("BHTD", 64, 64) == {(dx_index, p_index)}
-    assert aliases("BTHD", 32, 64) == set()
+    assert aliases("BTHD", 64, 64) == {(dx_index, p_index)} | dy_over_dr
+    assert aliases("BHTD", 64, 64) == {(dx_index, p_index)} | dy_over_dr
+    assert aliases("BTHD", 32, 64) == dy_over_dr
     assert aliases("BTHD", 64, 64, walk_operands="fp32") == set()
 
 

@@ -579,7 +579,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         # zero (its feature is zero), so it takes x₀ᵀ dS₀ there, and the chunk gradients' dy = η ⊙ dR gives that
         # row (an in-place update of the one row of a buffer only they read; the row touches nothing else
         # there, all its products being with the zero feature)
-        dr = dr.at[:, 0].set(jnp.einsum("bk,bkd->bd", x0, ds0, precision=jax.lax.Precision.HIGHEST).astype(dr.dtype))
+        row0 = jnp.einsum("bk,bkd->bd", x0, ds0, precision=jax.lax.Precision.HIGHEST)  # [BH, dv]
+        dr = dr.at[:, 0].set(row0.reshape(dr[:, 0].shape).astype(dr.dtype))  # dR is like y (either layout)
         ds0, dx0, _, deta0, dlg0 = _first_row_grads(fold, ds0)
         ds0 = (ds0, dx0)
     # 3) per-chunk gradients

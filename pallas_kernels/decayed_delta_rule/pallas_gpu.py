@@ -444,7 +444,8 @@ def _chunk_grad_values_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_re
 def _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *, chunk, block_v,
                        precision, lo, loops="unrolled"):
     """The value half's sums (:func:`_value_sums_init`) from the ``P`` (recompute walk) and ``dR``
-    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR``: no T, no scores, no chunk state — per value
+    (state-gradient walk) the walks stored, writing ``dy = η ⊙ dR`` (unless ``dy_ref`` is None: the caller
+    writes it): no T, no scores, no chunk state — per value
     block the two ``[C, C]`` sums and a row sum (the state's row terms come from the key half, see
     :func:`_key_grads`).  Returns (sums, the chunk's gate rows :func:`_row_gates`, which the key half reuses)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
@@ -456,7 +457,8 @@ def _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_
         dR = dr_ref[:, cols].astype(F32)
         terms = _value_block_terms(do_ref[:, cols].astype(F32), p_ref[:, cols].astype(F32), dR,
                                    y_ref[:, cols].astype(F32), p32, lo)
-        dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
+        if dy_ref is not None:
+            dy_ref[:, cols] = (eta[:, None] * dR).astype(dy_ref.dtype)
         return tuple(acc + t for acc, t in zip(sums, terms))
 
     return column_loop(y_ref.shape[-1] // block_v, value_block, _value_sums_init(chunk), loops), rows
@@ -524,13 +526,23 @@ def _chunk_grad_keys_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
 
 def _chunk_grad_stored_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, dh_ref, p_ref, dr_ref,
                               dy_ref, *out_refs, chunk, block_v, block_k, precision, group, lo=None, loops="unrolled",
-                              key_shift=False, key_pad=0):
+                              key_shift=False, key_pad=0, dy_last=False, barrier=False):
     """The chunk gradients in one program per chunk from the P and dR the walks stored: dy and the value sums
-    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`)."""
-    sums, rows = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, chunk=chunk,
-                                    block_v=block_v, precision=precision, lo=lo, loops=loops)
+    (:func:`_stored_value_sums`, which stay in registers), then the key columns (:func:`_key_grads`).
+    ``dy_last``: dy is written at the end — the call writes dy over dR, so no thread may store dy before every
+    thread has read the dR the rest of the kernel needs: every such load feeds a value used before the
+    ``barrier`` (all the program's threads meet there; interpret mode runs one thread and needs none).  After it,
+    each thread reads back the dR elements it turns into dy.  (Keeping the key half's dR tile for this instead
+    doubled the kernel's spills, 156 → 312 bytes standalone.)"""
+    sums, rows = _stored_value_sums(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref,
+                                    None if dy_last else dy_ref, chunk=chunk, block_v=block_v, precision=precision,
+                                    lo=lo, loops=loops)
     _key_grads(q_ref, _chunk_keys(x_ref, key_shift, key_pad, chunk), do_ref, h_ref, dh_ref, p_ref, dr_ref, sums, rows,
                out_refs, chunk=chunk, block_k=block_k, precision=precision, group=group, lo=lo, loops=loops)
+    if dy_last:
+        if barrier:
+            pltriton.debug_barrier()
+        dy_ref[...] = (eta_ref[...][:, None] * dr_ref[...].astype(F32)).astype(dy_ref.dtype)
 
 
 def _chunk_grad_stored_values_kernel(y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, p_ref, dr_ref, dy_ref, *sum_refs,
@@ -698,11 +710,6 @@ def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None
     return scores
 
 
-def _walk_rows(x, y, chunk, pieces, block_v, dtype, heads):
-    """(spec, shape) of a ``[BH, L, dv]`` array of ``dtype`` a walk writes row by row (dR)."""
-    BH, L, _ = token_dims(x, heads)
-    spec = pl.BlockSpec((None, L // pieces, block_v), lambda b, p, v: (b, p, v))
-    return spec, jax.ShapeDtypeStruct((BH, L, y.shape[-1]), dtype)
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
@@ -811,8 +818,9 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
 
 
 def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, heads):
-    """``write_dr``: None or the dtype dR is stored in."""
-    first = [_walk_rows(q, do, chunk, pieces, block_v, write_dr, heads)] if write_dr is not None else ()
+    """``write_dr``: None or the dtype dR is stored in, shaped like dO (the tokens' layout, so that the chunk
+    gradients can write dy over it)."""
+    first = [(specs.rows_v, jax.ShapeDtypeStruct(do.shape, write_dr))] if write_dr is not None else ()
     return walk_outputs(specs, shapes, write_dh, first=first)
 
 
@@ -820,7 +828,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
                     num_warps=4, num_stages=2, heads=None, walk_operands=None, write_dr=None):
     """Reverse chunk walk. ds_end [BH, P, dk, dv] gradient at each piece's end.
 
-    Returns (dR [BH, L, dv] the residuals' gradient if write_dr (None, or the dtype to store it in),
+    Returns (dR shaped like do, the residuals' gradient, if write_dr (None, or the dtype to store it in),
     dh [BH, n_chunks, dk, dv] gradient w.r.t. each chunk's end state if write_dh, ds_start [BH, P, dk, dv]).
     """
     grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
@@ -840,14 +848,14 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4, heads=None, b_dtype=F32,
                v_dtype=F32, with_b=True, q_term_dtype=None, walk_operands=None, key_shift=False):
-    """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` ``[BH, L, dv]`` (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
+    """Every chunk's ``V = Tᵀ (Q Xᵀ ⊙ D)ᵀ dO`` shaped like dO (in ``v_dtype``) and ``B = Tᵀ (w ⊙ X)``
     ``[BH, L, dk]`` (in ``b_dtype``; None without ``with_b``): the reverse walk's ``dR = V + B dS``; with a
     ``q_term_dtype``, also the walk's ``(c ⊙ Q)ᵀ dO`` per chunk ``[BH, n_chunks, dk, dv]`` (its operands rounded
     to ``walk_operands`` as in the walk), else None.  Returns ``(V, B, q_term)``."""
     BH, L, dk = token_dims(q, heads)
     dv = do.shape[-1]
     sp = chunk_specs(q, dv, chunk, heads)
-    out_specs, out_shape = [sp.flat_v], [jax.ShapeDtypeStruct((BH, L, dv), v_dtype)]
+    out_specs, out_shape = [sp.v], [jax.ShapeDtypeStruct(do.shape, v_dtype)]  # like dO: dR is written over it
     if with_b:
         out_specs.append(sp.flat_k)
         out_shape.append(jax.ShapeDtypeStruct((BH, L, dk), b_dtype))
@@ -886,7 +894,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
     grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
-                pl.BlockSpec((None, Lp, block_v), lambda i, p, j: (i, p, j)),
+                specs.rows_v,
                 pl.BlockSpec((None, Lp, chunk if b_from_t else dk), lambda i, p, j: (i, p, 0)), specs.rows_v,
                 specs.piece_state]
     out_specs, out_shape = _reverse_walk_outputs(q, do, specs, shapes, chunk=chunk, pieces=pieces, block_v=block_v,
@@ -938,7 +946,7 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
 def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
                       num_stages=1, heads=None, walk_operands=None):
     """The value half of :func:`chunk_grad_split_pass`: returns ``dy`` (like y) and the sums the key half
-    reads — ``P`` (shaped like y), ``dR`` ``[BH, L, dv]`` (both in ``walk_operands`` or fp32), ``−dR Pᵀ``,
+    reads — ``P`` and ``dR`` (shaped like y, in ``walk_operands`` or fp32), ``−dR Pᵀ``,
     ``dO Pᵀ`` ``[BH, L, C]``
     fp32 and the fp32 row sum ``Σ_v dR ⊙ Y`` ``[BH, L]``."""
     BH, L, _ = token_dims(q, heads)
@@ -947,13 +955,13 @@ def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
     p = jax.ShapeDtypeStruct(y.shape, walk_operands or F32)  # like y (see _dx_over_p)
-    dr = jax.ShapeDtypeStruct((BH, L, dv), walk_operands or F32)
+    dr = jax.ShapeDtypeStruct(y.shape, walk_operands or F32)
     values = functools.partial(_chunk_grad_values_kernel, chunk=chunk, block_v=block_v,
                                precision=precision_for(q.dtype), lo=walk_operands)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
         in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.row, sp.row, sp.square, sp.v, sp.state, sp.state],
-        out_specs=[sp.v, sp.v, sp.flat_v, sp.square, sp.square, sp.row],
+        out_specs=[sp.v, sp.v, sp.v, sp.square, sp.square, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), p, dr, sq, sq, vec],
         args=(q, x, y, eta, g, gp, rl, tinv, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
         interpret=interpret, name="falcon_delta_chunk_grads_values")
@@ -973,7 +981,7 @@ def chunk_grad_keys(q, x, eta, g, gp, rl, do, h, dh, sums, *, chunk, interpret, 
     return call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row, sp.row, sp.v, sp.state, sp.state,
-                  sp.v, sp.flat_v,
+                  sp.v, sp.v,
                   sp.square, sp.square, sp.row],
         out_specs=[sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
@@ -1008,7 +1016,7 @@ def _dx_over_p(p, x, p_index, dx_index):
 def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, block_v, interpret, num_warps=4,
                            num_stages=1, group=1, heads=None, walk_operands=None, block_k=32, loops="unrolled",
                            key_shift=False):
-    """The chunk gradients from the ``P`` (like y) and ``dR`` ``[BH, L, dv]`` the walks stored
+    """The chunk gradients from the ``P`` and ``dR`` (both like y) the walks stored
     (``forward_pass(write_p=True)``, ``state_grad_*pass(write_dr=dtype)``), one program per chunk: the value
     sums of :func:`chunk_grad_values` without T, the scores or the chunk state, then :func:`chunk_grad_keys`' key
     columns.  Same returns as :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as
@@ -1018,16 +1026,21 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     sp = chunk_specs(q, dv, chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys, key_kw = _key_operand(x, key_shift, interpret)
+    # dy over dR where they share shape and dtype (the tokens' layout; bf16 dR for bf16 inputs), dx over P: the
+    # backward's peak then holds neither output apart from the buffers the walks stored
+    dy_last = dr.shape == y.shape and dr.dtype == y.dtype
+    aliases = {**_dx_over_p(p, x, 10, 2), **({11: 0} if dy_last else {})}
     kernel = functools.partial(_chunk_grad_stored_kernel, chunk=chunk, block_v=block_v, block_k=min(block_k, dk),
-                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops, **key_kw)
+                               precision=precision_for(q.dtype), group=group, lo=walk_operands, loops=loops,
+                               dy_last=dy_last, barrier=not interpret, **key_kw)
     dy, dq, dx, deta, dg, dgp = call(
         kernel, grid=(BH, L // chunk),
         in_specs=[sp.k, _key_spec(sp, x, key_shift, heads), sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.state,
-                  sp.state, sp.v, sp.flat_v],
+                  sp.state, sp.v, sp.v],
         out_specs=[sp.v, sp.k, sp.k, sp.row, sp.row, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(x.shape, x.dtype), vec, vec, vec],
-        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr), aliases=_dx_over_p(p, x, 10, 2),
+        args=(q, keys, y, eta, g, gp, rl, do, h, dh, p, dr), aliases=aliases,
         compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
         name="falcon_delta_chunk_grads_stored")
     return dq, dx, dy, deta, dg, dgp
@@ -1048,7 +1061,7 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
                                precision=precision_for(q.dtype), lo=walk_operands, loops=loops)
     dy, *sums = call(
         values, grid=(BH, L // chunk),
-        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.v, sp.flat_v],
+        in_specs=[sp.v, sp.row, sp.row, sp.row, sp.row, sp.v, sp.v, sp.v],
         out_specs=[sp.v, sp.square, sp.square, sp.row],
         out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), sq, sq, vec],
         args=(y, eta, g, gp, rl, do, p, dr), compiler_params=_params(interpret, num_warps, num_stages),
