@@ -65,8 +65,7 @@ def main() -> int:
         for name, index, size in sorted(rows, key=lambda r: -int(r[2]))[:args.lines]:
             line = defs.get(name, "")
             shape = line.split(" = ", 1)[1].split(" ", 1)[0][:60] if line else "?"
-            op = re.search(r'op_name="([^"]*)"', line)
-            print(f"  {int(size) * mb:9.1f} MB  {name}{{{index}}}  {shape}  {op.group(1)[-110:] if op else ''}")
+            print(f"  {int(size) * mb:9.1f} MB  {name}{{{index}}}  {shape}  {_op_name(line)[-110:]}")
         total = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", text)
         if total:
             print(f"  peak: {int(total.group(1).replace(' ', '')) * mb:.1f} MB")
@@ -76,6 +75,12 @@ def main() -> int:
         else:
             print(f"  (no {os.path.basename(assignment)}: {sorted(os.listdir(args.out))[:20]})")
     return 0
+
+
+def _op_name(hlo_line: str) -> str:
+    """The jax op (``op_name`` metadata) behind an HLO instruction's defining line, or ''."""
+    op = re.search(r'op_name="([^"]*)"', hlo_line)
+    return op.group(1) if op else ""
 
 
 def temp_layout(assignment: str, live_range: str):
@@ -118,7 +123,8 @@ def print_temp_layout(assignment, live_range, defs, lines):
     size, rows = temp_layout(assignment, live_range)
     if not rows:
         heads = re.findall(r"^allocation \d+: size \d+, [^\n]{0,60}", assignment, re.M)
-        print(f"  (no preallocated-temp allocation; the largest: {sorted(heads, key=lambda h: -int(h.split()[3][:-1]))[:5]})")
+        largest = sorted(heads, key=lambda h: -int(h.split()[3][:-1]))[:5]
+        print(f"  (no preallocated-temp allocation; the largest: {largest})")
         return
     peak, at = live_temp_peak(rows)
     print(f"== temp allocation {size * mb:.1f} MB; at most {peak * mb:.1f} MB of it live at once (position {at}): "
@@ -129,9 +135,8 @@ def print_temp_layout(assignment, live_range, defs, lines):
         if nbytes < 1e6 or shown >= lines:
             continue
         shown += 1
-        line = defs.get(name.split("{")[0], "")
-        op = re.search(r'op_name="([^"]*)"', line)
-        print(f"  {offset * mb:9.1f} {nbytes * mb:8.1f}  {start:>4}-{end:<4}  {name}  {op.group(1)[-80:] if op else ''}")
+        op = _op_name(defs.get(name.split("{")[0], ""))[-80:]
+        print(f"  {offset * mb:9.1f} {nbytes * mb:8.1f}  {start:>4}-{end:<4}  {name}  {op}")
 
 
 if __name__ == "__main__":

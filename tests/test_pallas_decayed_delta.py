@@ -800,6 +800,12 @@ def test_benchmark_kernel_config_parser():
         kernel_config("save_tri=yes")
 
 
+def operand_aliases(custom_call_line):
+    """``{(output index, operand index)}``: the outputs a lowered custom call writes over its operands."""
+    return {(int(o), int(i)) for o, i in re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)",
+                                                    custom_call_line)}
+
+
 def test_saved_inverse_skips_the_backward_solve():
     """``save_tri=True``: the backward reads the forward's T — one triangular-inverse kernel in the lowered
     forward + backward instead of two; ``stored_v="input"`` (what the default "auto" picks for Falcon-1): V leaves
@@ -842,8 +848,7 @@ def test_saved_inverse_skips_the_backward_solve():
                          (KernelConfig(target_programs=1, stored_v="fp32"), set()),
                          (KernelConfig(target_programs=1, dstate_q="prepare"), {(0, 6), (1, 10)})):
         (walk,) = call_lines(lowered(config), "dstate_walk")
-        got = {(int(out), int(operand)) for out, operand in re.findall(
-            r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", walk)}
+        got = operand_aliases(walk)
         assert got == want, (config, got)
 
 
@@ -872,8 +877,7 @@ def test_chunk_gradients_write_over_stored_buffers(chunk_grads, kernel, p_index,
 
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, y).lower(lowering_platforms=("cuda",)).as_text()
         (line,) = [ln for ln in text.splitlines() if f'name = "falcon_delta_{kernel}"' in ln]
-        return {(int(o), int(i)) for o, i in re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)",
-                                                        line)}
+        return operand_aliases(line)
 
     assert aliases("BTHD", 64, 64) == {(dx_index, p_index)} | dy_over_dr
     assert aliases("BHTD", 64, 64) == {(dx_index, p_index)} | dy_over_dr

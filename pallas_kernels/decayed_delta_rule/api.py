@@ -574,7 +574,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     ds0 = ds_start[:, 0]
     if key_shift:  # through row 0's folded step (keys_read_in_place implies the stored chunk gradients)
-        x0 = fold[1]
+        _, x0, *_ = fold  # the residuals of _fold_first_row: (s0, x0, y0, η₀, log γ₀, keep)
         # y's row 0 reaches the loss through the fold alone: ∂/∂y₀ = η₀ dS₀ᵀ x₀.  The walk left dR's row 0 at
         # zero (its feature is zero), so it takes x₀ᵀ dS₀ there, and the chunk gradients' dy = η ⊙ dR gives that
         # row (an in-place update of the one row of a buffer only they read; the row touches nothing else

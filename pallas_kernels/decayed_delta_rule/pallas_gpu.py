@@ -112,8 +112,8 @@ def _unit_lower_inverses(blocks):
 
 class _KeysOneRowBack:
     """The write features ``x`` of a block of rows, read in place from the keys ``k`` one row back:
-    ``x[t] = k[t − 1]``, and the sequence's first row zero (``falcon`` folds a carried key's step into the initial
-    state), so no shifted copy of k is made (``shifted_keys=True`` in the op).
+    ``x[t] = k[t − 1]``, and the sequence's first row zero (the op folds row 0's step, with ``first_key``, into the
+    initial state), so no shifted copy of k is made (``shifted_keys=True`` in the op).
 
     Indexed like the x ref it stands for — ``[...]``, ``[rows, :]``, ``[:, cols]`` — with ``rows`` a static or
     ``pl.ds`` slice counted from ``base``, the sequence row of this block's first row (a chunk program's
@@ -636,8 +636,7 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
         return v_ref[rows, :].astype(F32) + b_ds
 
     _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
-                  out_refs,
-                  chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
+                  out_refs, chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
                   residual_grad=residual_grad, write_dr=write_dr, q_term_ref=q_term_ref)
 
 
@@ -708,8 +707,6 @@ def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None
                      compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
                      name="falcon_delta_masked_scores")
     return scores
-
-
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
@@ -946,8 +943,7 @@ def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v,
 def chunk_grad_values(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=4,
                       num_stages=1, heads=None, walk_operands=None):
     """The value half of :func:`chunk_grad_split_pass`: returns ``dy`` (like y) and the sums the key half
-    reads — ``P`` and ``dR`` (shaped like y, in ``walk_operands`` or fp32), ``−dR Pᵀ``,
-    ``dO Pᵀ`` ``[BH, L, C]``
+    reads — ``P`` and ``dR`` (shaped like y, in ``walk_operands`` or fp32), ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]``
     fp32 and the fp32 row sum ``Σ_v dR ⊙ Y`` ``[BH, L]``."""
     BH, L, _ = token_dims(q, heads)
     dv = y.shape[-1]
@@ -1022,8 +1018,7 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     columns.  Same returns as :func:`chunk_grad_pass`.  ``loops``: the column-block loops unrolled or as
     ``lax.fori_loop`` (``common.column_loop``)."""
     BH, L, dk = token_dims(q, heads)
-    dv = y.shape[-1]
-    sp = chunk_specs(q, dv, chunk, heads)
+    sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     keys, key_kw = _key_operand(x, key_shift, interpret)
     # dy over dR where they share shape and dtype (the tokens' layout; bf16 dR for bf16 inputs), dx over P: the
@@ -1053,8 +1048,7 @@ def chunk_grad_stored_split_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, c
     (``dy``; ``−dR Pᵀ``, ``dO Pᵀ`` ``[BH, L, C]`` and a row, fp32), then :func:`chunk_grad_keys`.  Fewer live
     tiles per program than the fused kernel, for one more round trip of the sums.  Same arguments and returns."""
     BH, L, _ = token_dims(q, heads)
-    dv = y.shape[-1]
-    sp = chunk_specs(q, dv, chunk, heads)
+    sp = chunk_specs(q, y.shape[-1], chunk, heads)
     vec = jax.ShapeDtypeStruct((BH, L), F32)
     sq = jax.ShapeDtypeStruct((BH, L, chunk), F32)
     values = functools.partial(_chunk_grad_stored_values_kernel, chunk=chunk, block_v=block_v,
