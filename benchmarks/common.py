@@ -73,6 +73,14 @@ def write_json(path: str, payload) -> None:
         json.dump(payload, f, indent=2, default=str)
 
 
+def finish_checks(results: dict, ok: bool, out: str | None) -> int:
+    """A GPU check script's end: its JSON written (when ``out``), the verdict printed; the exit status."""
+    if out:
+        write_json(out, results)
+    print("ALL PASS" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"2x8192x16x128"`` -> ``(2, 8192, 16, 128)`` (a ValueError names the text otherwise)."""
     try:

@@ -37,7 +37,8 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import parsed_kernel_config, selected_groups, with_kernel_config, write_json  # noqa: E402
+from benchmarks.common import (finish_checks, parsed_kernel_config, selected_groups, with_kernel_config,  # noqa: E402
+                               write_json)
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
@@ -367,10 +368,7 @@ def main() -> int:
             continue
         guarded(name, fn)
     results["seconds"] = time.time() - t_start
-    if args.out:
-        write_json(args.out, results)
-    print("ALL PASS" if ok else "SOME CHECKS FAILED")
-    return 0 if ok else 1
+    return finish_checks(results, ok, args.out)
 
 
 if __name__ == "__main__":

@@ -797,6 +797,52 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       fi
     done
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74)"; exit 2 ;;
+  next75)  # nineteenth run: the backward's dstate_prepare as a Pallas Mosaic GPU kernel (wgmma + TMA,
+    # KernelConfig(prepare="mosaic")): values against float64 and the Triton pass, both timed alone; the whole op's
+    # bf16 gradients and T = 65536 through it; the whole op timed with it against the default; its kernels
+    step check_prepare 200 python3 benchmarks/gpu_check_mosaic_prepare.py --out "$out/$part/check_prepare.json"
+    step check_grads 120 python3 benchmarks/gpu_check_regression.py --only "bf16 grads,long bf16" \
+      --kernel-config "prepare=mosaic" --out "$out/$part/check_grads.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+      --skip "$WHOLE_OP_VARIANTS" --configs "prepare=mosaic" --out "$out/$part/bench.json"
+    step profile 70 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128,2x8192x16x128 --impls "falcon-1" \
+      --kernel-config "prepare=mosaic" --top 8 --out "$out/$part/profile.json"
+    ;;
+  next76)  # nineteenth run (as run by hand, after next75 failed to lower: one SMEM gate vector per register
+    # layout, TMA row offsets multiples of 8 for the key shift): the Mosaic GPU prepare checked and timed alone,
+    # the whole op timed with it, the whole op's bf16 gradients through it
+    step check_prepare 300 python3 benchmarks/gpu_check_mosaic_prepare.py --out "$out/$part/check_prepare.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas (ours)" \
+      --skip "$WHOLE_OP_VARIANTS" --configs "prepare=mosaic" --out "$out/$part/bench.json"
+    step check_grads 120 python3 benchmarks/gpu_check_regression.py --only "bf16 grads" \
+      --kernel-config "prepare=mosaic" --out "$out/$part/check_grads.json"
+    ;;
+  next77)  # nineteenth run: prepare="auto" (Mosaic GPU on Hopper) as the default: its values again, the default
+    # against prepare=triton and jla in one lease with memory at 1x32768, T = 65536 and the bf16 gradients, profile
+    step check_prepare 100 python3 benchmarks/gpu_check_mosaic_prepare.py --skip-timing \
+      --out "$out/$part/check_prepare.json"
+    step bench 150 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" --configs "prepare=triton" \
+      --out "$out/$part/bench.json"
+    step check 90 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" --out "$out/$part/check.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 2x8192x16x128 --impls "falcon-1" --top 12 \
+      --out "$out/$part/profile.json"
+    ;;
+  next78)  # nineteenth run: the Mosaic GPU prepare multiplies the scores as hi + lo bf16 parts (next77: the whole
+    # op's bf16 v-gradient error 2.10x the XLA form's, bound 2x): values, the gradient check on the same inputs
+    # with the Triton prepare beside it, 2x8192 timed against prepare=triton
+    step check_prepare 60 python3 benchmarks/gpu_check_mosaic_prepare.py --skip-timing \
+      --out "$out/$part/check_prepare.json"
+    step check 45 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" --out "$out/$part/check.json"
+    step check_triton 45 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
+      --kernel-config "prepare=triton" --out "$out/$part/check_triton.json"
+    step bench 45 python3 benchmarks/bench_regression.py --shapes 2x8192x16x128 --memory-shapes "" \
+      --rows "falcon-1 pallas (ours)" --skip "$WHOLE_OP_VARIANTS" --configs "prepare=triton" \
+      --out "$out/$part/bench.json"
+    # then by hand in the same lease (check_fp32_dr.json): the v-gradient bound with the reverse walk's dR in fp32
+    step check_fp32_dr 50 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
+      --kernel-config "stored_dr=fp32" --out "$out/$part/check_fp32_dr.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

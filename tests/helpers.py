@@ -244,3 +244,20 @@ def run_on_simulated_devices(script: str, devices: int, *args: str, timeout: int
                           env=simulated_cpu_env(dict(os.environ), devices), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def mosaic_lowering_available() -> bool:
+    """This jax lowers a Pallas Mosaic GPU kernel for CUDA without a GPU (cross-lowering on CPU)."""
+    import jax
+    import jax.numpy as jnp
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        def copy(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        kernel = plgpu.kernel(copy, out_type=jax.ShapeDtypeStruct((128,), jnp.float32))
+        jax.jit(kernel).trace(jax.ShapeDtypeStruct((128,), jnp.float32)).lower(lowering_platforms=("cuda",))
+        return True
+    except Exception:  # noqa: BLE001  (no Mosaic GPU, or no CUDA lowering in this jaxlib)
+        return False

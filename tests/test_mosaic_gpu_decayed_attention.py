@@ -21,23 +21,10 @@ import pytest
 from pallas_kernels.decayed_attention import decayed_attention
 from pallas_kernels.decayed_attention import mosaic_gpu
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+from tests.helpers import mosaic_lowering_available
 
 
-def _mosaic_lowering_available() -> bool:
-    if mosaic_gpu.plgpu is None:
-        return False
-    try:
-        def k(x_ref, o_ref):
-            o_ref[...] = x_ref[...]
-
-        f = mosaic_gpu.plgpu.kernel(k, out_type=jax.ShapeDtypeStruct((128,), jnp.float32))
-        jax.jit(f).trace(jax.ShapeDtypeStruct((128,), jnp.float32)).lower(lowering_platforms=("cuda",))
-        return True
-    except Exception:  # noqa: BLE001  (no CUDA lowering in this jaxlib)
-        return False
-
-
-needs_lowering = pytest.mark.skipif(not _mosaic_lowering_available(),
+needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
                                     reason="this jax cannot lower Mosaic GPU kernels for CUDA on CPU")
 
 

@@ -59,7 +59,7 @@ from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_
                                    reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
                                    unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
-from pallas_kernels.decayed_delta_rule import pallas_gpu, pallas_gpu_columns, pallas_tpu
+from pallas_kernels.decayed_delta_rule import mosaic_gpu, pallas_gpu, pallas_gpu_columns, pallas_tpu
 from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
 from pallas_kernels.decayed_delta_rule.xla import outputs as xla_outputs
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
@@ -220,6 +220,14 @@ class KernelConfig:
     # gated_deltanet 1,149); fwd 0.369 / 0.410 / 1.082 ms vs 0.374 / 0.428 / 1.098 at 8x2048 / 2x8192 / 1x32768,
     # fwd+bwd 1.304 / 1.397 / 3.232 vs 1.299 / 1.395 / 3.257 (next63)
     keys_in_place: bool = True
+    # GPU, the split reverse walk's per-chunk preparation (``dstate_prepare``: V and the q-term): the Triton
+    # kernel ("triton"), the Pallas Mosaic GPU kernel of ``mosaic_gpu.py`` ("mosaic": wgmma + TMA, Hopper; bf16/fp16,
+    # C = 64, d = 64 or 128, V stored in the inputs' dtype, B formed in the walk; the Triton kernel where it does not
+    # serve the call), or "auto" (the default since the nineteenth run): "mosaic" on a Hopper GPU.  H200 bf16,
+    # H16 d128, the pass alone 0.52-0.60x the Triton one's time (8x2048: 0.126 vs 0.226 ms with the q-term,
+    # next76); whole op fwd+bwd in one lease 1.209 vs 1.305 ms at 8x2048, 1.338 vs 1.404 at 2x8192, 3.122 vs 3.263
+    # at 1x32768 (next77), 1.340 vs 1.405 at 2x8192 with the scores' hi + lo parts (next78)
+    prepare: str = "auto"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -233,6 +241,7 @@ class KernelConfig:
                               ("dstate_b", ("stored", "from_t")),
                               ("dstate_q", ("auto", "walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
+                              ("prepare", ("auto", "triton", "mosaic")),
                               ("grad_loops", GRAD_LOOPS),
                               ("stored_v", ("auto", "fp32", "input")),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "tri_dtype",
@@ -509,6 +518,25 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
                     key_shift)
 
 
+def _prepare(config: KernelConfig, backend: str, interpret: bool):
+    """The split reverse walk's ``prepare_vb``: the backend's, or (``config.prepare`` "mosaic", or "auto" on a
+    Hopper GPU; the GPU backend, not interpreted) the Mosaic GPU kernel, which hands a call it does not serve back
+    to the Triton one."""
+    kernels = _BACKENDS[backend]
+    if backend != "pallas_gpu" or interpret or config.prepare == "triton":
+        return kernels.prepare_vb
+    if config.prepare == "auto" and not mosaic_gpu.on_hopper():
+        return kernels.prepare_vb
+
+    def prepare_vb(*args, **kw):
+        try:
+            return mosaic_gpu.prepare_vb(*args, **kw)
+        except NotImplementedError:
+            return kernels.prepare_vb(*args, **kw)
+
+    return prepare_vb
+
+
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
     keys = {"key_shift": True} if key_shift else {}
@@ -548,13 +576,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
         walk_programs = BH * pieces * (dv // state_kw["block_v"])
         q_term = config.dstate_q_for(walk_programs) == "prepare" and pieces == 1
-        state_kw["vb"] = kernels.prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-                                            num_warps=config.prepare_warps or config.state_warps, heads=heads,
-                                            b_dtype=lo,
-                                            v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32,
-                                            with_b=not b_from_t,
-                                            q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
-                                            walk_operands=state_kw["walk_operands"], **keys)
+        state_kw["vb"] = _prepare(config, backend, interpret)(
+            q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
+            num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
+            v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32, with_b=not b_from_t,
+            q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None, walk_operands=state_kw["walk_operands"],
+            **keys)
         state_kw["b_from_t"] = b_from_t
     else:
         state_grad_pass = kernels.state_grad_pass

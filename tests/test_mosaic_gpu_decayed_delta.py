@@ -1,0 +1,162 @@
+"""The Mosaic GPU (Hopper wgmma + TMA) ``dstate_prepare`` of ``decayed_delta_rule``, without a GPU.
+
+Its values are checked on the H200 only (``benchmarks/gpu_check_mosaic_prepare.py``: V and the q-term against a
+float64 reference and against the Triton pass, which the interpret-mode tests cover): jax 0.10.2's CPU
+interpreter of Mosaic GPU has no transposed wgmma operands.  Here: what it refuses, that it cross-lowers for
+CUDA with the Triton pass's output shapes, and which pass the op's backward takes under each
+``KernelConfig.prepare``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu
+from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from tests.helpers import mosaic_lowering_available
+
+needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
+                                    reason="this jax cannot lower Mosaic GPU kernels for CUDA on CPU")
+BF = jnp.bfloat16
+S = jax.ShapeDtypeStruct
+C = 64
+
+
+def _prepare_args(B, L, H, d, dtype=BF, t_dtype=None, in_place=True):
+    """Zero q, x, η, g, gp, rl, T, dO for ``prepare_vb`` (``[B, L, H, d]`` tokens, or head-major)."""
+    tokens = jnp.zeros((B, L, H, d) if in_place else (B * H, L, d), dtype)
+    rows = jnp.zeros((B * H, L), jnp.float32)
+    return (tokens, tokens, rows, rows, rows, jnp.zeros((B * H, L), jnp.int32),
+            jnp.zeros((B * H, L, C), t_dtype or dtype), tokens)
+
+
+PREPARE_KW = dict(chunk=C, heads=2, v_dtype=BF, q_term_dtype=BF, key_shift=True, with_b=False, walk_operands=BF)
+
+
+def test_prepare_config_is_validated():
+    for value in ("auto", "triton", "mosaic"):
+        assert KernelConfig(prepare=value).prepare == value
+    with pytest.raises(ValueError, match="prepare must be 'auto' or 'triton' or 'mosaic'"):
+        KernelConfig(prepare="wgmma")
+
+
+def test_auto_takes_the_triton_pass_off_hopper():
+    assert not mosaic_gpu.on_hopper()  # CI and this machine: CPU
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(interpret=True), "Hopper GPU only"),
+    (dict(chunk=32), "chunk_size=32"),
+    (dict(with_b=True), "B = Tᵀ"),
+    (dict(walk_operands=None), "walk's operands in fp32"),
+    (dict(v_dtype=jnp.float32), "V stored in float32"),
+    (dict(q_term_dtype=jnp.float32), "q-term stored in float32"),
+])
+def test_prepare_refuses_calls_it_does_not_serve(change, match):
+    kw = dict(PREPARE_KW, **change)
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        mosaic_gpu.prepare_vb(*_prepare_args(1, 128, 2, 64), **kw)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(dtype=jnp.float32), "bf16 or fp16 only"),
+    (dict(d=32), "dk=32"),
+    (dict(d=256), "dk=256"),
+    (dict(t_dtype=jnp.float32), "T stored in float32"),
+])
+def test_prepare_refuses_dtypes_and_widths(args, match):
+    shape = dict(B=1, L=128, H=2, d=64)
+    shape.update({k: v for k, v in args.items() if k == "d"})
+    extra = {k: v for k, v in args.items() if k != "d"}
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        mosaic_gpu.prepare_vb(*_prepare_args(shape["B"], shape["L"], shape["H"], shape["d"], **extra),
+                              **dict(PREPARE_KW, v_dtype=extra.get("dtype", BF), q_term_dtype=extra.get("dtype", BF),
+                                     walk_operands=extra.get("dtype", BF)))
+
+
+def _result_types(text):
+    """``[(shape, dtype), ...]`` of the lowered Mosaic GPU custom call's results."""
+    (line,) = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    results = line.rsplit("->", 1)[1]
+    return [(tuple(int(n) for n in m.group(1).split("x")), m.group(2))
+            for m in re.finditer(r"tensor<([\dx]+)x(bf16|f16|f32)>", results)]
+
+
+@needs_lowering
+@pytest.mark.parametrize("B,L,H,d,key_shift,q_term,in_place", [
+    (2, 256, 4, 128, True, True, True),  # Falcon-1's call: keys one row back, in place, the q-term
+    (2, 256, 4, 128, True, False, True),
+    (1, 64, 2, 64, False, True, True),  # one chunk, d64
+    (3, 320, 1, 128, True, True, False),  # head-major, odd number of chunks
+])
+def test_prepare_lowers_with_the_triton_pass_shapes(B, L, H, d, key_shift, q_term, in_place):
+    args = _prepare_args(B, L, H, d, in_place=in_place)
+    kw = dict(PREPARE_KW, heads=H if in_place else None, key_shift=key_shift, q_term_dtype=BF if q_term else None)
+
+    def fn(*a):
+        return mosaic_gpu.prepare_vb(*a, **kw)
+
+    text = jax.jit(fn).trace(*(S(a.shape, a.dtype) for a in args)).lower(lowering_platforms=("cuda",)).as_text()
+    want = [(args[-1].shape, "bf16")] + ([((B * H, L // C, d, d), "bf16")] if q_term else [])
+    assert _result_types(text) == want
+
+
+@needs_lowering
+def test_op_backward_takes_the_configured_prepare():
+    """The lowered forward + backward of Falcon-1's call (keys one row back, in place): ``prepare="mosaic"``
+    replaces the Triton ``dstate_prepare`` with the Mosaic GPU kernel for bf16 and keeps the Triton one for fp32
+    (its fallback); "triton" and, off a Hopper GPU, "auto" keep the Triton one."""
+    B, T, H, D = 2, 256, 2, 128
+
+    def lowered(config, dtype):
+        gate = jnp.zeros((B, T, H), jnp.float32)
+        run = jnp.zeros((B, T, H), jnp.int32)
+        s0 = jnp.zeros((B, H, D, D), jnp.float32)
+
+        def loss(q, x, y, eta, log_gamma, s0):
+            o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
+                                      interpret=False, config=config, shifted_keys=True)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+        tokens = S((B, T, H, D), dtype)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
+            tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
+            S(s0.shape, s0.dtype)).lower(lowering_platforms=("cuda",)).as_text()
+
+    def passes(text):
+        return (text.count('name = "falcon_delta_dstate_prepare"'), text.count("falcon_delta_dstate_prepare_mgpu") > 0)
+
+    assert passes(lowered(KernelConfig(prepare="mosaic"), BF)) == (0, True)
+    assert passes(lowered(KernelConfig(prepare="mosaic"), jnp.float32)) == (1, False)
+    assert passes(lowered(KernelConfig(prepare="triton"), BF)) == (1, False)
+    assert passes(lowered(KernelConfig(), BF)) == (1, False)  # "auto", and this is no Hopper GPU
+
+
+@pytest.mark.parametrize("key_shift,in_place", [(True, True), (False, False)])
+def test_gpu_check_reference_matches_the_triton_pass(key_shift, in_place):
+    """The float64 reference that ``benchmarks/gpu_check_mosaic_prepare.py`` holds the Mosaic pass to agrees
+    with the Triton pass in interpret mode (to bf16 rounding), segment starts inside chunks included."""
+    import numpy as np
+
+    from benchmarks.gpu_check_mosaic_prepare import as_head_major, make_case, reference, rel
+    from pallas_kernels.decayed_delta_rule import pallas_gpu
+
+    B, L, H, d = 2, 192, 2, 64
+    q, k, do, g, rl, tinv = make_case(np.random.default_rng(1), B, L, H, d, segments=True)
+    assert float(jnp.mean((rl > 0).astype(jnp.float32))) > 0.2  # several segments per chunk
+    V, qt = reference(q, k, do, g, rl, tinv, key_shift=key_shift)
+    args = (q, k, do) if in_place else tuple(as_head_major(a) for a in (q, k, do))
+    v, _, q_term = pallas_gpu.prepare_vb(args[0], args[1], g, g, g, rl, tinv, args[2], chunk=C,
+                                         heads=H if in_place else None, v_dtype=BF, q_term_dtype=BF,
+                                         key_shift=key_shift, with_b=False, walk_operands=BF, interpret=True)
+    v = np.asarray(v.astype(jnp.float32))
+    if in_place:
+        v = np.swapaxes(v, 1, 2).reshape(B * H, L, d)
+    assert rel(v, V) < 8e-3 and rel(q_term, qt) < 8e-3
+    # and the reference is not trivially satisfied: without the key shift it disagrees
+    V_other, _ = reference(q, k, do, g, rl, tinv, key_shift=not key_shift)
+    assert rel(v, V_other) > 0.1
