@@ -7,6 +7,7 @@ The rest of the op stays the Triton kernels of :mod:`pallas_gpu`.
 Per chunk (``C = 64`` rows; ``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment; with ``key_shift``
 row ``s``'s write feature is the key of row ``s − 1``, zero at the sequence's first row)::
 
+    X    = E₁ K_n + E₀ K_{n−1}           (key_shift) two wgmmas with 0/1 register operands: key s − 1 in row s
     Vloc = (Q Xᵀ ⊙ D)ᵀ dO              wgmma: Xᵀ-side scores from SMEM, masked in registers, then · dO
     V    = Tᵀ Vloc                       wgmma: T transposed from SMEM, Vloc staged to SMEM in bf16
     q_term = Qᵀ (c ⊙ dO)   (optional)    c_t = e^{g_t} where the chunk's first segment runs, else 0
@@ -21,7 +22,8 @@ the op keeps the Triton pass.
 
 Tested on the H200 only (``benchmarks/gpu_check_mosaic_prepare.py`` against the Triton pass and a
 float64 reference): jax 0.10.2's CPU interpreter of Mosaic GPU has no transposed wgmma operands, so
-CI cross-lowers these kernels for CUDA and checks their operands, nothing more.
+CI only cross-lowers the kernel for CUDA (its results' shapes), checks what it refuses and which pass the op
+takes (``tests/test_mosaic_gpu_decayed_delta.py``).
 """
 
 from __future__ import annotations
