@@ -48,6 +48,25 @@ def test_auto_takes_the_triton_pass_off_hopper():
     assert not mosaic_gpu.on_hopper()  # CI and this machine: CPU
 
 
+@pytest.mark.parametrize("platform,capability,version,want", [
+    ("gpu", "9.0", "0.11.2", True),
+    ("gpu", "9.0", "0.12.0.dev20270101", True),
+    ("gpu", "9.0", "0.10.2", False),  # lowers there, never ran there
+    ("gpu", "8.0", "0.11.2", False),  # A100: no wgmma
+    ("gpu", "10.0", "0.11.2", False),  # Blackwell: not checked
+    ("tpu", "", "0.11.2", False),
+])
+def test_on_hopper_needs_sm90_and_the_checked_jax(monkeypatch, platform, capability, version, want):
+    class Device:
+        pass
+
+    device = Device()
+    device.platform, device.compute_capability = platform, capability
+    monkeypatch.setattr(mosaic_gpu.jax, "devices", lambda: [device])
+    monkeypatch.setattr(mosaic_gpu.jax, "__version__", version)
+    assert mosaic_gpu.on_hopper() is want
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(interpret=True), "Hopper GPU only"),
     (dict(chunk=32), "chunk_size=32"),

@@ -223,7 +223,8 @@ class KernelConfig:
     # GPU, the split reverse walk's per-chunk preparation (``dstate_prepare``: V and the q-term): the Triton
     # kernel ("triton"), the Pallas Mosaic GPU kernel of ``mosaic_gpu.py`` ("mosaic": wgmma + TMA, Hopper; bf16/fp16,
     # C = 64, d = 64 or 128, V stored in the inputs' dtype, B formed in the walk; the Triton kernel where it does not
-    # serve the call), or "auto" (the default since the nineteenth run): "mosaic" on a Hopper GPU.  H200 bf16,
+    # serve the call), or "auto" (the default since the nineteenth run): "mosaic" on a Hopper GPU under jax >= 0.11
+    # (``mosaic_gpu.on_hopper``; checked on 0.11.2, only cross-lowered on 0.10).  H200 bf16,
     # H16 d128, the pass alone 0.52-0.60x the Triton one's time (8x2048: 0.126 vs 0.226 ms with the q-term,
     # next76); whole op fwd+bwd in one lease 1.209 vs 1.305 ms at 8x2048, 1.338 vs 1.404 at 2x8192, 3.122 vs 3.263
     # at 1x32768 (next77), 1.340 vs 1.405 at 2x8192 with the scores' hi + lo parts (next78)
