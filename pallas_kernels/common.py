@@ -1,5 +1,5 @@
-"""Helpers shared by the kernel ops: the Triton launch parameters, dot precision, the
-poisoned-outputs testing aid, shape checks and the sequence split into pieces."""
+"""Helpers shared by the kernel ops: the Triton launch parameters, dot precision, the Mosaic GPU SMEM tiles
+and products, the poisoned-outputs testing aid, shape checks and the sequence split into pieces."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ try:  # the Triton lowering is chosen by its compiler params (SPEC §8)
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
     pltriton = None
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
 
 
 def next_pow2(n: int) -> int:
@@ -167,6 +172,31 @@ def dot(a, b, precision):
 def precision_for(dtype):
     """fp32 inputs: true fp32 dots (default fp32 dots run in TF32 on Hopper); bf16/fp16: native."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def mosaic_smem(shape, dtype):
+    """A Mosaic GPU SMEM tile tiled and swizzled for TMA and wgmma (the last dimension contiguous)."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def mosaic_mma(a, b, shape, init=None):
+    """``init + a @ b`` (fp32) on the tensor cores in a Mosaic GPU kernel; ``a`` an SMEM ref or 16-bit registers
+    in the wgmma layout, ``b`` an SMEM ref.
+
+    The product goes into a fresh scoped accumulator and ``init`` is added in registers afterwards: under jax
+    0.11.2 an accumulator initialised from a value (``pl.run_state`` with ``plgpu.ACC.init``) inside a kernel's
+    loop failed to lower on the H200 ("Shaped arrays must be represented by ir.Values, got: TypedInt(0)"); the
+    extra fp32 add costs one pass over registers.  The result goes through an optimization barrier so that no
+    arithmetic on it is scheduled ahead of the wgmma wait that reading the accumulator implies."""
+    def scoped(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32)))
+    return out if init is None else out + init
 
 
 def triton_params(num_warps, num_stages):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import mosaic_mma, mosaic_smem
 from pallas_kernels.decayed_attention import pallas_gpu as _triton
 
 try:
@@ -76,14 +77,6 @@ def ctas_per_head_piece(dv: int) -> int:
     return dv // BLOCK_V // warpgroups(dv)
 
 
-def _smem(shape, dtype):
-    """SMEM tile swizzled for TMA and wgmma (the last dimension is the contiguous one)."""
-    dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
 def _stages(dk, W, itemsize, write_o):
     per_stage = ((2 if write_o else 1) * CHUNK * dk + W * CHUNK * BLOCK_V) * itemsize + 2 * CHUNK * 4
     # per warpgroup: the fp32 state staging tile, aliased with (S in bf16, two output tiles)
@@ -104,23 +97,6 @@ def _interpret_params(interpret):
     except ImportError as e:  # pragma: no cover
         raise NotImplementedError("mosaic_gpu decayed_attention: this jax has no Mosaic GPU interpret mode") from e
     return InterpretGPUParams()
-
-
-def _mma(a, b, shape, init=None, interpret=False):
-    """``init + a @ b`` (fp32) on the tensor cores; ``a`` an SMEM ref or 16-bit registers, ``b`` an SMEM ref.
-
-    The product goes into a fresh scoped accumulator and ``init`` is added in registers afterwards:
-    under jax 0.11.2 an accumulator initialised from a value (``pl.run_state`` with
-    ``plgpu.ACC.init``) inside this kernel's loop failed to lower on the H200 ("Shaped arrays must be
-    represented by ir.Values, got: TypedInt(0)"); the extra fp32 add costs one pass over registers.
-    The result goes through an optimization barrier so that no arithmetic on it is scheduled
-    ahead of the wgmma wait that reading the accumulator implies."""
-    def scoped(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
-    return out if init is None else out + init
 
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v=None, write_o, write_h, interpret=False,
@@ -153,13 +129,13 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v=None, write_o, wr
 
     vec = plgpu.SMEM((stages, C), F32)
     scratch = dict(
-        x_s=_smem((stages, C, dk), dtype),
-        y_s=_smem((W, stages, C, BLOCK_V), dtype),
+        x_s=mosaic_smem((stages, C, dk), dtype),
+        y_s=mosaic_smem((W, stages, C, BLOCK_V), dtype),
         g_s=vec,
         r_s=vec,
         # per compute warpgroup: fp32 state staging (start / end only) aliased with the loop's tiles
         per_wg=tuple(plgpu.RefUnion(plgpu.SMEM((dk, BLOCK_V), F32),
-                                    [_smem((dk, BLOCK_V), dtype), _smem((2, C, BLOCK_V), dtype)])
+                                    [mosaic_smem((dk, BLOCK_V), dtype), mosaic_smem((2, C, BLOCK_V), dtype)])
                      for _ in range(W)),
         ready=plgpu.Barrier(num_arrivals=(4 if write_o else 3) + W, num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=W, num_barriers=stages),
@@ -167,7 +143,7 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v=None, write_o, wr
         done=plgpu.Barrier(num_arrivals=W + 1),
     )
     if write_o:
-        scratch["q_s"] = _smem((stages, C, dk), dtype)
+        scratch["q_s"] = mosaic_smem((stages, C, dk), dtype)
 
     if interpret:  # the interpreter has no layouts
         rows_ids = functools.partial(lax.broadcasted_iota, jnp.int32, (C, C))
@@ -176,7 +152,7 @@ def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v=None, write_o, wr
     ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
     COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
-    mma = functools.partial(_mma, interpret=bool(interpret))
+    mma = mosaic_mma
 
     def load(ref, layout, optimized=True):
         """SMEM → registers in ``layout`` (the interpreter has no ``plgpu.load``: a plain read there)."""

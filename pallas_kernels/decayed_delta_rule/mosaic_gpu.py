@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-from pallas_kernels.common import token_dims
+from pallas_kernels.common import mosaic_mma, mosaic_smem, token_dims
 
 CHUNK = 64
 F32 = jnp.float32
@@ -82,30 +82,12 @@ def unsupported_reason(q, do, chunk: int, *, v_dtype, q_term_dtype=None, with_b:
     return None
 
 
-def _smem(shape, dtype):
-    """SMEM tile swizzled for TMA and wgmma (the last dimension contiguous)."""
-    dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
 def _load(ref, layout):
     """SMEM → registers in ``layout``: the whole ref (jax 0.11's ``plgpu.load`` indexes it whole by default; an
     explicit empty index there fails its layout inference, while jax 0.10's requires the index)."""
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
-
-
-def _mma(a, b, shape):
-    """``a @ b`` in fp32 (``a``: SMEM ref or 16-bit registers in the wgmma layout; ``b``: SMEM ref).  The
-    optimization barrier keeps arithmetic on the result after the wait that reading the accumulator implies."""
-    def scoped(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
 
 
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=None, q_term_dtype=None,
@@ -144,20 +126,20 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
         return ref.at[b, span, h] if heads is not None else ref.at[b * H + h, span]
 
     vec = plgpu.SMEM((C,), F32)
-    scratch = dict(q_s=_smem((C, dk), dtype), x_s=_smem((C, dk), dtype), do_s=_smem((C, dv), dtype),
-                   t_s=_smem((C, C), dtype), v_s=_smem((C, dv), dtype),
+    scratch = dict(q_s=mosaic_smem((C, dk), dtype), x_s=mosaic_smem((C, dk), dtype),
+                   do_s=mosaic_smem((C, dv), dtype), t_s=mosaic_smem((C, C), dtype), v_s=mosaic_smem((C, dv), dtype),
                    # each gate vector twice, one buffer per register layout it is read in (rows, columns of the
                    # [C, C] tiles): one SMEM ref read in two layouts left jax 0.11.2's layout inference without a
                    # solution
                    g_r=vec, g_c=vec, r_r=vec, r_c=vec,
                    bar=plgpu.Barrier(num_arrivals=9 if key_shift else 8))
     if key_shift:  # the previous chunk's keys and this chunk's, shifted by products (below)
-        scratch.update(kp_s=_smem((C, dk), dtype), kc_s=_smem((C, dk), dtype))
+        scratch.update(kp_s=mosaic_smem((C, dk), dtype), kc_s=mosaic_smem((C, dk), dtype))
     out_type = [jax.ShapeDtypeStruct(do.shape, dtype)]
     halves = dk // C  # the q-term in [C, dv] row blocks (a wgmma accumulator of C rows)
     if with_q:
         if not (key_shift and dv == dk):  # else two key tiles, dead by then, stage its row blocks
-            scratch["qt_s"] = _smem((dk, dv), dtype)
+            scratch["qt_s"] = mosaic_smem((dk, dv), dtype)
         out_type.append(jax.ShapeDtypeStruct((BH, n_chunks, dk, dv), dtype))
 
     def body(q_ref, x_ref, g_ref, r_ref, t_ref, do_ref, v_ref, *qt_out, q_s, x_s, do_s, t_s, v_s, g_r, g_c, r_r,
@@ -175,10 +157,11 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
         else:
             plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h, start), x_s, bar)
         plgpu.copy_gmem_to_smem(rows_of(do_ref, b, h, start), do_s, bar)
-        plgpu.copy_gmem_to_smem(t_ref.at[bh, pl.ds(pl.multiple_of(start, C), C)], t_s, bar)
+        chunk_rows = pl.ds(pl.multiple_of(start, C), C)  # of the [B·H, L, ...] arrays
+        plgpu.copy_gmem_to_smem(t_ref.at[bh, chunk_rows], t_s, bar)
         for src, dsts in ((g_ref, (g_r, g_c)), (r_ref, (r_r, r_c))):
             for dst in dsts:
-                plgpu.copy_gmem_to_smem(src.at[bh, pl.ds(pl.multiple_of(start, C), C)], dst, bar)
+                plgpu.copy_gmem_to_smem(src.at[bh, chunk_rows], dst, bar)
         plgpu.barrier_wait(bar)
 
         sq = (C, C)
@@ -189,13 +172,13 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
             # sequence's first write feature stays zero.  Exact: one unit product per entry.
             within = jnp.where(t_ids == s_ids - 1, 1.0, 0.0).astype(dtype)
             carried = jnp.where((s_ids == 0) & (t_ids == C - 1) & (n > 0), 1.0, 0.0).astype(dtype)
-            x_s[...] = (_mma(within, kc_s, (C, dk)) + _mma(carried, kp_s, (C, dk))).astype(dtype)
+            x_s[...] = (mosaic_mma(within, kc_s, (C, dk)) + mosaic_mma(carried, kp_s, (C, dk))).astype(dtype)
             plgpu.commit_smem()
         g_s_rows, g_t_cols = _load(g_r, ROWS), _load(g_c, COLS)
         r_s_rows, r_t_cols = _load(r_r, ROWS), _load(r_c, COLS)
         keep = (s_ids <= t_ids) & (lax.broadcast_in_dim(r_s_rows, sq, [0]) == lax.broadcast_in_dim(r_t_cols, sq, [1]))
         expo = lax.broadcast_in_dim(g_t_cols, sq, [1]) - lax.broadcast_in_dim(g_s_rows, sq, [0])
-        scores_t = _mma(x_s, q_s.T, sq)  # [s, t] = x_s · q_t
+        scores_t = mosaic_mma(x_s, q_s.T, sq)  # [s, t] = x_s · q_t
         # select, not multiply: the masked exponent is never exponentiated and a masked entry is exactly zero
         scores_t = jnp.where(keep, scores_t * jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
         # the fp32 scores as two 16-bit parts (hi + lo, ~16 mantissa bits): one 16-bit product rounded them to 8,
@@ -203,17 +186,16 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
         # this product in TF32).  The pass is memory-bound, so the second product costs little
         hi = scores_t.astype(dtype)
         lo = (scores_t - hi.astype(F32)).astype(dtype)
-        v_local = _mma(hi, do_s, (C, dv)) + _mma(lo, do_s, (C, dv))
+        v_local = mosaic_mma(hi, do_s, (C, dv)) + mosaic_mma(lo, do_s, (C, dv))
         v_s[...] = v_local.astype(dtype)
         plgpu.commit_smem()
-        v = _mma(t_s.T, v_s, (C, dv))  # Tᵀ Vloc; the wait inside frees v_s for V itself
+        v = mosaic_mma(t_s.T, v_s, (C, dv))  # Tᵀ Vloc; the wait inside frees v_s for V itself
         v_s[...] = v.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(v_s, rows_of(v_ref, b, h, start))
         if with_q:
             (qt_ref,) = qt_out
-            g_rows = g_s_rows
-            cont = jnp.where(r_s_rows == 0.0, jnp.exp(g_rows), 0.0)
+            cont = jnp.where(r_s_rows == 0.0, jnp.exp(g_s_rows), 0.0)
             # dO's rows scaled in place (its last reader, Vloc's product, has waited)
             do_rows = _load(do_s, WGMMA).astype(F32)
             do_s[...] = (lax.broadcast_in_dim(cont, (C, dv), [0]) * do_rows).astype(dtype)
@@ -221,7 +203,7 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
             for j in range(halves):
                 rows = pl.ds(j * C, C)
                 stage = qt_s.at[rows] if qt_s is not None else (kc_s, x_s)[j]  # x_s: dead after the scores
-                stage[...] = _mma(q_s.at[:, rows].T, do_s, (C, dv)).astype(dtype)
+                stage[...] = mosaic_mma(q_s.at[:, rows].T, do_s, (C, dv)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(stage, qt_ref.at[bh, n, rows])
         plgpu.wait_smem_to_gmem(0)
