@@ -7,6 +7,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 
 def time_jax(fn, *args, calls: int = 20, repeats: int = 7) -> float:
@@ -71,6 +72,12 @@ def _fmt(v) -> str:
 def write_json(path: str, payload) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
+
+
+def rel_err(a, b) -> float:
+    """Max-norm relative error of ``a`` against the reference ``b`` (any float dtype, bf16 included)."""
+    a, b = (np.asarray(x).astype(np.float64) for x in (a, b))
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def finish_checks(results: dict, ok: bool, out: str | None) -> int:

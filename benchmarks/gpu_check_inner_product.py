@@ -24,7 +24,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import parsed_kernel_config, selected_groups, write_json  # noqa: E402
+from benchmarks.common import parsed_kernel_config, rel_err, selected_groups, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_attention.api import KernelConfig  # noqa: E402
@@ -37,11 +37,6 @@ def inputs(rng, B, T, H, d, dtype):
     beta = rng.uniform(0.1, 1.9, size=(B, T, H))
     lam = rng.uniform(0.0, 0.05, size=(B, T, H))
     return [jnp.asarray(a, dtype) for a in (q, k, v, beta, lam)]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 GROUPS = ("values", "variants", "grads", "bf16", "segments", "long")
@@ -76,16 +71,16 @@ def main() -> int:
     x32 = [a.astype(jnp.float32) for a in x64]
     if "values" in only:
         out32, state32 = jax.jit(lambda *a: falcon(*a, variant="1A", impl="pallas", return_final_state=True))(*x32)
-        check("fp32 T=8192 output rel err", rel(out32, ref_out), 1e-4)
-        check("fp32 T=8192 final state rel err", rel(state32.S, ref_state.S), 1e-4)
+        check("fp32 T=8192 output rel err", rel_err(out32, ref_out), 1e-4)
+        check("fp32 T=8192 final state rel err", rel_err(state32.S, ref_state.S), 1e-4)
     if "variants" in only:
         check_variants(rng, x64, check, results)
     if "grads" in only:
         check_grads(rng, H, d, check)
     if "bf16" in only:
         xbf = [a.astype(jnp.bfloat16) for a in x64]
-        err_pal = rel(jax.jit(lambda *a: falcon(*a, variant="1A", impl="pallas"))(*xbf), ref_out)
-        err_xla = rel(jax.jit(lambda *a: falcon(*a, variant="1A", impl="xla"))(*xbf), ref_out)
+        err_pal = rel_err(jax.jit(lambda *a: falcon(*a, variant="1A", impl="pallas"))(*xbf), ref_out)
+        err_xla = rel_err(jax.jit(lambda *a: falcon(*a, variant="1A", impl="xla"))(*xbf), ref_out)
         results["bf16 errors"] = {"pallas": err_pal, "xla": err_xla}
         check("bf16 error / XLA-form bf16 error", err_pal / err_xla, 2.0)
     if "segments" in only:
@@ -106,7 +101,7 @@ def check_variants(rng, x64, check, results):
     x64_3a = x64[:4] + [lam_clamp]
     ref3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="xla"))(*x64_3a)
     got3 = jax.jit(lambda *a: falcon(*a, variant="3A", window=4, impl="pallas"))(*[a.astype(jnp.float32) for a in x64_3a])
-    check("fp32 T=8192 Falcon-3A output rel err", rel(got3, ref3), 1e-4)
+    check("fp32 T=8192 Falcon-3A output rel err", rel_err(got3, ref3), 1e-4)
     # Falcon-2A with per-column gains (β, hence η and γ, differ per column): the per-column kernel, no residual
     # (own generator: the later checks keep their inputs; a crash is recorded as a failed check)
     beta_col = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.9, size=(B, T, H, d)))
@@ -114,7 +109,7 @@ def check_variants(rng, x64, check, results):
     try:
         ref2a = jax.jit(lambda *a: falcon(*a, variant="2A", impl="xla"))(*x64_2a)
         got2a = jax.jit(lambda *a: falcon(*a, variant="2A", impl="pallas"))(*[a.astype(jnp.float32) for a in x64_2a])
-        err2a = rel(got2a, ref2a)
+        err2a = rel_err(got2a, ref2a)
     except Exception as e:  # noqa: BLE001
         results["Falcon-2A error"] = f"{type(e).__name__}: {str(e)[:300]}"
         err2a = float("nan")
@@ -138,7 +133,7 @@ def check_grads(rng, H, d, check, T=2048):
     g32 = grads("pallas", jax.device_put([a.astype(jnp.float32) for a in x64], gpu),
                 jax.device_put(ct.astype(jnp.float32), gpu))
     for name, a, b in zip("q k v beta lam".split(), g32, g_ref):
-        check(f"fp32 T={T} grad {name} rel err", rel(a, b), 1e-4)
+        check(f"fp32 T={T} grad {name} rel err", rel_err(a, b), 1e-4)
 
 
 def check_segments(rng, H, check):
@@ -154,7 +149,7 @@ def check_segments(rng, H, check):
         s1_32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.float64 else a, s1)
         got, got_s = falcon(*[a[:, 1000:].astype(jnp.float32) for a in xs], segment_ids=seg[:, 1000:],
                             initial_state=s1_32, impl="pallas", **kw)
-        check(f"segments+continuation ({timing}) rel err", max(rel(got, want), rel(got_s.S, want_s.S)), 1e-4)
+        check(f"segments+continuation ({timing}) rel err", max(rel_err(got, want), rel_err(got_s.S, want_s.S)), 1e-4)
 
 
 def check_long(rng, check):

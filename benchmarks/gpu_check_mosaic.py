@@ -25,7 +25,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import time_jax, write_json  # noqa: E402
+from benchmarks.common import rel_err, time_jax, write_json  # noqa: E402
 from pallas_kernels.decayed_attention import decayed_attention  # noqa: E402
 from pallas_kernels.decayed_attention.reference import decayed_attention_reference  # noqa: E402
 
@@ -46,11 +46,6 @@ def inputs(seed, B, H, T, dk, dv, dtype, segments):
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     return (cast(q), cast(x), cast(y), jnp.asarray(log_decay, jnp.float32), jnp.asarray(run, jnp.int32),
             jnp.asarray(s0, jnp.float32))
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def main() -> int:
@@ -89,8 +84,8 @@ def main() -> int:
             ot, st = op(*a, implementation="pallas_gpu", pieces=pieces)
             ro, rs = jax.jit(decayed_attention_reference)(*(v.astype(jnp.float64) if v.dtype == jnp.bfloat16 else v
                                                            for v in a))
-            e = dict(mosaic_o=rel(om, ro), mosaic_s=rel(sm, rs), triton_o=rel(ot, ro), triton_s=rel(st, rs),
-                     mosaic_vs_triton_o=rel(om, ot), finite=bool(np.isfinite(np.asarray(om, np.float32)).all()),
+            e = dict(mosaic_o=rel_err(om, ro), mosaic_s=rel_err(sm, rs), triton_o=rel_err(ot, ro), triton_s=rel_err(st, rs),
+                     mosaic_vs_triton_o=rel_err(om, ot), finite=bool(np.isfinite(np.asarray(om, np.float32)).all()),
                      first_call_s=t_first)
             ok = e["finite"] and all(e[f"mosaic_{k}"] <= 1.5 * e[f"triton_{k}"] + 1e-3 for k in ("o", "s"))
             record(name, ok, **e)
@@ -126,7 +121,7 @@ def main() -> int:
 
         gm = loss("mosaic_gpu")(*a[:4], a[5])
         gt = loss("pallas_gpu")(*a[:4], a[5])
-        e = {f"d{n}": rel(u.astype(jnp.float32), v.astype(jnp.float32))
+        e = {f"d{n}": rel_err(u.astype(jnp.float32), v.astype(jnp.float32))
              for n, u, v in zip(("q", "x", "y", "log_decay", "s0"), gm, gt)}
         record("grads mosaic fwd + triton bwd vs triton", all(v < 2e-2 for v in e.values()), **e)
 

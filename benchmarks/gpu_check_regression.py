@@ -37,8 +37,8 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (finish_checks, parsed_kernel_config, selected_groups, with_kernel_config,  # noqa: E402
-                               write_json)
+from benchmarks.common import (finish_checks, parsed_kernel_config, rel_err, selected_groups,  # noqa: E402
+                               with_kernel_config, write_json)
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
 from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
@@ -52,11 +52,6 @@ def inputs(rng, B, T, H, d, dtype):
     beta = rng.uniform(0.1, 1.9, size=(B, T, H))
     lam = rng.uniform(0.0, 0.05, size=(B, T, H))
     return [jnp.asarray(a, dtype) for a in (q, k, v, beta, lam)]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def to32(tree):
@@ -121,8 +116,8 @@ def main() -> int:
         ref_out, ref_state = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s_init, **kw))(*x64)
         ref["out"] = ref_out
         out32, state32 = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s_init), **kw))(*x32)
-        check(f"fp32 T={T} output rel err", rel(out32, ref_out), 1e-4)
-        check(f"fp32 T={T} final state rel err", rel(state32.S, ref_state.S), 1e-4)
+        check(f"fp32 T={T} output rel err", rel_err(out32, ref_out), 1e-4)
+        check(f"fp32 T={T} final state rel err", rel_err(state32.S, ref_state.S), 1e-4)
 
     host, gpu = jax.devices("cpu")[0], jax.devices()[0]
 
@@ -155,7 +150,7 @@ def main() -> int:
                     jax.device_put(to32(s0), gpu), jax.device_put(ct.astype(jnp.float32), gpu))
         print(f"  fp32 kernel gradient on {gpu.platform}: {time.time() - t0:.0f} s (compile included)", flush=True)
         for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
-            check(f"fp32 B{B} T={Tg} H{H} d{dg32} grad {name} rel err", rel(a, b), 1e-4)
+            check(f"fp32 B{B} T={Tg} H{H} d{dg32} grad {name} rel err", rel_err(a, b), 1e-4)
 
     def bf16_grads():
         """bf16 q, k, v (fp32 gates and state): the kernel's gradient error vs the float64 reference within 2x
@@ -172,7 +167,7 @@ def main() -> int:
         g_xla = grads("xla", as_bf16(xs64), s32, ct32)
         errors = {}
         for name, a, b, r in zip("q k v beta lam S0".split(), g_pal, g_xla, g_ref):
-            errors[name] = {"pallas": rel(a, r), "xla": rel(b, r)}
+            errors[name] = {"pallas": rel_err(a, r), "xla": rel_err(b, r)}
             print(f"      bf16 grad {name}: rel err pallas {errors[name]['pallas']:.3e}, XLA chunk form "
                   f"{errors[name]['xla']:.3e}", flush=True)
             check(f"bf16 T={Tg} d{d} grad {name} error / XLA-form error", errors[name]["pallas"] / errors[name]["xla"],
@@ -194,14 +189,14 @@ def main() -> int:
         want, want_s = jax.jit(lambda *a: falcon(*a, variant="1", step="direct", alignment="same_step", impl="xla",
                                                  return_final_state=True, eps_gamma=1e-7))(
             *x64[:3], eta.swapaxes(1, 2), lam.swapaxes(1, 2))
-        check(f"op, beta=1.99 + clamp, T={T} output rel err", rel(o.swapaxes(1, 2), want), 1e-4)
-        check(f"op, beta=1.99 + clamp, T={T} final state rel err", rel(s, want_s.S), 1e-4)
+        check(f"op, beta=1.99 + clamp, T={T} output rel err", rel_err(o.swapaxes(1, 2), want), 1e-4)
+        check(f"op, beta=1.99 + clamp, T={T} final state rel err", rel_err(s, want_s.S), 1e-4)
 
     def bf16():
         xbf = [a.astype(jnp.bfloat16) for a in x64[:3]] + x32[3:]
         s32 = to32(s_init)
-        err_pal = rel(jax.jit(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32))(*xbf), ref["out"])
-        err_xla = rel(jax.jit(lambda *a: falcon(*a, impl="xla", variant="1", initial_state=s32))(*xbf), ref["out"])
+        err_pal = rel_err(jax.jit(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32))(*xbf), ref["out"])
+        err_xla = rel_err(jax.jit(lambda *a: falcon(*a, impl="xla", variant="1", initial_state=s32))(*xbf), ref["out"])
         results["bf16 errors"] = {"pallas": err_pal, "xla": err_xla}
         print(f"      bf16 rel err: pallas {err_pal:.3e}, XLA chunk form {err_xla:.3e}", flush=True)
         check("bf16 error / XLA-form bf16 error", err_pal / err_xla, 2.0)
@@ -209,7 +204,7 @@ def main() -> int:
             # inputs at 256-264 programs, e.g. 8x2048x16x128; this shape has few, so it is asked for)
             wide = with_kernel_config(lambda *a: falcon(*a, impl="pallas", variant="1", initial_state=s32),
                                       KernelConfig(block_v=64, outputs="pallas", fwd_scores="kernel"))
-            err_wide = rel(jax.jit(wide)(*xbf), ref["out"])
+            err_wide = rel_err(jax.jit(wide)(*xbf), ref["out"])
             results["bf16 errors"]["pallas, 64-column output walk"] = err_wide
             print(f"      bf16 rel err, 64-column output walk: {err_wide:.3e}", flush=True)
             check("bf16 64-column output walk error / XLA-form bf16 error", err_wide / err_xla, 2.0)
@@ -225,7 +220,7 @@ def main() -> int:
                                   impl="xla", **kws)
             got, got_s = falcon(*[a[:, cut:].astype(jnp.float32) for a in xs], segment_ids=seg[:, cut:],
                                 initial_state=to32(s1), impl="pallas", **kws)
-            check(f"segments+continuation ({timing}) rel err", max(rel(got, want), rel(got_s.S, want_s.S)), 1e-4)
+            check(f"segments+continuation ({timing}) rel err", max(rel_err(got, want), rel_err(got_s.S, want_s.S)), 1e-4)
 
     def long_bf16():
         xl = inputs(rng, 1, Tlong, Hlong, dlong, jnp.float32)
@@ -244,8 +239,8 @@ def main() -> int:
         want, want_s = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s2, **kw2))(*x2)
         got, got_s = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s2), **kw2))(
             *[a.astype(jnp.float32) for a in x2])
-        check(f"falcon-2 per-column fp32 T={T} output rel err", rel(got, want), 1e-4)
-        check(f"falcon-2 per-column fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
+        check(f"falcon-2 per-column fp32 T={T} output rel err", rel_err(got, want), 1e-4)
+        check(f"falcon-2 per-column fp32 T={T} final state rel err", rel_err(got_s.S, want_s.S), 1e-4)
 
     def falcon2_grads():
         """Falcon-2 and Falcon-2A (per-column gains): fp32 gradients of both per-column solves (row by row; 16-row
@@ -268,9 +263,9 @@ def main() -> int:
                 g32 = solve_grads("pallas", jax.device_put([a.astype(jnp.float32) for a in xs64], gpu), *on_gpu,
                                   variant=variant)
                 for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
-                    check(f"falcon-{variant} {solve} fp32 T={Tg} d{dg32} grad {name} rel err", rel(a, b), 1e-4)
+                    check(f"falcon-{variant} {solve} fp32 T={Tg} d{dg32} grad {name} rel err", rel_err(a, b), 1e-4)
                 gbf = solve_grads("pallas", jax.device_put(bf, gpu), *on_gpu, variant=variant)
-                worst[solve] = [rel(a, b) for a, b in zip(gbf, g_ref)]
+                worst[solve] = [rel_err(a, b) for a, b in zip(gbf, g_ref)]
                 print(f"      falcon-{variant} {solve} bf16 gradient rel errs (q k v beta lam S0): "
                       + " ".join(f"{e:.2e}" for e in worst[solve]), flush=True)
             results[f"falcon-{variant} bf16 gradient errors"] = worst
@@ -282,8 +277,8 @@ def main() -> int:
         _, s3 = jax.jit(lambda *a: falcon(*a, impl="xla", **kw3))(*[a[:, :67] for a in x64])  # tail: 3 pairs
         want, want_s = jax.jit(lambda *a: falcon(*a, impl="xla", initial_state=s3, **kw3))(*x64)
         got, got_s = jax.jit(lambda *a: falcon(*a, impl="pallas", initial_state=to32(s3), **kw3))(*x32)
-        check(f"falcon-3 W=4 fp32 T={T} output rel err", rel(got, want), 1e-4)
-        check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel(got_s.S, want_s.S), 1e-4)
+        check(f"falcon-3 W=4 fp32 T={T} output rel err", rel_err(got, want), 1e-4)
+        check(f"falcon-3 W=4 fp32 T={T} final state rel err", rel_err(got_s.S, want_s.S), 1e-4)
 
     def pass_choices():
         """The op (``decayed_delta_rule``, raw timing, same-step pairs) with the opt-in pass choices: fp32 values
@@ -311,9 +306,9 @@ def main() -> int:
         split = KernelConfig(outputs="xla", chunk_grads="xla")
         (_, o32), g32 = loss_and_grads("pallas_gpu", split,
                                        jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
-        check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+        check(f"op, outputs + chunk grads in XLA, fp32 T={Tg} d{dg} output rel err", rel_err(o32, o_ref), 1e-4)
         for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
-            check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel(a, b), 1e-4)
+            check(f"op, outputs + chunk grads in XLA, fp32 grad {name} rel err", rel_err(a, b), 1e-4)
         all_split = KernelConfig(outputs="split", state_grads="split", chunk_grads="pallas_split")
         eighth = KernelConfig(chunk_grads="pallas_split", tri_dtype="fp32")  # the eighth run's default
         fused_stored = KernelConfig(outputs="pallas", state_grads="pallas", chunk_grads="pallas_stored")
@@ -321,9 +316,9 @@ def main() -> int:
                               ("fused walks storing P, dR + stored-P/dR chunk grads", fused_stored)):
             (_, o32), g32 = loss_and_grads("pallas_gpu", config,
                                            jax.device_put([a.astype(jnp.float32) for a in args64], gpu), gpu)
-            check(f"op, {label}, fp32 T={Tg} d{dg} output rel err", rel(o32, o_ref), 1e-4)
+            check(f"op, {label}, fp32 T={Tg} d{dg} output rel err", rel_err(o32, o_ref), 1e-4)
             for name, a, b in zip("q x y eta log_gamma S0".split(), g32, g_ref):
-                check(f"op, {label}, fp32 grad {name} rel err", rel(a, b), 1e-4)
+                check(f"op, {label}, fp32 grad {name} rel err", rel_err(a, b), 1e-4)
         bf = jax.device_put([a.astype(jnp.bfloat16) for a in args64[:3]] + [a.astype(jnp.float32) for a in args64[3:]],
                             gpu)
         exact = jax.device_put(o_ref, gpu)
@@ -347,8 +342,8 @@ def main() -> int:
                               ("bf16 triangular inverse, fused passes", KernelConfig(chunk_grads="pallas", **fused)),
                               ("bf16 V + saved inverse", KernelConfig(stored_v="input", save_tri=True))):
             (_, o), grads = loss_and_grads("pallas_gpu", config, bf, gpu)
-            errs[label] = rel(o, exact)
-            grad_errs[label] = [rel(a, b) for a, b in zip(grads, g_ref)]
+            errs[label] = rel_err(o, exact)
+            grad_errs[label] = [rel_err(a, b) for a, b in zip(grads, g_ref)]
             print(f"      bf16 output rel err, {label}: {errs[label]:.3e}; gradients (q x y eta log_gamma S0): "
                   + " ".join(f"{e:.2e}" for e in grad_errs[label]), flush=True)
         results["bf16 pass-choice errors"] = errs
