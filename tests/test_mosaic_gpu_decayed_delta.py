@@ -10,6 +10,7 @@ CUDA with the Triton pass's output shapes, and which pass the op's backward take
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,7 @@ def test_auto_takes_the_triton_pass_off_hopper():
     ("tpu", "", "0.11.2", False),
 ])
 def test_on_hopper_needs_sm90_and_the_checked_jax(monkeypatch, platform, capability, version, want):
-    class Device:
-        pass
-
-    device = Device()
-    device.platform, device.compute_capability = platform, capability
+    device = types.SimpleNamespace(platform=platform, compute_capability=capability)
     monkeypatch.setattr(mosaic_gpu.jax, "devices", lambda: [device])
     monkeypatch.setattr(mosaic_gpu.jax, "__version__", version)
     assert mosaic_gpu.on_hopper() is want
@@ -81,20 +78,18 @@ def test_prepare_refuses_calls_it_does_not_serve(change, match):
         mosaic_gpu.prepare_vb(*_prepare_args(1, 128, 2, 64), **kw)
 
 
-@pytest.mark.parametrize("args,match", [
-    (dict(dtype=jnp.float32), "bf16 or fp16 only"),
-    (dict(d=32), "dk=32"),
-    (dict(d=256), "dk=256"),
-    (dict(t_dtype=jnp.float32), "T stored in float32"),
+@pytest.mark.parametrize("d,dtype,t_dtype,match", [
+    (64, jnp.float32, None, "bf16 or fp16 only"),
+    (32, BF, None, "dk=32"),
+    (256, BF, None, "dk=256"),
+    (64, BF, jnp.float32, "T stored in float32"),
 ])
-def test_prepare_refuses_dtypes_and_widths(args, match):
-    shape = dict(B=1, L=128, H=2, d=64)
-    shape.update({k: v for k, v in args.items() if k == "d"})
-    extra = {k: v for k, v in args.items() if k != "d"}
+def test_prepare_refuses_dtypes_and_widths(d, dtype, t_dtype, match):
+    """Inputs of another dtype or width (V, the q-term and the walk operands in the inputs' dtype, as the op
+    passes them), or T in fp32."""
+    kw = dict(PREPARE_KW, v_dtype=dtype, q_term_dtype=dtype, walk_operands=dtype)
     with pytest.raises(NotImplementedError, match=re.escape(match)):
-        mosaic_gpu.prepare_vb(*_prepare_args(shape["B"], shape["L"], shape["H"], shape["d"], **extra),
-                              **dict(PREPARE_KW, v_dtype=extra.get("dtype", BF), q_term_dtype=extra.get("dtype", BF),
-                                     walk_operands=extra.get("dtype", BF)))
+        mosaic_gpu.prepare_vb(*_prepare_args(1, 128, 2, d, dtype=dtype, t_dtype=t_dtype), **kw)
 
 
 def _result_types(text):
