@@ -105,7 +105,7 @@ def check_values(rng, results) -> bool:
                 v, _, qt = pass_call(impl, heads=heads, key_shift=case["key_shift"], q_term=case["q_term"])(
                     args[0], args[1], g, rl, tinv, args[2])
             except Exception as e:  # noqa: BLE001 - report every case, keep going
-                print(f"FAIL  {impl} did not run: {type(e).__name__}: {str(e).splitlines()[0][:300]}  [{label}]",
+                print(f"FAIL  {impl} did not run: {type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0][:300]}  [{label}]",
                       flush=True)
                 errs[impl] = None
                 continue

@@ -152,9 +152,19 @@ def main() -> int:
         for name, a, b in zip("q k v beta lam S0".split(), g32, g_ref):
             check(f"fp32 B{B} T={Tg} H{H} d{dg32} grad {name} rel err", rel_err(a, b), 1e-4)
 
+    def bf16_bound(name):
+        """2x the XLA chunk form's error; v's 2.5x where the reverse walk stores dR in bf16 (the default
+        ``KernelConfig(stored_dr="input")``): the v gradient is dy = η ⊙ dR, so it is rounded to bf16 twice, once as
+        dR and once as dy, where the XLA form rounds it once.  That storage is the backward's memory trade (fp32
+        dR: +134 MB at 1x32768x16x128, and no dy-over-dR alias); on the H200 (next77/78) it took v from 1.54x (fp32
+        dR) to 2.10x on the same draw, every other gradient within 1.7x.  ``--kernel-config stored_dr=fp32`` checks
+        v against 2x."""
+        config = chunk_pallas.KERNEL_CONFIG or KernelConfig()
+        return 2.5 if name == "v" and config.stored_dr == "input" else 2.0
+
     def bf16_grads():
         """bf16 q, k, v (fp32 gates and state): the kernel's gradient error vs the float64 reference within 2x
-        that of the XLA chunk form on the same bf16 inputs (computed on the host CPU)."""
+        that of the XLA chunk form on the same bf16 inputs (computed on the host CPU; v: :func:`bf16_bound`)."""
         xs64, s0, ct, g_ref = grad_reference(d)
 
         def as_bf16(xs):
@@ -171,7 +181,7 @@ def main() -> int:
             print(f"      bf16 grad {name}: rel err pallas {errors[name]['pallas']:.3e}, XLA chunk form "
                   f"{errors[name]['xla']:.3e}", flush=True)
             check(f"bf16 T={Tg} d{d} grad {name} error / XLA-form error", errors[name]["pallas"] / errors[name]["xla"],
-                  2.0)
+                  bf16_bound(name))
         results["bf16 grad errors"] = errors
 
     def extreme_op():

@@ -843,6 +843,37 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check_fp32_dr 50 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
       --kernel-config "stored_dr=fp32" --out "$out/$part/check_fp32_dr.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78)"; exit 2 ;;
+  next79)  # twentieth run: the stored chunk gradients as a Pallas Mosaic GPU kernel (mosaic_gpu.chunk_grad_stored_pass,
+    # KernelConfig(chunk_grads_kernel="mosaic")): values against float64 and the Triton pass, both timed alone; the
+    # whole op timed with it against the default and jla, memory at 1x32768; the bf16 gradients through it; profile
+    step check_grads_kernel 300 python3 benchmarks/gpu_check_mosaic_chunk_grads.py --out "$out/$part/check_grads_kernel.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "chunk_grads_kernel=mosaic" --out "$out/$part/bench.json"
+    step check 90 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
+      --kernel-config "chunk_grads_kernel=mosaic" --out "$out/$part/check.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 2x8192x16x128 --impls "falcon-1" --top 12 \
+      --kernel-config "chunk_grads_kernel=mosaic" --out "$out/$part/profile.json"
+    ;;
+  next80)  # twentieth run: the Mosaic GPU chunk gradients with grouped wgmma waits and the [C, C] masks formed where
+    # used (next79: values pass, but 1.25x the Triton pass's time): values and time alone, the whole op at two shapes
+    step check_grads_kernel 300 python3 benchmarks/gpu_check_mosaic_chunk_grads.py --out "$out/$part/check_grads_kernel.json"
+    step bench 120 python3 benchmarks/bench_regression.py --memory-shapes "" --shapes 8x2048x16x128,2x8192x16x128 \
+      --rows "falcon-1 pallas" --skip "$WHOLE_OP_VARIANTS" --configs "chunk_grads_kernel=mosaic" \
+      --out "$out/$part/bench.json"
+    ;;
+  next81)  # twentieth run: the Mosaic GPU chunk gradients one wait per product again (next80's grouped waits: 1.37x
+    # the Triton pass, next79's 1.25x) with the masks formed where used: values and time alone; the default and
+    # that opt-in against jla at three shapes with memory at 1x32768; the bf16 gradients with v's bound for the bf16
+    # dR (default) and with fp32 dR (every bound 2x)
+    step check_grads_kernel 240 python3 benchmarks/gpu_check_mosaic_chunk_grads.py --out "$out/$part/check_grads_kernel.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "chunk_grads_kernel=mosaic" --out "$out/$part/bench.json"
+    step check 60 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" --out "$out/$part/check.json"
+    step check_fp32_dr 60 python3 benchmarks/gpu_check_regression.py --only "bf16 grads" \
+      --kernel-config "stored_dr=fp32" --out "$out/$part/check_fp32_dr.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

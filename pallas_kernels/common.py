@@ -199,6 +199,52 @@ def mosaic_mma(a, b, shape, init=None):
     return out if init is None else out + init
 
 
+def _mpmd_map():
+    """jax's own ``mpmd_map`` with ``input_output_aliases`` (jax >= 0.11, where ``plgpu.kernel`` is built on it and
+    ``pallas_call`` no longer lowers to Mosaic GPU; its public wrapper takes no aliases), or None."""
+    try:
+        from jax._src.pallas import mpmd
+    except ImportError:
+        return None
+    return getattr(mpmd, "_mpmd_map", None)
+
+
+def mosaic_gpu_call(body, *, out_shape, grid, grid_names, scratch, aliases, name):
+    """A Mosaic GPU kernel over ``grid`` whose outputs may be written over inputs (``aliases``: {input index:
+    output index}), which ``plgpu.kernel`` does not offer.  Returns ``(call, grid_ids)``: ``call(*args)`` runs
+    ``body(*in_refs, *out_refs, **scratch_refs)`` (GMEM refs; ``scratch`` a dict of SMEM / barrier types, allocated
+    per block), and ``grid_ids()``, inside the body, gives the block's index along each grid axis.
+
+    jax >= 0.11: ``mpmd_map`` on a ``plgpu.Mesh``, as ``plgpu.kernel`` does; older jax: ``pallas_call`` with
+    GMEM operands."""
+    params = plgpu.CompilerParams(approx_math=True)
+
+    def kernel_body(*refs):
+        pl.run_scoped(lambda **s: body(*refs, **s), **scratch)
+
+    mpmd_map = _mpmd_map()
+    if mpmd_map is not None:
+        mesh = plgpu.Mesh(grid=tuple(grid), grid_names=tuple(grid_names))
+        from jax._src import config as jax_config
+
+        def call(*args):
+            # plgpu.kernel traces its body with this check off too
+            no_vma = getattr(jax_config, "_check_vma", None)
+            with no_vma(False) if no_vma is not None else contextlib.nullcontext():
+                return mpmd_map([(mesh, kernel_body)], out_types=tuple(out_shape), input_output_aliases=aliases,
+                                compiler_params=params, name=name)(*args)
+
+        return call, lambda: tuple(lax.axis_index(n) for n in grid_names)
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+
+    def call(*args):
+        return pl.pallas_call(kernel_body, grid=tuple(grid), in_specs=[gmem] * len(args),
+                              out_specs=[gmem] * len(out_shape), out_shape=list(out_shape),
+                              input_output_aliases=aliases, compiler_params=params, name=name)(*args)
+
+    return call, lambda: tuple(pl.program_id(i) for i in range(len(grid)))
+
+
 def triton_params(num_warps, num_stages):
     """Compiler params that select the Pallas Triton lowering (without them a GPU kernel goes to Mosaic GPU)."""
     if pltriton is None:

@@ -175,3 +175,152 @@ def test_gpu_check_reference_matches_the_triton_pass(key_shift, in_place):
     # and the reference is not trivially satisfied: without the key shift it disagrees
     V_other, _ = reference(q, k, do, g, rl, tinv, key_shift=not key_shift)
     assert rel_err(v, V_other) > 0.1
+
+
+# the Mosaic GPU stored chunk gradients (mosaic_gpu.chunk_grad_stored_pass; opt-in, chunk_grads_kernel="mosaic")
+
+def _grad_args(B, L, H, dk, dv, dtype=BF, state_dtype=None, p_dtype=None, dr_dtype=None, in_place=True):
+    """Zero q, x, y, η, g, g⁻, rl, dO, h, dh, P, dR as the op's backward passes them."""
+    def tokens(d, dt=dtype):
+        return jnp.zeros((B, L, H, d) if in_place else (B * H, L, d), dt)
+    rows = jnp.zeros((B * H, L), jnp.float32)
+    state = jnp.zeros((B * H, L // C, dk, dv), state_dtype or dtype)
+    return (tokens(dk), tokens(dk), tokens(dv), rows, rows, rows, jnp.zeros((B * H, L), jnp.int32), tokens(dv),
+            state, state, tokens(dv, p_dtype or dtype), tokens(dv, dr_dtype or dtype))
+
+
+GRAD_KW = dict(chunk=C, heads=2, walk_operands=BF, key_shift=True, group=1)
+
+
+def test_chunk_grads_kernel_config_is_validated():
+    assert KernelConfig().chunk_grads_kernel == "triton"  # the Mosaic pass is slower on the H200 (next81)
+    for value in ("auto", "triton", "mosaic"):
+        assert KernelConfig(chunk_grads_kernel=value).chunk_grads_kernel == value
+    with pytest.raises(ValueError, match="chunk_grads_kernel must be 'auto' or 'triton' or 'mosaic'"):
+        KernelConfig(chunk_grads_kernel="wgmma")
+
+
+@pytest.mark.parametrize("args_change,kw_change,match", [
+    ({}, dict(interpret=True), "Hopper GPU only"),
+    ({}, dict(chunk=32), "chunk_size=32"),
+    ({}, dict(group=4), "group=4"),
+    ({}, dict(walk_operands=None), "walk's operands in fp32"),
+    (dict(dtype=jnp.float32), dict(walk_operands=jnp.float32), "bf16 or fp16 only"),
+    (dict(dk=32), {}, "dk=32"),
+    (dict(dv=256), {}, "dv=256"),
+    (dict(state_dtype=jnp.float32), {}, "the chunk states stored in float32"),
+    (dict(p_dtype=jnp.float32), {}, "P stored in float32"),
+    (dict(dr_dtype=jnp.float32), {}, "dR stored in float32"),  # KernelConfig(stored_dr="fp32")
+])
+def test_chunk_grads_refuse_calls_they_do_not_serve(args_change, kw_change, match):
+    shape = dict(B=1, L=128, H=2, dk=64, dv=64)
+    shape.update({k: v for k, v in args_change.items() if k in shape})
+    dtypes = {k: v for k, v in args_change.items() if k not in shape}
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        mosaic_gpu.chunk_grad_stored_pass(*_grad_args(**shape, **dtypes), **dict(GRAD_KW, **kw_change))
+
+
+def _aliases(text):
+    """{output index: operand index} of the lowered Mosaic GPU custom call's ``output_operand_aliases``."""
+    (line,) = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    return {int(out): int(arg) for out, arg in re.findall(
+        r"output_operand_alias<output_tuple_indices = \[(\d+)\],\s*operand_index = (\d+)", line)}
+
+
+@needs_lowering
+@pytest.mark.parametrize("B,L,H,dk,dv,key_shift,in_place", [
+    (2, 256, 4, 128, 128, True, True),  # Falcon-1's call: keys one row back, in place
+    (1, 64, 2, 64, 64, False, True),  # one chunk, d64
+    (1, 192, 2, 64, 128, True, True),  # dk != dv: dx is not written over P
+    (3, 320, 1, 128, 128, True, False),  # head-major, odd number of chunks
+])
+def test_chunk_grads_lower_with_the_triton_pass_shapes_and_aliases(B, L, H, dk, dv, key_shift, in_place):
+    """The kernel's results: dy over dR (operand 5 of the kernel), dq, dx (over P, operand 4, where shapes
+    match), then dη, dg, dg⁻ and the last-row term, each ``[B·H, L]`` fp32; the pass returns the Triton
+    pass's shapes."""
+    args = _grad_args(B, L, H, dk, dv, in_place=in_place)
+    kw = dict(GRAD_KW, heads=H if in_place else None, key_shift=key_shift)
+
+    def fn(*a):
+        return mosaic_gpu.chunk_grad_stored_pass(*a, **kw)
+
+    specs = [S(a.shape, a.dtype) for a in args]
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    q, y = args[0], args[2]
+    vec = ((B * H, L), "f32")
+    assert _result_types(text) == [(y.shape, "bf16"), (q.shape, "bf16"), (q.shape, "bf16"), vec, vec, vec, vec]
+    assert _aliases(text) == ({0: 5, 2: 4} if dk == dv else {0: 5})
+    out = jax.eval_shape(fn, *specs)
+    assert [o.shape for o in out] == [q.shape, q.shape, y.shape, (B * H, L), (B * H, L), (B * H, L)]
+
+
+@needs_lowering
+def test_op_backward_takes_the_configured_chunk_grads():
+    """``chunk_grads_kernel="mosaic"`` replaces the Triton stored chunk gradients in Falcon-1's lowered backward
+    for bf16 and keeps them for fp32 (the fallback) or fp32 dR; the default keeps them."""
+    B, T, H, D = 2, 256, 2, 128
+
+    def lowered(config, dtype):
+        gate = jnp.zeros((B, T, H), jnp.float32)
+        run = jnp.zeros((B, T, H), jnp.int32)
+
+        def loss(q, x, y, eta, log_gamma, s0):
+            o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
+                                      interpret=False, config=config, shifted_keys=True)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+        tokens = S((B, T, H, D), dtype)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
+            tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
+            S((B, H, D, D), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+
+    def passes(text):
+        return (text.count('name = "falcon_delta_chunk_grads_stored"'), "falcon_delta_chunk_grads_mgpu" in text)
+
+    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic"), BF)) == (0, True)
+    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic"), jnp.float32)) == (1, False)
+    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic", stored_dr="fp32"), BF)) == (1, False)
+    assert passes(lowered(KernelConfig(), BF)) == (1, False)
+
+
+@pytest.mark.parametrize("key_shift,in_place,dk,dv", [(True, True, 128, 64), (False, False, 64, 64)])
+def test_chunk_grads_gpu_check_reference_matches_the_triton_pass(key_shift, in_place, dk, dv):
+    """The float64 reference of ``benchmarks/gpu_check_mosaic_chunk_grads.py`` agrees with the Triton stored
+    chunk gradients in interpret mode (dq, dx, dy to bf16 rounding; the fp32 gate gradients to 1e-5), segment
+    starts inside chunks included; and it tells the key shift apart."""
+    import numpy as np
+
+    from benchmarks.common import rel_err
+    from benchmarks.gpu_check_mosaic_chunk_grads import head_major64, make_case, reference
+    from pallas_kernels.decayed_delta_rule import pallas_gpu
+
+    H = 2
+    heads = H if in_place else None
+    args = make_case(np.random.default_rng(1), 1, 128, H, dk, dv, segments=True, in_place=in_place)
+    want = reference(args, heads=heads, key_shift=key_shift)
+    got = pallas_gpu.chunk_grad_stored_pass(*args, chunk=C, interpret=True, group=1, heads=heads, walk_operands=BF,
+                                            key_shift=key_shift, block_v=64, num_warps=4, num_stages=3, block_k=32,
+                                            loops="fori")
+    got = [head_major64(a, heads) if a.ndim == (4 if in_place else 3) else np.asarray(a, np.float64) for a in got]
+    errs = [rel_err(a, b) for a, b in zip(got, want)]
+    assert max(errs[:3]) < 8e-3 and max(errs[3:]) < 1e-5, errs
+    other = reference(args, heads=heads, key_shift=not key_shift)
+    assert rel_err(got[1], other[1]) > 0.1  # dx
+
+
+@needs_lowering
+def test_chunk_grads_lower_through_pallas_call_without_mpmd_map(monkeypatch):
+    """jax without ``mpmd_map`` (``common.mosaic_gpu_call``'s other path, ``pallas_call`` on GMEM operands) lowers
+    the same results and aliases."""
+    from pallas_kernels import common
+
+    monkeypatch.setattr(common, "_mpmd_map", lambda: None)
+    args = _grad_args(1, 128, 2, 64, 64)
+
+    def fn(*a):
+        return mosaic_gpu.chunk_grad_stored_pass(*a, **GRAD_KW)
+
+    text = jax.jit(fn).trace(*(S(a.shape, a.dtype) for a in args)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "falcon_delta_chunk_grads_mgpu" in text
+    assert _aliases(text) == {0: 5, 2: 4}
+    assert len(_result_types(text)) == 7

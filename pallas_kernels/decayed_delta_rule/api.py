@@ -229,6 +229,14 @@ class KernelConfig:
     # next76); whole op fwd+bwd in one lease 1.209 vs 1.305 ms at 8x2048, 1.338 vs 1.404 at 2x8192, 3.122 vs 3.263
     # at 1x32768 (next77), 1.340 vs 1.405 at 2x8192 with the scores' hi + lo parts (next78)
     prepare: str = "auto"
+    # GPU, chunk_grads="pallas_stored": the Triton kernel ("triton") or the Pallas Mosaic GPU one of
+    # ``mosaic_gpu.py`` ("mosaic": one warpgroup per chunk, wgmma + TMA; bf16/fp16, C = 64, d = 64 or 128, P, dR and
+    # the chunk states in the inputs' dtype, group 1; the Triton kernel where it does not serve the call), or "auto":
+    # "mosaic" on a Hopper GPU under jax >= 0.11 (as ``prepare``).  Default "triton": on the H200 (bf16, H16, d128,
+    # next81) the Mosaic pass has the Triton pass's errors but takes 1.27-1.29x its time, and the whole op fwd+bwd
+    # 1.367 vs 1.209 ms at 8x2048, 1.494 vs 1.324 at 2x8192, 3.421 vs 3.108 at 1x32768 (one CTA per SM at
+    # ~211 KB of SMEM: see ``mosaic_gpu.chunk_grad_stored_pass``)
+    chunk_grads_kernel: str = "triton"
     column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
     column_warps: int = 4
 
@@ -242,7 +250,7 @@ class KernelConfig:
                               ("dstate_b", ("stored", "from_t")),
                               ("dstate_q", ("auto", "walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
-                              ("prepare", ("auto", "triton", "mosaic")),
+                              *((name, ("auto", "triton", "mosaic")) for name in ("prepare", "chunk_grads_kernel")),
                               ("grad_loops", GRAD_LOOPS),
                               ("stored_v", ("auto", "fp32", "input")),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "tri_dtype",
@@ -519,23 +527,28 @@ def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret
                     key_shift)
 
 
-def _prepare(config: KernelConfig, backend: str, interpret: bool):
-    """The split reverse walk's ``prepare_vb``: the backend's, or (``config.prepare`` "mosaic", or "auto" on a
-    Hopper GPU; the GPU backend, not interpreted) the Mosaic GPU kernel, which hands a call it does not serve back
-    to the Triton one."""
-    kernels = _BACKENDS[backend]
-    if backend != "pallas_gpu" or interpret or config.prepare == "triton":
-        return kernels.prepare_vb
-    if config.prepare == "auto" and not mosaic_gpu.on_hopper():
-        return kernels.prepare_vb
+def _mosaic_or_triton(choice: str, backend: str, interpret: bool, mosaic_pass, triton_pass):
+    """A backward pass with a Mosaic GPU kernel: ``triton_pass``, or (``choice`` "mosaic", or "auto" on a Hopper GPU;
+    the GPU backend, not interpreted) ``mosaic_pass``, which hands a call it does not serve (NotImplementedError)
+    back to ``triton_pass``."""
+    if backend != "pallas_gpu" or interpret or choice == "triton":
+        return triton_pass
+    if choice == "auto" and not mosaic_gpu.on_hopper():
+        return triton_pass
 
-    def prepare_vb(*args, **kw):
+    def either(*args, **kw):
         try:
-            return mosaic_gpu.prepare_vb(*args, **kw)
+            return mosaic_pass(*args, **kw)
         except NotImplementedError:
-            return kernels.prepare_vb(*args, **kw)
+            return triton_pass(*args, **kw)
 
-    return prepare_vb
+    return either
+
+
+def _prepare(config: KernelConfig, backend: str, interpret: bool):
+    """The split reverse walk's ``prepare_vb`` (``KernelConfig.prepare``, :func:`_mosaic_or_triton`)."""
+    kernels = _BACKENDS[backend]
+    return _mosaic_or_triton(config.prepare, backend, interpret, mosaic_gpu.prepare_vb, kernels.prepare_vb)
 
 
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
@@ -613,8 +626,9 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         ds0 = (ds0, dx0)
     # 3) per-chunk gradients
     if stored:
-        stored_pass = (kernels.chunk_grad_stored_pass if chunk_grads == "pallas_stored"
-                       else kernels.chunk_grad_stored_split_pass)
+        stored_pass = (_mosaic_or_triton(config.chunk_grads_kernel, backend, interpret,
+                                         mosaic_gpu.chunk_grad_stored_pass, kernels.chunk_grad_stored_pass)
+                       if chunk_grads == "pallas_stored" else kernels.chunk_grad_stored_split_pass)
         dq, dx, dy, deta, dg, dgp = stored_pass(
             q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=chunk, block_v=config.grad_block_v,
             interpret=interpret, num_warps=config.grad_warps, num_stages=config.grad_stages, group=group,
