@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -86,6 +87,26 @@ def finish_checks(results: dict, ok: bool, out: str | None) -> int:
         write_json(out, results)
     print("ALL PASS" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
+
+
+def values_then_timing(check_values, time_passes) -> int:
+    """A kernel check script's ``main``: ``--out FILE`` (JSON) and ``--skip-timing``; ``check_values(rng, results)``
+    (True when every case passes), then, if they all pass, ``time_passes(rng, results)``; the exit status
+    (:func:`finish_checks`).  One seeded generator draws every case."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    t0 = time.time()
+    ok = check_values(rng, results)
+    results["values seconds"] = time.time() - t0
+    if args.out:
+        write_json(args.out, results)
+    if ok and not args.skip_timing:
+        time_passes(rng, results)
+    return finish_checks(results, ok, args.out)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -12,15 +12,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import finish_checks, print_table, rel_err, time_jax, write_json
+from benchmarks.common import print_table, rel_err, time_jax, values_then_timing
 from pallas_kernels.decayed_delta_rule import mosaic_gpu, pallas_gpu
 
 C = 64
@@ -148,22 +146,5 @@ def time_passes(rng, results) -> None:
     results["timing"] = rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--skip-timing", action="store_true")
-    args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__}
-    t0 = time.time()
-    ok = check_values(rng, results)
-    results["values seconds"] = time.time() - t0
-    if args.out:
-        write_json(args.out, results)
-    if ok and not args.skip_timing:
-        time_passes(rng, results)
-    return finish_checks(results, ok, args.out)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(values_then_timing(check_values, time_passes))

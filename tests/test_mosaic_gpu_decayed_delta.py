@@ -119,35 +119,35 @@ def test_prepare_lowers_with_the_triton_pass_shapes(B, L, H, d, key_shift, q_ter
     assert _result_types(text) == want
 
 
+def _lowered_falcon1_grads(config, dtype, B=2, T=256, H=2, D=128):
+    """StableHLO text of the forward + backward of Falcon-1's kernel call (keys one row back, read in place from
+    ``[B, T, H, D]``), cross-lowered for CUDA with ``config``."""
+    gate = jnp.zeros((B, T, H), jnp.float32)
+    run = jnp.zeros((B, T, H), jnp.int32)
+
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
+                                  interpret=False, config=config, shifted_keys=True)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    tokens = S((B, T, H, D), dtype)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
+        tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
+        S((B, H, D, D), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @needs_lowering
 def test_op_backward_takes_the_configured_prepare():
     """The lowered forward + backward of Falcon-1's call (keys one row back, in place): ``prepare="mosaic"``
     replaces the Triton ``dstate_prepare`` with the Mosaic GPU kernel for bf16 and keeps the Triton one for fp32
     (its fallback); "triton" and, off a Hopper GPU, "auto" keep the Triton one."""
-    B, T, H, D = 2, 256, 2, 128
-
-    def lowered(config, dtype):
-        gate = jnp.zeros((B, T, H), jnp.float32)
-        run = jnp.zeros((B, T, H), jnp.int32)
-        s0 = jnp.zeros((B, H, D, D), jnp.float32)
-
-        def loss(q, x, y, eta, log_gamma, s0):
-            o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
-                                      interpret=False, config=config, shifted_keys=True)
-            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-        tokens = S((B, T, H, D), dtype)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
-            tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
-            S(s0.shape, s0.dtype)).lower(lowering_platforms=("cuda",)).as_text()
-
     def passes(text):
         return (text.count('name = "falcon_delta_dstate_prepare"'), text.count("falcon_delta_dstate_prepare_mgpu") > 0)
 
-    assert passes(lowered(KernelConfig(prepare="mosaic"), BF)) == (0, True)
-    assert passes(lowered(KernelConfig(prepare="mosaic"), jnp.float32)) == (1, False)
-    assert passes(lowered(KernelConfig(prepare="triton"), BF)) == (1, False)
-    assert passes(lowered(KernelConfig(), BF)) == (1, False)  # "auto", and this is no Hopper GPU
+    assert passes(_lowered_falcon1_grads(KernelConfig(prepare="mosaic"), BF)) == (0, True)
+    assert passes(_lowered_falcon1_grads(KernelConfig(prepare="mosaic"), jnp.float32)) == (1, False)
+    assert passes(_lowered_falcon1_grads(KernelConfig(prepare="triton"), BF)) == (1, False)
+    assert passes(_lowered_falcon1_grads(KernelConfig(), BF)) == (1, False)  # "auto", and this is no Hopper GPU
 
 
 @pytest.mark.parametrize("key_shift,in_place", [(True, True), (False, False)])
@@ -213,11 +213,9 @@ def test_chunk_grads_kernel_config_is_validated():
     (dict(dr_dtype=jnp.float32), {}, "dR stored in float32"),  # KernelConfig(stored_dr="fp32")
 ])
 def test_chunk_grads_refuse_calls_they_do_not_serve(args_change, kw_change, match):
-    shape = dict(B=1, L=128, H=2, dk=64, dv=64)
-    shape.update({k: v for k, v in args_change.items() if k in shape})
-    dtypes = {k: v for k, v in args_change.items() if k not in shape}
+    args = _grad_args(**dict(dict(B=1, L=128, H=2, dk=64, dv=64), **args_change))
     with pytest.raises(NotImplementedError, match=re.escape(match)):
-        mosaic_gpu.chunk_grad_stored_pass(*_grad_args(**shape, **dtypes), **dict(GRAD_KW, **kw_change))
+        mosaic_gpu.chunk_grad_stored_pass(*args, **dict(GRAD_KW, **kw_change))
 
 
 def _aliases(text):
@@ -258,29 +256,13 @@ def test_chunk_grads_lower_with_the_triton_pass_shapes_and_aliases(B, L, H, dk, 
 def test_op_backward_takes_the_configured_chunk_grads():
     """``chunk_grads_kernel="mosaic"`` replaces the Triton stored chunk gradients in Falcon-1's lowered backward
     for bf16 and keeps them for fp32 (the fallback) or fp32 dR; the default keeps them."""
-    B, T, H, D = 2, 256, 2, 128
-
-    def lowered(config, dtype):
-        gate = jnp.zeros((B, T, H), jnp.float32)
-        run = jnp.zeros((B, T, H), jnp.int32)
-
-        def loss(q, x, y, eta, log_gamma, s0):
-            o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
-                                      interpret=False, config=config, shifted_keys=True)
-            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-        tokens = S((B, T, H, D), dtype)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
-            tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
-            S((B, H, D, D), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-
     def passes(text):
         return (text.count('name = "falcon_delta_chunk_grads_stored"'), "falcon_delta_chunk_grads_mgpu" in text)
 
-    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic"), BF)) == (0, True)
-    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic"), jnp.float32)) == (1, False)
-    assert passes(lowered(KernelConfig(chunk_grads_kernel="mosaic", stored_dr="fp32"), BF)) == (1, False)
-    assert passes(lowered(KernelConfig(), BF)) == (1, False)
+    assert passes(_lowered_falcon1_grads(KernelConfig(chunk_grads_kernel="mosaic"), BF)) == (0, True)
+    assert passes(_lowered_falcon1_grads(KernelConfig(chunk_grads_kernel="mosaic"), jnp.float32)) == (1, False)
+    assert passes(_lowered_falcon1_grads(KernelConfig(chunk_grads_kernel="mosaic", stored_dr="fp32"), BF)) == (1, False)
+    assert passes(_lowered_falcon1_grads(KernelConfig(), BF)) == (1, False)
 
 
 @pytest.mark.parametrize("key_shift,in_place,dk,dv", [(True, True, 128, 64), (False, False, 64, 64)])

@@ -6,8 +6,8 @@ on a Hopper GPU under jax >= 0.11) and the stored chunk gradients (:func:`chunk_
 ``KernelConfig(chunk_grads_kernel="mosaic")``; on the H200 it is 1.27-1.29x the Triton pass's time, see its
 docstring).  The rest of the op stays the Triton kernels of :mod:`pallas_gpu`.
 
-The prepare pass, per chunk (``C = 64`` rows; ``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment; with ``key_shift``
-row ``s``'s write feature is the key of row ``s − 1``, zero at the sequence's first row)::
+The prepare pass, per chunk (``C = 64`` rows; ``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment; with
+``key_shift`` row ``s``'s write feature is the key of row ``s − 1``, zero at the sequence's first row)::
 
     X    = E₁ K_n + E₀ K_{n−1}           (key_shift) two wgmmas with 0/1 register operands: key s − 1 in row s
     Vloc = (Q Xᵀ ⊙ D)ᵀ dO              wgmma: Xᵀ-side scores from SMEM, masked in registers, then · dO
@@ -93,6 +93,40 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout)
 
 
+def _token_rows(ref, heads, b, h, start, cols=None):
+    """A chunk's ``C`` token rows from ``start`` (optionally a column block ``cols``): ``[b, rows, h]`` in place
+    (``heads`` set), ``[b·H + h, rows]`` head-major (``heads`` None: one head per grid row)."""
+    span = pl.ds(pl.multiple_of(start, CHUNK), CHUNK)
+    idx = (b, span, h) if heads is not None else (b + h, span)
+    return ref.at[idx] if cols is None else ref.at[(*idx, cols)]
+
+
+def _copy_keys(x_ref, heads, b, h, n, start, bar, *, x_s, kp_s=None, kc_s=None):
+    """TMA chunk ``n``'s keys (rows from ``start`` = n·C) into ``x_s``, or with the keys read one row back
+    (``kp_s``, ``kc_s`` given) chunks ``n − 1`` (chunk 0 again for n = 0) and ``n`` for :func:`_shift_keys`: TMA
+    tiles start on multiples of 8 rows, so the keys one row back are not one copy.  (Only the previous chunk's last
+    rows would do, but a bf16 wgmma's K is a multiple of 64 here.)  Arrives on ``bar`` once per copy: one, or two
+    with the shift."""
+    if kp_s is None:
+        plgpu.copy_gmem_to_smem(_token_rows(x_ref, heads, b, h, start), x_s, bar)
+        return
+    plgpu.copy_gmem_to_smem(_token_rows(x_ref, heads, b, h, jnp.maximum(n - 1, 0) * CHUNK), kp_s, bar)
+    plgpu.copy_gmem_to_smem(_token_rows(x_ref, heads, b, h, start), kc_s, bar)
+
+
+def _shift_keys(x_s, kp_s, kc_s, n):
+    """``x_s`` ← the write features of chunk ``n`` with the keys read one row back, from :func:`_copy_keys`' two
+    tiles: row s ← key s − 1, row s − 1 of this chunk or (s = 0, n > 0) the previous chunk's last row; the
+    sequence's first write feature stays zero.  Two 0/1 products, exact: one unit product per entry."""
+    sq, dtype = (CHUNK, CHUNK), x_s.dtype
+    rows = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=plgpu.Layout.WGMMA)
+    within = jnp.where(cols == rows - 1, 1.0, 0.0).astype(dtype)
+    carried = jnp.where((rows == 0) & (cols == CHUNK - 1) & (n > 0), 1.0, 0.0).astype(dtype)
+    x_s[...] = (mosaic_mma(within, kc_s, x_s.shape) + mosaic_mma(carried, kp_s, x_s.shape)).astype(dtype)
+    plgpu.commit_smem()
+
+
 def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=None, q_term_dtype=None,
                key_shift=False, interpret=False, with_b=True, walk_operands=None, num_warps=None, b_dtype=None):
     """Drop-in for :func:`pallas_gpu.prepare_vb` without B (``with_b=False``): returns ``(V, None, q_term)``.
@@ -123,11 +157,6 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
     WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
 
-    def rows_of(ref, b, h, start, rows=C):
-        """``rows`` token rows from ``start``: ``[b, rows, h]`` in place, ``[b·H + h, rows]`` head-major."""
-        span = pl.ds(pl.multiple_of(start, C), rows)
-        return ref.at[b, span, h] if heads is not None else ref.at[b * H + h, span]
-
     vec = plgpu.SMEM((C,), F32)
     scratch = dict(q_s=mosaic_smem((C, dk), dtype), x_s=mosaic_smem((C, dk), dtype),
                    do_s=mosaic_smem((C, dv), dtype), t_s=mosaic_smem((C, C), dtype), v_s=mosaic_smem((C, dv), dtype),
@@ -150,16 +179,9 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
         b, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
         bh = b * H + h
         start = n * C
-        plgpu.copy_gmem_to_smem(rows_of(q_ref, b, h, start), q_s, bar)
-        if key_shift:
-            # TMA tiles start on multiples of 8 rows, so the keys one row back are not one copy: chunks n − 1
-            # (chunk 0 again for n = 0) and n come in, and 0/1 products pick key s − 1 for row s.  (Only the previous
-            # chunk's last rows would do, but a bf16 wgmma's K is a multiple of 64 here.)
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h, jnp.maximum(n - 1, 0) * C), kp_s, bar)
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h, start), kc_s, bar)
-        else:
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h, start), x_s, bar)
-        plgpu.copy_gmem_to_smem(rows_of(do_ref, b, h, start), do_s, bar)
+        plgpu.copy_gmem_to_smem(_token_rows(q_ref, heads, b, h, start), q_s, bar)
+        _copy_keys(x_ref, heads, b, h, n, start, bar, x_s=x_s, kp_s=kp_s, kc_s=kc_s)
+        plgpu.copy_gmem_to_smem(_token_rows(do_ref, heads, b, h, start), do_s, bar)
         chunk_rows = pl.ds(pl.multiple_of(start, C), C)  # of the [B·H, L, ...] arrays
         plgpu.copy_gmem_to_smem(t_ref.at[bh, chunk_rows], t_s, bar)
         for src, dsts in ((g_ref, (g_r, g_c)), (r_ref, (r_r, r_c))):
@@ -169,14 +191,9 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
 
         sq = (C, C)
         s_ids = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)  # key row s
-        t_ids = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)  # query row t (or key r of a shift)
+        t_ids = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)  # query row t
         if key_shift:
-            # row s ← key s − 1: row s − 1 of this chunk, or (s = 0, n > 0) the previous chunk's last row; the
-            # sequence's first write feature stays zero.  Exact: one unit product per entry.
-            within = jnp.where(t_ids == s_ids - 1, 1.0, 0.0).astype(dtype)
-            carried = jnp.where((s_ids == 0) & (t_ids == C - 1) & (n > 0), 1.0, 0.0).astype(dtype)
-            x_s[...] = (mosaic_mma(within, kc_s, (C, dk)) + mosaic_mma(carried, kp_s, (C, dk))).astype(dtype)
-            plgpu.commit_smem()
+            _shift_keys(x_s, kp_s, kc_s, n)
         g_s_rows, g_t_cols = _load(g_r, ROWS), _load(g_c, COLS)
         r_s_rows, r_t_cols = _load(r_r, ROWS), _load(r_c, COLS)
         keep = (s_ids <= t_ids) & (lax.broadcast_in_dim(r_s_rows, sq, [0]) == lax.broadcast_in_dim(r_t_cols, sq, [1]))
@@ -195,7 +212,7 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=Non
         v = mosaic_mma(t_s.T, v_s, (C, dv))  # Tᵀ Vloc; the wait inside frees v_s for V itself
         v_s[...] = v.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(v_s, rows_of(v_ref, b, h, start))
+        plgpu.copy_smem_to_gmem(v_s, _token_rows(v_ref, heads, b, h, start))
         if with_q:
             (qt_ref,) = qt_out
             cont = jnp.where(r_s_rows == 0.0, jnp.exp(g_s_rows), 0.0)
@@ -254,7 +271,7 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     over P (as the Triton pass does).  Per chunk (rows t, columns s; ``D`` the decay mask, ``Γ`` its strict
     version from ``g⁻``; ``c``, ``c⁻``, ``w`` the start/end-state gates of ``pallas_gpu._gates``)::
 
-        dA = −dR Pᵀ ⊙ Γ,  dK = η ⊙ dA,  dS = dO Pᵀ ⊙ D          (and their transposes, as products Pᵀ-first)
+        dA = −dR Pᵀ ⊙ Γ,  dK = η ⊙ dA,  dS = dO Pᵀ ⊙ D     (and their transposes, as products Pᵀ-first)
         dq = c ⊙ dO hᵀ + dS X
         dx = dSᵀ Q + (dK + dKᵀ) X + w ⊙ P dhᵀ − (η c⁻) ⊙ dR hᵀ
         dy = η ⊙ dR
@@ -296,12 +313,6 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     key_blocks = dk // C  # dq, dx in [C, C] column blocks (the accumulators stay [C, C])
     dx_over_p = p.shape == x.shape and p.dtype == x.dtype
 
-    def rows_of(ref, b, h_, start, cols=None):
-        """The chunk's token rows from ``start`` (optionally a column block)."""
-        span = pl.ds(pl.multiple_of(start, C), C)
-        idx = (b, span, h_) if heads is not None else (b * H + h_, span)
-        return ref.at[idx] if cols is None else ref.at[(*idx, cols)]
-
     vec = plgpu.SMEM((C,), F32)
     tile_k, tile_v = mosaic_smem((C, dk), dtype), mosaic_smem((C, dv), dtype)
     # each gate vector twice, one buffer per register layout it is read in (see prepare_vb)
@@ -327,16 +338,12 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
         chunk_rows = pl.ds(pl.multiple_of(start, C), C)  # of the [B·H, L] rows
         # the value operands first (dy and the value sums need no more), then the keys and states
         for src, dst in ((dr_ref, dr_s), (p_ref, p_s), (do_ref, do_s), (y_ref, y_s)):
-            plgpu.copy_gmem_to_smem(rows_of(src, b, h_, start), dst, bar_v)
+            plgpu.copy_gmem_to_smem(_token_rows(src, heads, b, h_, start), dst, bar_v)
         for name in gate_names:
             src = dict(eta=eta_ref, g=g_ref, gp=gp_ref, rl=rl_ref)[name.rsplit("_", 1)[0]]
             plgpu.copy_gmem_to_smem(src.at[bh, chunk_rows], gates[name], bar_v)
-        plgpu.copy_gmem_to_smem(rows_of(q_ref, b, h_, start), q_s, bar_k)
-        if key_shift:  # chunks n − 1 and n; row s ← key s − 1 by two 0/1 products (see prepare_vb)
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h_, jnp.maximum(n - 1, 0) * C), kp_s, bar_k)
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h_, start), kc_s, bar_k)
-        else:
-            plgpu.copy_gmem_to_smem(rows_of(x_ref, b, h_, start), x_s, bar_k)
+        plgpu.copy_gmem_to_smem(_token_rows(q_ref, heads, b, h_, start), q_s, bar_k)
+        _copy_keys(x_ref, heads, b, h_, n, start, bar_k, x_s=x_s, kp_s=kp_s, kc_s=kc_s)
         plgpu.copy_gmem_to_smem(h_ref.at[bh, n], h_s, bar_k)
         plgpu.copy_gmem_to_smem(dh_ref.at[bh, n], dh_s, bar_k)
 
@@ -365,9 +372,9 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
 
         # the [C, C] masks are formed where they are used, one at a time (each is 32 fp32 registers a thread)
         def masked_exp(transposed, strict, row_gate):
-            """[t, s]: e^{row_gate_t − g_s} on s ≤ t (s < t if strict) within a segment; transposed ([s, t], rows s):
-            the same entries, from the column vectors.  A select, not a multiply: a masked entry is exactly zero
-            and its exponent is never exponentiated."""
+            """[t, s]: e^{row_gate_t − g_s} on s ≤ t (s < t if strict) within a segment; transposed ([s, t],
+            rows s): the same entries, from the column vectors.  A select, not a multiply: a masked entry is exactly
+            zero and its exponent is never exponentiated."""
             t_ids, s_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
             keep = ((s_ids < t_ids) if strict else (s_ids <= t_ids)) & (rows_bc(rl_r) == cols_bc(rl_c))
             if transposed:
@@ -381,13 +388,10 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
         d_ey = jnp.sum(dr_v * _load(y_s, WGMMA).astype(F32), axis=1)
         y_s[...] = (rows_bc(eta_r, (C, dv)) * dr_v).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_s, rows_of(dy_ref, b, h_, start))
+        plgpu.copy_smem_to_gmem(y_s, _token_rows(dy_ref, heads, b, h_, start))
         plgpu.barrier_wait(bar_k)
         if key_shift:
-            within = jnp.where(col_ids == row_ids - 1, 1.0, 0.0).astype(dtype)
-            carried = jnp.where((row_ids == 0) & (col_ids == C - 1) & (n > 0), 1.0, 0.0).astype(dtype)
-            x_s[...] = (mosaic_mma(within, kc_s, (C, dk)) + mosaic_mma(carried, kp_s, (C, dk))).astype(dtype)
-            plgpu.commit_smem()
+            _shift_keys(x_s, kp_s, kc_s, n)
         gram = mosaic_mma(x_s, x_s.T, sq)  # symmetric: its own transpose
         # [t, s]: dA ⊙ Γ, dK = η ⊙ dA ⊙ Γ, the decay gradient and dS
         da_gamma = -mosaic_mma(dr_s, p_s.T, sq) * masked_exp(False, True, "gp")
@@ -431,15 +435,16 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
             h_j, dh_j = h_s.at[cols], dh_s.at[cols]  # [C key dims, dv]
             x_j, q_j = x_s.at[:, cols], q_s.at[:, cols]
             dq = rows_bc(cont) * mosaic_mma(do_s, h_j.T, sq) + mosaic_mma(d_s, x_j, sq)
-            dx = (mosaic_mma(d_s_t, q_j, sq) + mosaic_mma(d_sym, x_j, sq) + rows_bc(w_last) * mosaic_mma(p_s, dh_j.T, sq)
+            dx = (mosaic_mma(d_s_t, q_j, sq) + mosaic_mma(d_sym, x_j, sq)
+                  + rows_bc(w_last) * mosaic_mma(p_s, dh_j.T, sq)
                   - rows_bc(eta_r * cont_p) * mosaic_mma(dr_s, h_j.T, sq))
             if j:  # the previous block's stores have read the staging tiles
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             dq_st[...] = dq.astype(dtype)
             dx_st[...] = dx.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_st, rows_of(dq_ref, b, h_, start, cols))
-            plgpu.copy_smem_to_gmem(dx_st, rows_of(dx_ref, b, h_, start, cols))
+            plgpu.copy_smem_to_gmem(dq_st, _token_rows(dq_ref, heads, b, h_, start, cols))
+            plgpu.copy_smem_to_gmem(dx_st, _token_rows(dx_ref, heads, b, h_, start, cols))
         plgpu.wait_smem_to_gmem(0)
 
     call, grid_ids = mosaic_gpu_call(chunk_body, out_shape=out_shape, grid=(B, n_chunks, H), grid_names=("b", "n", "h"),
