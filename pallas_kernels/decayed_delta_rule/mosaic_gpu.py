@@ -316,7 +316,8 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
     vec = plgpu.SMEM((C,), F32)
     tile_k, tile_v = mosaic_smem((C, dk), dtype), mosaic_smem((C, dv), dtype)
     # each gate vector twice, one buffer per register layout it is read in (see prepare_vb)
-    gate_names = [f"{a}_{lay}" for a in ("eta", "g", "gp", "rl") for lay in ("r", "c")]
+    gate_order = ("eta", "g", "gp", "rl")
+    gate_names = [f"{gate}_{layout}" for gate in gate_order for layout in ("r", "c")]
     scratch = dict(q_s=tile_k, x_s=tile_k, y_s=tile_v, do_s=tile_v, p_s=tile_v, dr_s=tile_v,
                    h_s=mosaic_smem((dk, dv), dtype), dh_s=mosaic_smem((dk, dv), dtype),
                    dq_st=mosaic_smem((C, C), dtype), dx_st=mosaic_smem((C, C), dtype),
@@ -339,9 +340,9 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
         # the value operands first (dy and the value sums need no more), then the keys and states
         for src, dst in ((dr_ref, dr_s), (p_ref, p_s), (do_ref, do_s), (y_ref, y_s)):
             plgpu.copy_gmem_to_smem(_token_rows(src, heads, b, h_, start), dst, bar_v)
-        for name in gate_names:
-            src = dict(eta=eta_ref, g=g_ref, gp=gp_ref, rl=rl_ref)[name.rsplit("_", 1)[0]]
-            plgpu.copy_gmem_to_smem(src.at[bh, chunk_rows], gates[name], bar_v)
+        for gate, src in zip(gate_order, (eta_ref, g_ref, gp_ref, rl_ref)):
+            for layout in ("r", "c"):
+                plgpu.copy_gmem_to_smem(src.at[bh, chunk_rows], gates[f"{gate}_{layout}"], bar_v)
         plgpu.copy_gmem_to_smem(_token_rows(q_ref, heads, b, h_, start), q_s, bar_k)
         _copy_keys(x_ref, heads, b, h_, n, start, bar_k, x_s=x_s, kp_s=kp_s, kc_s=kc_s)
         plgpu.copy_gmem_to_smem(h_ref.at[bh, n], h_s, bar_k)
@@ -351,8 +352,8 @@ def chunk_grad_stored_pass(q, x, y, eta, g, gp, rl, do, h, dh, p, dr, *, chunk, 
         row_ids = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
         col_ids = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
         plgpu.barrier_wait(bar_v)
-        eta_r, g_r, gp_r, rl_r = (_load(gates[f"{a}_r"], ROWS) for a in ("eta", "g", "gp", "rl"))
-        eta_c, g_c, gp_c, rl_c = (_load(gates[f"{a}_c"], COLS) for a in ("eta", "g", "gp", "rl"))
+        eta_r, g_r, gp_r, rl_r = (_load(gates[f"{gate}_r"], ROWS) for gate in gate_order)
+        eta_c, g_c, gp_c, rl_c = (_load(gates[f"{gate}_c"], COLS) for gate in gate_order)
 
         def rows_bc(v, shape=sq):
             return lax.broadcast_in_dim(v, shape, [0])
