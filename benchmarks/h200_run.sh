@@ -885,6 +885,18 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step check_grads_kernel 150 python3 benchmarks/gpu_check_mosaic_chunk_grads.py --skip-timing \
       --out "$out/$part/check_grads_kernel.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83)"; exit 2 ;;
+  next84)  # twenty-first run: pieces again, now with the split maps (W, U per chunk and a state-only walk of each
+    # piece over [I | 0], two dots per chunk in the walks' bf16 operands; M kept for the backward): values where the
+    # checks cut pieces (fp32 B1 H4) and everywhere (target_programs=1024); the whole op at 2, 4, 8 pieces
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,fp32 grads,segments,falcon-3 values" \
+      --out "$out/$part/check.json"
+    step check_pieces 150 python3 benchmarks/gpu_check_regression.py --only "fp32 values,fp32 grads,bf16,bf16 grads" \
+      --kernel-config "target_programs=1024" --out "$out/$part/check_pieces.json"
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0 gated;jla gated" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "target_programs=256;target_programs=512;target_programs=1024;target_programs=512,outputs=split" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

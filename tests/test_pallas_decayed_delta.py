@@ -70,15 +70,18 @@ def reference(q, x, y, eta, log_gamma, run, s0):
     (40, 16, 1, True, "pallas_tpu", "pallas"), (50, 32, 1, True, "pallas_gpu", "xla"),
     (100, 16, 4, True, "pallas_gpu", "xla"), (50, 32, 1, True, "pallas_gpu", "split"),
     (100, 16, 4, True, "pallas_gpu", "split"), (37, 16, 1, False, "pallas_gpu", "split"),
+    (100, 16, 4, True, "pallas_gpu", "fused maps"), (100, 16, 4, True, "pallas_gpu", "split, fused maps"),
 ])
 def test_forward_matches_reference(T, chunk, pieces, segments, implementation, outputs, rng):
     """Outputs and final state; ``outputs="xla"``: the walk carries the state only and the outputs come from
     the chunk start states in a parallel XLA pass; ``"split"``: W, U per chunk, a state-only walk and an
-    output kernel."""
+    output kernel.  Pieces take the split maps (the GPU's "auto"), or with "fused maps" the fused walk's."""
     H = 1 if implementation == "pallas_tpu" else 2  # TPU interpret mode is slow
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, H=H, T=T, segments=segments)
+    maps = {"piece_maps": "fused"} if outputs.endswith("fused maps") else {}
+    outputs = "split" if outputs.startswith("split") else "pallas" if outputs == "fused maps" else outputs
     o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, pieces=pieces,
-                      implementation=implementation, config=KernelConfig(outputs=outputs))
+                      implementation=implementation, config=KernelConfig(outputs=outputs, **maps))
     o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
     assert o.shape == o_ref.shape and final.shape == final_ref.shape
     assert rel_err(o, o_ref) < FP32_TOL
@@ -111,6 +114,8 @@ def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_sco
     (32, 1, 16, "pallas_gpu", "pallas_stored", "pallas", {}),
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"save_tri": True, "stored_v": "input"}),
     (16, 2, 32, "pallas_gpu", "pallas_stored_split", "split", {}),
+    (16, 4, 32, "pallas_gpu", "pallas_stored", "split", {"piece_maps": "fused"}),  # M saved by the fused maps
+    (16, 4, 16, "pallas_gpu", "pallas_stored", "split", {"dk": 32}),  # two map blocks (dk / block_v) per piece
     (16, 2, 16, "pallas_gpu", "pallas_stored", "split",
      {"grad_loops": "unrolled", "grad_stages": 1, "grad_block_k": 16, "dk": 32}),
     (32, 1, 32, "pallas_gpu", "pallas_stored_split", "pallas", {"grad_block_v": 16, "grad_block_k": 16, "dk": 32}),
@@ -171,6 +176,63 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
         assert np.all(np.isfinite(np.asarray(g))), name
         assert rel_err(g, w) < 5e-5, name
+
+
+@pytest.mark.parametrize("pieces,block_v,segments,dtype", [(4, 16, True, jnp.float32), (2, 32, False, jnp.float32),
+                                                           (4, 16, False, jnp.bfloat16)])
+def test_piece_maps_match_reference(pieces, block_v, segments, dtype, rng):
+    """``pallas_gpu.piece_maps`` (the split maps): every piece's ``S_end = M S_start + E`` against float64
+    token scans of that piece alone, ``M`` from ``S_start = I`` with zero values and ``E`` from ``S_start = 0``
+    (a segment start inside the piece resets the carried state, M = 0: its run index counted from the token
+    before); dk = dv = 32, two map and two value blocks at 16 columns; poisoned outputs.  bf16: the kernels' inputs and
+    the walk's dots in bf16, bounded by the same scans of the bf16-rounded inputs."""
+    from pallas_kernels.decayed_delta_rule import pallas_gpu
+    from pallas_kernels.decayed_delta_rule.api import _gates
+
+    T, chunk, dk, dv = 128, 16, 32, 32
+    # slow decay, small steps: a piece's transition stays far from zero (M's entries up to ~1)
+    q, x, y, eta, log_gamma, run, _ = op_inputs(rng, H=2, T=T, dk=dk, dv=dv, segments=segments,
+                                                eta_range=(0.05, 0.3), decay_range=(0.0, 0.01))
+    x, y = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float64)) for a in (x, y))  # what the kernels read
+    BH = 2
+    flat = lambda a: jnp.asarray(a).reshape(BH, T, *a.shape[3:])  # noqa: E731
+    lg, rn = flat(np.asarray(log_gamma, np.float32)), flat(np.asarray(run))
+    g, gp, rl = _gates(lg, rn, chunk)
+    xk, yk, ek = flat(x).astype(dtype), flat(y).astype(dtype), flat(np.asarray(eta, np.float32))
+    lo = jnp.bfloat16 if dtype == jnp.bfloat16 else None
+    with poisoned_outputs():
+        tinv = pallas_gpu.tri_inverse_pass(xk, ek, g, gp, rl, chunk=chunk, interpret=True)
+        w, u = pallas_gpu.prepare_wu(xk, yk, ek, g, gp, rl, tinv, chunk=chunk, interpret=True, w_dtype=lo or jnp.float32)
+        M, E = pallas_gpu.piece_maps(xk, w, u, g, rl, chunk=chunk, pieces=pieces, block_v=block_v, interpret=True,
+                                     walk_operands=lo)
+    assert M.shape == (BH, pieces, dk, dk) and E.shape == (BH, pieces, dk, dv)
+    Lp = T // pieces
+    run = np.asarray(run)
+    for p in range(pieces):
+        sl = slice(p * Lp, (p + 1) * Lp)
+        before = run[..., p * Lp - 1:p * Lp] if p else np.zeros_like(run[..., :1])
+        args = [jnp.asarray(a[:, :, sl], jnp.float64) for a in (q, x)]
+        gates = [jnp.asarray(a[:, :, sl], jnp.float64) for a in (eta, log_gamma)]
+        r = jnp.asarray(run[:, :, sl] - before, jnp.int32)
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float64), (1, 2, dk, dk))
+        _, m_ref = decayed_delta_rule_reference(*args, jnp.zeros((1, 2, Lp, dk), jnp.float64), *gates, r, eye)
+        _, e_ref = decayed_delta_rule_reference(*args, jnp.asarray(y[:, :, sl]), *gates, r,
+                                                jnp.zeros((1, 2, dk, dv), jnp.float64))
+        tol = 1e-2 if dtype == jnp.bfloat16 else FP32_TOL
+        # with segments a reset in the piece makes M exactly 0 there; without, M is a real transition
+        assert segments or np.max(np.abs(np.asarray(m_ref))) > 0.5
+        assert rel_err(M[:, p], m_ref.reshape(BH, dk, dk)) < tol, p
+        assert rel_err(E[:, p], e_ref.reshape(BH, dk, dv)) < tol, p
+
+
+def test_piece_maps_refuse_a_block_that_splits_the_keys(rng):
+    from pallas_kernels.decayed_delta_rule import pallas_gpu
+
+    x = jnp.zeros((1, 64, 16), jnp.float32)
+    u = jnp.zeros((1, 64, 64), jnp.float32)
+    g = jnp.zeros((1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="block_v=32 must divide dk=16"):
+        pallas_gpu.piece_maps(x, x, u, g, g.astype(jnp.int32), chunk=16, pieces=2, block_v=32, interpret=True)
 
 
 def keys_one_row_later(k, first_key=None):

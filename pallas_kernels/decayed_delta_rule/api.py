@@ -153,6 +153,11 @@ class KernelConfig:
     # cut the sequence into pieces only below this many programs: the piece maps walk a dk + dv wide augmented
     # state in fp32, which cost more than they gained at 128 and 64 programs on the H200 (seventh run)
     target_programs: int = 64
+    # GPU, the pieces' maps ``[M | E]``: "split" (W, U per chunk as the split forward forms them, then the
+    # state-only walk of each piece over ``[I | 0]`` with values ``[0 | U]``, two dots per chunk, the walks'
+    # operand dtype — the peers' maps), "fused" (the fused forward walk over the augmented state, T applied in
+    # every step, fp32 operands: the only maps until the twenty-first session) or "auto" ("split" on the GPU)
+    piece_maps: str = "auto"
     # the backward's per-chunk gradients: "pallas" (one program per chunk), "xla" (batched matmuls, xla.py),
     # "pallas_split" (GPU: two programs per chunk, value then key columns, no [C, dk] fp32 accumulators),
     # "pallas_stored" (GPU: one program per chunk reading P and dR as the recompute and state-gradient walks
@@ -244,6 +249,7 @@ class KernelConfig:
         for name, allowed in (("chunk_grads", ("auto", "pallas", "xla", "pallas_split", "pallas_stored",
                                                "pallas_stored_split")),
                               ("outputs", ("auto", "pallas", "xla", "split")),
+                              ("piece_maps", ("auto", "fused", "split")),
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
                               ("gate_transpose", ("xla", "pallas")),
@@ -289,6 +295,12 @@ class KernelConfig:
         if self.chunk_grads != "auto":
             return self.chunk_grads
         return "pallas_stored" if backend == "pallas_gpu" else "pallas"
+
+    def piece_maps_for(self, backend: str) -> str:
+        """``piece_maps`` with "auto" resolved for ``backend`` (the split maps are a GPU pass)."""
+        if self.piece_maps != "auto":
+            return self.piece_maps
+        return "split" if backend == "pallas_gpu" else "fused"
 
     def state_grads_for(self, backend: str) -> str:
         """``state_grads`` with "auto" resolved for ``backend``."""
@@ -450,10 +462,25 @@ def _log_gamma_grad(dg, dgp, chunk, group):
     return reverse_chunk_cumsum(dg + dgp, chunk // group) - dgp
 
 
-def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
-    """``[M | E]`` of every piece: one forward walk over the augmented state (zero outputs)."""
+def _piece_maps(kernels, config, backend, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
+    """``[M | E]`` of every piece (``KernelConfig.piece_maps``).  Returns (M [BH, P, dk, dk], E [BH, P, dk, dv],
+    fp32; the split forward's ``(W, U)`` when the split maps formed them, else None)."""
     BH, L, dk = token_dims(q, kw.get("heads"))
     dv = y.shape[-1]
+    if config.piece_maps_for(backend) == "split":
+        if backend != "pallas_gpu":
+            raise NotImplementedError(f"{backend}: KernelConfig(piece_maps='split') is a GPU pass; leave it at "
+                                      "its default for this backend")
+        wu = kernels.prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=kw["chunk"], interpret=kw["interpret"],
+                                num_warps=kw["num_warps"], heads=kw.get("heads"),
+                                w_dtype=kw["walk_operands"] or jnp.float32)
+        # as wide as the split state walk's programs, over dk + dv columns (block_v divides both)
+        block_v = min(config.split_block_v_for(BH * pieces, dv), dk)
+        M, E = kernels.piece_maps(x, *wu, g, rl, chunk=kw["chunk"], pieces=pieces, block_v=block_v,
+                                  interpret=kw["interpret"], num_warps=kw["num_warps"],
+                                  num_stages=kw["num_stages"], heads=kw.get("heads"),
+                                  walk_operands=kw["walk_operands"])
+        return M, E, wu
     y_aug = jnp.concatenate([jnp.zeros((*y.shape[:-1], dk), y.dtype), y], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (BH, pieces, dk, dk))
     s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), jnp.float32)], axis=-1)
@@ -461,7 +488,7 @@ def _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw):
     # its dots with T follow tri_dtype, the same T the walks that use the maps apply
     kw = dict(kw, block_v=min(kw["block_v"], dk), walk_operands=None)
     (ends,) = kernels.forward_pass(q, x, y_aug, eta, g, gp, rl, tinv, s_aug, write_o=False, write_h=False, **kw)
-    return ends[..., :dk], ends[..., dk:]
+    return ends[..., :dk], ends[..., dk:], None
 
 
 def _piece_starts(M, E, s0):
@@ -498,14 +525,15 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, num_warps=config.fwd_warps,
               num_stages=config.walk_stages(config.fwd_stages),
               walk_operands=config.walk_operand_dtype(q.dtype), **_layout_kw(heads))
+    M = wu = None
     if pieces > 1:
-        M, E = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
+        M, E, wu = _piece_maps(kernels, config, backend, q, x, y, eta, g, gp, rl, tinv, pieces, kw)
         starts, _ = _piece_starts(M, E, s0)
     else:
         starts = s0[:, None]
     outputs = config.outputs_for(backend, BH, dv)
     if outputs == "split":
-        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts,
+        o, _, s_end = kernels.split_forward(q, x, y, eta, g, gp, rl, tinv, starts, wu=wu,
                                             **dict(kw, block_v=config.split_block_v_for(BH * pieces, dv)))
     elif outputs == "xla":  # the walk carries the state only; outputs from the chunk states in parallel
         h, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **kw)
@@ -518,7 +546,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
                                                       dtype=kw["walk_operands"] or jnp.float32, **keys)
         o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
                                         **dict(kw, num_stages=stages), **keys)
-    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, fold)
+    # the pieces' transitions M ([BH, P, dk, dk] fp32) are kept for the backward's reverse scan over pieces
+    return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, fold, M)
 
 
 def _fwd_rule(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret, backend, group, heads,
@@ -554,7 +583,7 @@ def _prepare(config: KernelConfig, backend: str, interpret: bool):
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
     keys = {"key_shift": True} if key_shift else {}
-    q, x, y, eta, g, gp, rl, starts, saved_tinv, fold = res
+    q, x, y, eta, g, gp, rl, starts, saved_tinv, fold, M = res
     split_state_grads = config.state_grads_for(backend) == "split"
     do, ds_final = cts
     BH, L, dk = token_dims(q, heads)
@@ -602,7 +631,6 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
     if pieces > 1:
         zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
         (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
-        M, _ = _piece_maps(kernels, q, x, y, eta, g, gp, rl, tinv, pieces, fwd_kw)
         ends_rev, _ = _piece_starts(jnp.swapaxes(M, -1, -2)[:, ::-1], local[:, ::-1], ds_final)
         ds_ends = ends_rev[:, ::-1]
     else:

@@ -565,11 +565,15 @@ def _prepare_kernel(x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, w_ref, 
     u_ref[...] = _tdot(tinv, eta[:, None] * y_ref[...].astype(F32), p32).astype(u_ref.dtype)
 
 
-def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_ref, *, chunk, n_chunks, precision,
-                       lo=None):
+def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, precision, lo=None,
+                       write_h=True, values_from=0):
     """The split forward's walk: only the state, two dots per chunk (``P = U − W S``, ``S ← a S + (w ⊙ X)ᵀ P``);
-    stores every chunk's start state for the output pass."""
+    stores every chunk's start state for the output pass if ``write_h``.  Value blocks before ``values_from``
+    take ``U = 0`` (the piece maps' ``[I | 0]`` columns: their u block is a placeholder)."""
     p32 = lax.Precision.HIGHEST if precision is not None else None
+    h_ref, s_end_ref = out_refs if write_h else (None, *out_refs)
+    # 1 for value columns, 0 for the map columns (a transition carries no values)
+    u_scale = (pl.program_id(2) >= values_from).astype(F32) if values_from else None
 
     def body(c, S):
         start = pl.multiple_of(c * chunk, chunk)
@@ -577,8 +581,10 @@ def _state_walk_kernel(x_ref, w_ref, u_ref, g_ref, rl_ref, s0_ref, h_ref, s_end_
         g, rl, g_last, rl_last = g_ref[rows], rl_ref[rows], g_ref[start + chunk - 1], rl_ref[start + chunk - 1]
         w_last = jnp.where(rl == rl_last, jnp.exp(g_last - g), 0.0)
         a_last = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
-        h_ref[c, :, :] = S.astype(h_ref.dtype)
-        P = u_ref[rows, :].astype(F32) - _sdot(w_ref[rows, :], S, p32, lo)
+        if write_h:
+            h_ref[c, :, :] = S.astype(h_ref.dtype)
+        u = u_ref[rows, :].astype(F32)
+        P = (u if u_scale is None else u_scale * u) - _sdot(w_ref[rows, :], S, p32, lo)
         return a_last * S + _sdot(x_ref[rows, :].T, w_last[:, None] * P, p32, lo)  # the row scale on the narrow P
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
@@ -775,6 +781,37 @@ def state_walk(x, w, u, g, rl, s0, *, chunk, pieces, block_v, interpret, num_war
                 name="falcon_delta_state_walk")
 
 
+def piece_maps(x, w, u, g, rl, *, chunk, pieces, block_v, interpret, num_warps=4, num_stages=2, heads=None,
+               walk_operands=None):
+    """Every piece's affine map ``S_end = M S_start + E`` from the split forward's ``W, U`` (:func:`prepare_wu`):
+    the state walk of each piece over the augmented state ``[I | 0]`` with values ``[0 | U]`` (``dk + dv``
+    columns, ``block_v`` per program, the map columns' U never read), its end state ``[M | E]``.  The walk's dots
+    round their operands to ``walk_operands`` as the state walks do; M and E stay fp32.
+    Returns (M [BH, P, dk, dk], E [BH, P, dk, dv]), fp32."""
+    BH, L, dk = token_dims(x, heads)
+    dv = u.shape[-1]
+    if dk % block_v or dv % block_v:
+        raise ValueError(f"piece_maps: block_v={block_v} must divide dk={dk} and dv={dv}")
+    aug = jax.ShapeDtypeStruct((*u.shape[:-1], dk + dv), u.dtype)
+    grid, n_piece, specs, shapes = walk_layout(x, aug, chunk, pieces, block_v, heads=heads)
+    Lp = n_piece * chunk
+    nk = dk // block_v
+    w_rows = pl.BlockSpec((None, Lp, dk), lambda b, p, v: (b, p, 0))
+    # the map columns (v < nk) read value block 0 as a placeholder, scaled to zero in the kernel
+    u_rows = pl.BlockSpec((None, Lp, block_v), lambda b, p, v: (b, p, jnp.maximum(v - nk, 0)))
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=F32), (BH, pieces, dk, dk))
+    s_aug = jnp.concatenate([eye, jnp.zeros((BH, pieces, dk, dv), F32)], axis=-1)
+    state_specs, state_shapes = walk_outputs(specs, shapes, False)
+    (ends,) = call(functools.partial(_state_walk_kernel, chunk=chunk, n_chunks=n_piece,
+                                     precision=precision_for(x.dtype), lo=walk_operands, write_h=False,
+                                     values_from=nk),
+                   grid=grid, in_specs=[specs.rows_k, w_rows, u_rows, specs.gate, specs.gate, specs.piece_state],
+                   out_specs=state_specs, out_shape=state_shapes, args=(x, w, u, g, rl, s_aug),
+                   compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                   name="falcon_delta_piece_maps")
+    return ends[..., :dk], ends[..., dk:]
+
+
 def split_outputs(q, x, w, u, g, rl, h, *, like, chunk, block_v, interpret, num_warps=4, heads=None,
                   walk_operands=None):
     """Every chunk's outputs from its start state (parallel over batch·head, chunk and value block):
@@ -797,16 +834,17 @@ def split_outputs(q, x, w, u, g, rl, h, *, like, chunk, block_v, interpret, num_
 
 
 def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, interpret, num_warps=4,
-                  num_stages=2, heads=None, walk_operands=None, output_block_v=None):
-    """The forward split as the peers split it: ``W, U`` per chunk (parallel, :func:`prepare_wu`), a walk that
+                  num_stages=2, heads=None, walk_operands=None, output_block_v=None, wu=None):
+    """The forward split as the peers split it: ``W, U`` per chunk (parallel, :func:`prepare_wu`; ``wu``: as it
+    returned them, already formed), a walk that
     carries only the state (two dots per chunk over ``block_v`` value columns, storing the chunk start states,
     :func:`state_walk`), then the outputs of every chunk (parallel, :func:`split_outputs`, ``output_block_v``
     value columns per program, default all of them up to 128).  ``W`` is stored in ``walk_operands`` (the dtype
     the walks round it to for their dots anyway) or fp32.
     Returns (o like y, h [BH, n_chunks, dk, dv] in the chunk-state dtype, s_end [BH, P, dk, dv]); s0 as
     :func:`forward_pass`."""
-    w, u = prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=chunk, interpret=interpret, num_warps=num_warps,
-                      heads=heads, w_dtype=walk_operands or F32)
+    w, u = wu or prepare_wu(x, y, eta, g, gp, rl, tinv, chunk=chunk, interpret=interpret, num_warps=num_warps,
+                            heads=heads, w_dtype=walk_operands or F32)
     h, s_end = state_walk(x, w, u, g, rl, s0, chunk=chunk, pieces=pieces, block_v=block_v, interpret=interpret,
                           num_warps=num_warps, num_stages=num_stages, heads=heads, walk_operands=walk_operands)
     o = split_outputs(q, x, w, u, g, rl, h, like=y, chunk=chunk, block_v=output_block_v or min(u.shape[-1], 128),
