@@ -472,6 +472,41 @@ def test_kernels_lower_for_triton_in_place(dtype, pieces, walk_operands, chunk_g
     assert all(f"{B}x{T}x{H}x{D}" not in line for line in text.splitlines() if "stablehlo.transpose" in line)
 
 
+@pytest.mark.parametrize("elimination", ["columns", "rows"])
+@pytest.mark.parametrize("group,extreme", [(1, False), (1, True), (2, False)])
+def test_triangular_inverse_matches_float64(elimination, group, extreme, rng):
+    """``pallas_gpu.tri_inverse_pass`` at chunk 64 (four 16-row diagonal blocks and the blocks below them) against
+    float64 inverses of ``I + A``, ``A[s, j] = η_s (x_s·x_j) e^{g⁻_s − g_j}`` on earlier rows (earlier groups
+    of ``group`` rows) of the same segment; both eliminations of the diagonal blocks; segment starts inside
+    chunks; poisoned outputs.  ``extreme``: nearly parallel keys with
+    η‖x‖² = 1.999 and a third of the decays at the clamp (T's entries reach ~1e5)."""
+    from pallas_kernels.decayed_delta_rule import pallas_gpu
+    from pallas_kernels.decayed_delta_rule.api import _gates
+
+    BH, T, C, d = 2, 192, 64, 32
+    x = rng.normal(size=(BH, T, d))
+    if extreme:
+        x = x[:, :1] + 0.05 * x
+    eta = (1.999 if extreme else rng.uniform(0.1, 1.9, size=(BH, T))) / np.sum(x * x, axis=-1)
+    steps = T // group
+    log_gamma = (np.where(rng.uniform(size=(BH, steps)) < 0.33, np.log(1e-6), 0.0) if extreme
+                 else -rng.uniform(0.0, 0.2, size=(BH, steps)))
+    run = np.cumsum(rng.uniform(size=(BH, steps)) < 0.05, axis=1)
+    g, gp, rl = _gates(jnp.asarray(log_gamma, jnp.float32), jnp.asarray(run, jnp.int32), C, group)
+    with poisoned_outputs():
+        tinv = pallas_gpu.tri_inverse_pass(jnp.asarray(x, jnp.float32), jnp.asarray(eta, jnp.float32), g, gp, rl,
+                                           chunk=C, interpret=True, group=group, elimination=elimination)
+    g, gp, rl = (np.asarray(a, np.float64).reshape(BH, T // C, C) for a in (g, gp, rl))
+    xc = x.reshape(BH, T // C, C, d)
+    s = np.arange(C) // group
+    keep = (s[:, None] > s[None, :]) & (rl[..., :, None] == rl[..., None, :])
+    A = (eta.reshape(BH, T // C, C)[..., :, None] * np.einsum("bnsk,bnjk->bnsj", xc, xc)
+         * np.exp(np.where(keep, gp[..., :, None] - g[..., None, :], -np.inf)))
+    want = np.linalg.inv(np.eye(C) + A).reshape(BH, T, C)
+    assert not extreme or np.max(np.abs(want)) > 1e3  # the case is as hard as it says
+    assert rel_err(tinv, want) < 1e-5
+
+
 def test_extreme_gates_stay_finite_and_exact(rng):
     """β = η‖x‖² = 1.999 (the write's eigenvalue along x is −0.999) with nearly parallel keys (the
     triangular inverse alternates in sign with entries near 2: no power series would survive);
@@ -770,6 +805,7 @@ def test_walk_stages_follow_program_count():
     ({"stored_dr": "bf16"}, "stored_dr must be 'fp32' or 'input'"),
     ({"tri_dtype": jnp.bfloat16}, "tri_dtype must be 'fp32' or 'input'"),
     ({"column_solve": "block"}, "column_solve must be 'rows' or 'blocked'"),
+    ({"tri_elimination": "row"}, "tri_elimination must be 'columns' or 'rows'"),
     ({"stored_v": "bf16"}, "stored_v must be 'auto' or 'fp32' or 'input'"),
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
     ({"fwd_scores": "inverse"}, "fwd_scores must be"), ({"prepare_warps": 3}, "prepare_warps must be None"),
@@ -956,6 +992,9 @@ def test_kernel_config_tri_dtype_per_backend_and_inputs():
     assert bf16("pallas_gpu", jnp.float32)["t_dtype"] == jnp.float32
     assert fp32("pallas_gpu", jnp.bfloat16)["t_dtype"] == jnp.float32
     assert "t_dtype" not in bf16("pallas_tpu", jnp.bfloat16)  # the TPU kernels keep T in fp32
+    assert bf16("pallas_gpu", jnp.bfloat16)["elimination"] == "columns"
+    assert KernelConfig(tri_elimination="rows").tri_kw("pallas_gpu", jnp.float32)["elimination"] == "rows"
+    assert "elimination" not in bf16("pallas_tpu", jnp.bfloat16)  # the TPU kernel has its own solve
 
 
 @pytest.mark.parametrize("stored_dr,tri_dtype", [("input", "input"), ("fp32", "input"),

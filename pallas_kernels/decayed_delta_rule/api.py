@@ -95,6 +95,10 @@ class KernelConfig:
     # with the walk forming its scores 64 lost everywhere, next45)
     block_v: int | None = None
     tri_warps: int = 1  # the triangular inverse's 16-row substitution is serial: one warp (H200: 0.66 vs 0.90 ms fwd)
+    # the GPU triangular inverse's elimination inside its 16-row diagonal blocks (``pallas_gpu._unit_lower_inverses``):
+    # "columns" (right-looking, no layout conversion between steps) or "rows" (the form until the twenty-second
+    # session)
+    tri_elimination: str = "columns"
     fwd_warps: int = 4
     # the forward walks' (and the backward's recompute walk's) software-pipelining stages (Triton num_stages);
     # None: 3, or 2 for an output-writing walk of many programs (``walk_stages``)
@@ -252,6 +256,7 @@ class KernelConfig:
                               ("piece_maps", ("auto", "fused", "split")),
                               ("state_grads", ("auto", "pallas", "split")),
                               ("column_solve", ("rows", "blocked")),
+                              ("tri_elimination", ("columns", "rows")),
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
                               ("dstate_q", ("auto", "walk", "prepare")),
@@ -288,6 +293,7 @@ class KernelConfig:
         if backend == "pallas_gpu":
             keep = self.tri_dtype == "fp32" or jnp.dtype(dtype) == jnp.float32
             kw["t_dtype"] = jnp.float32 if keep else jnp.dtype(dtype)
+            kw["elimination"] = self.tri_elimination
         return kw
 
     def chunk_grads_for(self, backend: str) -> str:

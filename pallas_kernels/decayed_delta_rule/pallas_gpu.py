@@ -21,8 +21,8 @@ become −inf before ``exp``), so nothing overflows at any decay.
 
 Kernels:
   * ``tri_inverse_pass`` — one program per chunk: ``T = (I + A)⁻¹`` by blocked
-    forward substitution over 16-row blocks (the diagonal blocks row by row, all
-    in one loop; the blocks below them by matmuls).  No powers of A are formed, so β near 2 (A's
+    forward substitution over 16-row blocks (the diagonal blocks by right-looking
+    elimination, all in one loop; the blocks below them by matmuls).  No powers of A are formed, so β near 2 (A's
     entries near 2, alternating-sign inverse) stays exact to fp32 rounding.
   * ``forward_pass`` — one program per (batch·head, piece, value block) walks its
     chunks with ``S_0`` in registers (fp32), writing o, optionally each chunk's
@@ -90,24 +90,40 @@ def _gates(eta, g, gp, rl, g_last, rl_last):
     return cont, cont_p, w_last, a_last
 
 
-def _unit_lower_inverses(blocks):
-    """``(I + a)⁻¹`` of each strictly lower ``[16, 16]`` block ``a`` in ``blocks``, by forward substitution row by
-    row — all blocks in the same loop: their chains are independent, so one 15-step loop over the list (rather
-    than 15 steps per block, one block after another) lets the warp overlap their latencies."""
+def _unit_lower_inverses(blocks, elimination="columns"):
+    """``(I + a)⁻¹`` of each strictly lower ``[16, 16]`` block ``a`` in ``blocks``, by forward elimination — all
+    blocks in the same loop: their chains are independent, so one 15-step loop over the list (rather than 15
+    steps per block, one block after another) lets the warp overlap their latencies.
+
+    ``elimination="columns"`` (right-looking): step j takes row j of t, final once steps < j ran, and subtracts
+    ``a[:, j] ⊗ t[j, :]`` from the rows below.  Column j of a does not depend on t, so a step's chain is one
+    reduction over rows and a multiply-add, and each vector is broadcast along the axis it was reduced over: no
+    layout conversion between steps.  ``"rows"`` (the kernel's form until the twenty-second session): step r
+    sets row r to ``e_r − a_r t``; a_r (reduced over rows) must be broadcast along columns, which Triton
+    lowers through shared memory every step."""
     n = blocks[0].shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
-    def step(r, a, t):
+    def row_step(r, a, t):
         a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # row r of a (zero from column r on)
         new = jnp.sum(a_r[:, None] * t, axis=0)  # a_r @ t: rows < r of t are final
         return jnp.where(rows == r, t - new[None, :], t)  # row r: e_r − a_r t
+
+    def column_step(j, a, t):
+        a_j = jnp.sum(jnp.where(cols == j, a, 0.0), axis=1)  # column j of a (zero on rows ≤ j)
+        t_j = jnp.sum(jnp.where(rows == j, t, 0.0), axis=0)  # row j of t, final
+        return t - a_j[:, None] * t_j[None, :]
+
+    if elimination not in ("columns", "rows"):
+        raise ValueError(f"elimination must be 'columns' or 'rows', got {elimination!r}")
+    step, first, stop = (column_step, 0, n - 1) if elimination == "columns" else (row_step, 1, n)
 
     def body(r, ts):
         return tuple(step(r, a, t) for a, t in zip(blocks, ts))
 
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
-    return list(lax.fori_loop(jnp.int32(1), jnp.int32(n), body, tuple(eye for _ in blocks)))
+    return list(lax.fori_loop(jnp.int32(first), jnp.int32(stop), body, tuple(eye for _ in blocks)))
 
 
 class _KeysOneRowBack:
@@ -154,7 +170,7 @@ def _chunk_keys(x_ref, key_shift, key_pad, chunk):
 
 
 def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precision, group, key_shift=False,
-                key_pad=0):
+                key_pad=0, elimination="columns"):
     x_ref = _chunk_keys(x_ref, key_shift, key_pad, chunk)
     nb = chunk // BLOCK
     blk = [pl.ds(i * BLOCK, BLOCK) for i in range(nb)]
@@ -169,7 +185,7 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
         return (eta[i][:, None] * dot(x_ref[blk[i], :], x_ref[blk[k], :].T, precision)
                 * _masks(gp[i], g[k], rl[i], rl[k], strict=True if k == i else None, group=group))
 
-    T = {(i, i): t for i, t in enumerate(_unit_lower_inverses([a_block(i, i) for i in range(nb)]))}
+    T = {(i, i): t for i, t in enumerate(_unit_lower_inverses([a_block(i, i) for i in range(nb)], elimination))}
     for i in range(nb):
         A = [a_block(i, k) for k in range(i)]
         for k in range(i):  # block forward substitution: T_ik = −T_ii Σ_{k≤m<i} A_im T_mk
@@ -677,18 +693,19 @@ def _one_piece(key_shift, pieces, name):
 
 
 def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_stages=1, group=1, heads=None,
-                     t_dtype=F32, key_shift=False):
+                     t_dtype=F32, key_shift=False, elimination="columns"):
     """``T = (I + A)⁻¹`` of every chunk: ``[BH, L, C]`` in ``t_dtype`` (row cC+s = row s of chunk c's T; solved
     in fp32, rounded once when stored).
 
     ``group > 1``: A couples only rows of earlier groups (the windowed rule's virtual writes).
     ``heads=H``: x is ``[B, L, H, dk]``, read in place (``common.row_block``).  ``key_shift``: x holds the keys,
     and row t's write feature is ``x[t − 1]`` (zero at t = 0), read in place (:class:`_KeysOneRowBack`; the
-    other passes take the same flag)."""
+    other passes take the same flag).  ``elimination``: see :func:`_unit_lower_inverses`."""
     BH, L, dk = token_dims(x, heads)
     sp = chunk_specs(x, dk, chunk, heads)
     keys, key_kw = _key_operand(x, key_shift, interpret)
-    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group, **key_kw)
+    kernel = functools.partial(_tri_kernel, chunk=chunk, precision=precision_for(x.dtype), group=group,
+                               elimination=elimination, **key_kw)
     (tinv,) = call(kernel, grid=(BH, L // chunk), in_specs=[_key_spec(sp, x, key_shift, heads), sp.row, sp.row,
                                                              sp.row, sp.row],
                    out_specs=[sp.square],
