@@ -26,9 +26,7 @@ from pallas_kernels.decayed_delta_rule.api import _gates
 C = 64
 BASELINE = "rows, 1 warp"
 VARIANTS = {BASELINE: dict(elimination="rows", num_warps=1),
-            "columns, 1 warp": dict(elimination="columns", num_warps=1),
-            "columns, 2 warps": dict(elimination="columns", num_warps=2),
-            "columns, 4 warps": dict(elimination="columns", num_warps=4)}
+            "columns, 1 warp": dict(elimination="columns", num_warps=1)}
 
 
 def make_case(rng, B, L, H, d, *, dtype, segments: bool, extreme: bool):
