@@ -1282,11 +1282,11 @@ def test_per_column_kernel_lowers_for_triton(dtype, column_solve):
 # ---- per-column gates without the residual (Falcon-2A) -----------------------------------------------
 
 
-def attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=16, **kw):
+def attn_column_kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=16, implementation="pallas_gpu", **kw):
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     with poisoned_outputs():
         return decayed_attention_per_column(f32(q), f32(x), f32(y), f32(eta), f32(log_gamma), run, f32(s0),
-                                            chunk_size=chunk_size, implementation="pallas_gpu", **kw)
+                                            chunk_size=chunk_size, implementation=implementation, **kw)
 
 
 def attn_column_reference(q, x, y, eta, log_gamma, run, s0):
@@ -1353,13 +1353,6 @@ def test_attention_per_column_extreme_gates(rng):
         assert rel_err(g, w) < 5e-5, name
 
 
-def test_attention_per_column_tpu_raises(rng):
-    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=16, dv=16, segments=False)
-    with pytest.raises(NotImplementedError, match="no TPU kernel for per-column"):
-        decayed_attention_per_column(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma)), run,
-                                     jnp.asarray(s0, jnp.float32), chunk_size=16, implementation="pallas_tpu")
-
-
 @pytest.mark.parametrize("options,check_grads", [
     ({"segments": True}, True),
     ({"timing": "rbw", "alignment": "same_step", "clamp": True}, False),
@@ -1409,6 +1402,173 @@ def test_attention_per_column_kernel_lowers_for_triton(column_solve):
         lowering_platforms=("cuda",)).as_text()
     for name in ("col_fwd", "col_bwd"):
         assert f"falcon_attn_{name}" in text, name
+
+
+# ---- per-column gates on the TPU kernel (pallas_tpu_columns, Falcon-2 and 2A) --------------------------
+# TPU interpret mode on CPU against the float64 token scan (interpret mode fills unwritten outputs with NaN); the
+# Mosaic TPU lowering rules by cross-lowering.  No TPU here: nothing below compiles or runs the kernels on one.
+
+
+COLUMN_RULES = {"delta": (kernel, reference, decayed_delta_rule_reference),
+                "attention": (attn_column_kernel, attn_column_reference, decayed_attention_per_column_reference)}
+
+
+def test_per_column_tpu_value_block():
+    """Mosaic's block rule: a value block of a multiple of 128 columns dividing dv, or all of dv; the GPU's
+    narrower default (32) becomes 128 (or dv)."""
+    from pallas_kernels.decayed_delta_rule.pallas_tpu_columns import value_block
+
+    assert [value_block(bv, dv) for bv, dv in [(32, 128), (32, 256), (128, 256), (256, 256), (16, 32), (32, 32),
+                                                (64, 64), (512, 256), (128, 384)]] == [128, 128, 128, 256, 32, 32,
+                                                                                         64, 256, 128]
+
+
+@pytest.mark.parametrize("rule", ["delta", "attention"])
+def test_per_column_tpu_forward_matches_reference(rule, rng):
+    """The TPU kernel (Falcon-2, and Falcon-2A: ``residual=False``): odd T over three chunks of 16, a segment start
+    inside a chunk, non-zero initial state, per-column η and log γ that differ per column, dv = 256 in two value
+    blocks of 128 (the narrowest TPU block that is not all of dv)."""
+    op, ref, _ = COLUMN_RULES[rule]
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=41, dv=256)
+    o, final = op(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu",
+                  config=KernelConfig(column_block_v=128))
+    o_ref, final_ref = ref(q, x, y, eta, log_gamma, run, s0)
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert rel_err(o, o_ref) < FP32_TOL
+    assert rel_err(final, final_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("rule", ["delta", "attention"])
+def test_per_column_tpu_gradients_match_reference(rule, rng):
+    """Gradients of the TPU kernel w.r.t. q, x, y, per-column η and log γ, and the initial state (cotangents on o
+    and the final state) against the float64 token scan: T = 41 over three chunks, a segment start inside a
+    chunk, dv = 256 in two value blocks (dq, dx summed over the blocks' shares)."""
+    op, _, ref_op = COLUMN_RULES[rule]
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=41, dv=256)
+    ct_o = jnp.asarray(rng.normal(size=y.shape))
+    ct_s = jnp.asarray(rng.normal(size=s0.shape))
+
+    def loss(fn):
+        def f(*a):
+            o, s = fn(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return f
+
+    argnums = tuple(range(6))
+    got = jax.grad(loss(lambda *a: op(*a, implementation="pallas_tpu", config=KernelConfig(column_block_v=128))),
+                   argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
+    want = jax.grad(loss(ref_op), argnums=argnums)(*(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
+    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < FP32_TOL, name
+
+
+@pytest.mark.parametrize("case", ["clamp", "tiny-decay"])
+def test_per_column_tpu_extreme_gates(case, rng):
+    """The TPU kernel at the gates' extremes, chunks of 32: ``"clamp"`` — β = η‖x‖² in (1.99, 1.999) per column
+    with nearly parallel keys and, per column, γ at the clamp (1e-6) on an independent third of the steps, γ = 1
+    elsewhere (values within 1e-4 as the GPU kernels', see ``test_per_column_extreme_gates``; gradients w.r.t.
+    y, η, log γ within 1e-4); ``"tiny-decay"`` — γ = 1e-6 on every step in half the columns (cumulative log
+    decay −440 inside a chunk), γ = 1 in a quarter: only differences g_a − g_b with a ≥ b are exponentiated
+    (values and gradients within the fp32 bound)."""
+    q, x, y, eta, _, run, s0 = column_inputs(rng, T=40, dv=16, segments=False)
+    if case == "clamp":
+        x = x[..., :1, :] + 0.05 * x
+        eta = rng.uniform(1.99, 1.999, size=y.shape) / np.sum(x * x, axis=-1)[..., None]
+        log_gamma = np.where(rng.uniform(size=y.shape) < 0.33, np.log1p(-(1 - 1e-6)), 0.0)
+        tol = 1e-4
+    else:
+        log_gamma = -rng.uniform(0.0, 0.5, size=y.shape)
+        log_gamma[..., :8] = np.log(1e-6)
+        log_gamma[..., 8:12] = 0.0
+        tol = FP32_TOL
+    o, final = kernel(q, x, y, eta, log_gamma, run, s0, chunk_size=32, implementation="pallas_tpu")
+    o_ref, final_ref = reference(q, x, y, eta, log_gamma, run, s0)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(final)))
+    assert rel_err(o, o_ref) < tol and rel_err(final, final_ref) < tol
+    ct = jnp.asarray(rng.normal(size=y.shape))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(q, x, *a, run, s0)[0] * ct.astype(jnp.float32))
+
+    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=32, implementation="pallas_tpu")), argnums=(0, 1, 2))(
+        *(jnp.asarray(a, jnp.float32) for a in (y, eta, log_gamma)))
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(*(jnp.asarray(a) for a in (y, eta, log_gamma)))
+    for name, g, w in zip(["y", "eta", "log_gamma"], got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < tol, name
+
+
+@pytest.mark.parametrize("rule,dtype,dv", [("delta", jnp.bfloat16, 128), ("delta", jnp.float32, 256),
+                                           ("attention", jnp.bfloat16, 128), ("attention", jnp.float32, 256)])
+def test_per_column_tpu_kernels_lower_for_mosaic(rule, dtype, dv):
+    """Cross-lower the TPU per-column forward + backward through the Mosaic TPU lowering rules on CPU (d = 128,
+    chunk 64; dv = 256: two value blocks of 128).  Catches ops without a Mosaic lowering rule and blocks that
+    break Mosaic's block rule; Mosaic's own compilation (layouts, VMEM) needs a TPU and is not checked."""
+    B, H, T, D = 1, 2, 256, 128
+    q = jnp.zeros((B, H, T, D), dtype)
+    y = jnp.zeros((B, H, T, dv), dtype)
+    gate = jnp.zeros((B, H, T, dv), jnp.float32)
+    run = jnp.zeros((B, H, T), jnp.int32)
+    s0 = jnp.zeros((B, H, D, dv), jnp.float32)
+    op = decayed_delta_rule if rule == "delta" else decayed_attention_per_column
+
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = op(q, x, y, eta, log_gamma, run, s0, implementation="pallas_tpu", interpret=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(q, q, y, gate, gate, s0).lower(
+        lowering_platforms=("tpu",)).as_text()
+    prefix = "falcon_delta" if rule == "delta" else "falcon_attn"
+    for name in ("col_fwd_tpu", "col_bwd_tpu"):
+        assert f"{prefix}_{name}" in text, name
+    assert "tpu_custom_call" in text
+
+
+def test_per_column_tpu_refuses_unsupported_shapes(rng):
+    """The per-column ops on ``pallas_tpu`` refuse what the kernels do not take, naming the argument."""
+    q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=16, dv=16, segments=False)
+    for op in (decayed_delta_rule, decayed_attention_per_column):
+        with pytest.raises(NotImplementedError, match="pallas_tpu .*chunk_size=8"):
+            op(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma)), run, jnp.asarray(s0, jnp.float32),
+               chunk_size=8, implementation="pallas_tpu")
+
+
+def test_per_column_gains_served_on_a_tpu_backend(monkeypatch):
+    """``chunk_pallas.supports`` serves per-column gains on a TPU backend (the TPU kernel); windowed rules with
+    per-column gains are still refused."""
+    from falcon_jax.forms import chunk_pallas
+    from falcon_jax.rules import falcon_rule
+
+    monkeypatch.setattr(chunk_pallas.jax, "default_backend", lambda: "tpu")
+    gains = {"beta": jnp.zeros((1, 1, 8, 16))}
+    for variant in ("2", "2A"):
+        assert chunk_pallas.supports(falcon_rule(variant), gains, 16, 16, jnp.float32) is None, variant
+    assert "windowed" in chunk_pallas.supports(falcon_rule("3", window=4), gains, 16, 16, jnp.float32)
+
+
+@pytest.mark.parametrize("variant,options", [
+    ("2", {"segments": True}), ("2A", {"segments": True}),
+    ("2", {"timing": "rbw", "alignment": "same_step", "clamp": True}),
+    ("2A", {"timing": "rbw", "alignment": "same_step", "clamp": True}),
+])
+def test_falcon2_on_the_tpu_kernel_equals_xla_chunk_form(variant, options, rng, monkeypatch):
+    """``falcon(variant="2" / "2A", impl="pallas")`` with per-column gains through the TPU kernel (what a TPU
+    backend picks; here in TPU interpret mode) against the XLA chunk form, continuing from a non-trivial state:
+    outputs, state, gradients."""
+    from falcon_jax.forms import chunk_pallas
+
+    monkeypatch.setattr(chunk_pallas, "_implementation", lambda: "pallas_tpu")
+    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
+    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)  # [B, T, H, dv]
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
+    if options.pop("clamp", False):
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    kw = dict(variant=variant, chunk_size=16, return_final_state=True, **options)
+    assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, True, rng, tol=FP32_TOL,
+                                         same=() if variant == "2" else ("last_key",))
 
 
 # ---- windowed form (Falcon-3) ------------------------------------------------------------------------

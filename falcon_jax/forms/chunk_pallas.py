@@ -6,7 +6,7 @@ Falcon-1, Falcon-2 and DeltaNet go through the regression op
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
 
 (Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in
-place of the scalar products; the op's per-column GPU kernel.)
+place of the scalar products; the op's per-column kernel, GPU or TPU.)
 
 Falcon-3 (window W > 1) goes through the op's windowed form
 ``pallas_kernels.decayed_delta_rule.windowed_delta_rule``::
@@ -44,7 +44,7 @@ with the queries shifted one step left; step 0 reads the initial state in XLA).
 Falcon-2A with per-column gains goes through the per-column kernel without the
 residual, ``pallas_kernels.decayed_delta_rule.decayed_attention_per_column``
 (``s_{t,c} = e^{a_{t,c}} s_{t-1,c} + η_{t,c} y_{t,c} x_t``), mapped exactly like
-Falcon-2 (the same write stream, query shift and step-0 read).  GPU only.
+Falcon-2 (the same write stream, query shift and step-0 read), GPU or TPU.
 
 Everything else raises ``NotImplementedError`` with the reason;
 ``impl="auto"`` then falls back to the XLA chunk form.
@@ -76,8 +76,6 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
     per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
     if per_column and rule.window > 1:
         return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
-    if per_column and jax.default_backend() == "tpu":
-        return f"{rule.name}: no TPU Pallas kernel for per-column gains yet"
     if rule.regression and rule.window > 1:
         from pallas_kernels.decayed_delta_rule.api import windowed_unsupported_reason
 

@@ -35,11 +35,13 @@ then the outputs from the stored chunk states in parallel).  The TPU runs the fu
 per chunk.
 
 Per-column gates (Falcon-2: ``η``, ``log γ`` of shape ``[B, H, T, dv]``) go through
-``pallas_gpu_columns.py``: one program per (batch·head, value block) walks the chunks
-and solves each column's own unit-lower-triangular system (they share the Gram X Xᵀ)
-by column-batched forward substitution inside the walk; the backward is one reverse
-walk per (batch·head, value block) after a forward walk that stores the chunk start
-states.  No pieces (a piece map would be a ``dk × dk`` matrix per column).
+``pallas_gpu_columns.py`` (GPU) or ``pallas_tpu_columns.py`` (TPU; same passes and math):
+one program per (batch·head, value block) walks the chunks (on the TPU: grid steps over
+the chunks, the state in VMEM) and solves each column's own unit-lower-triangular system
+(they share the Gram X Xᵀ) by column-batched forward substitution inside the walk; the
+backward is one reverse walk per (batch·head, value block) after a forward walk that
+stores the chunk start states.  No pieces (a piece map would be a ``dk × dk`` matrix per
+column).
 
 ``decayed_attention_per_column`` (Falcon-2A) is the inner-product rule with the same
 per-column gates, ``S_t = e^{a_t} ⊙ S_{t-1} + x_t (η_t ⊙ y_t)ᵀ``: the per-column kernel
@@ -59,7 +61,8 @@ from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_
                                    reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
                                    unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
-from pallas_kernels.decayed_delta_rule import mosaic_gpu, pallas_gpu, pallas_gpu_columns, pallas_tpu
+from pallas_kernels.decayed_delta_rule import (mosaic_gpu, pallas_gpu, pallas_gpu_columns, pallas_tpu,
+                                               pallas_tpu_columns)
 from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
 from pallas_kernels.decayed_delta_rule.xla import outputs as xla_outputs
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
@@ -190,7 +193,8 @@ class KernelConfig:
     # per-column gates (Falcon-2, 2A): the kernels' solves, reads and row-mixing gradients "blocked" (16-row
     # blocks: serial inside the diagonal blocks, dots between them, the decay gradients elementwise; H200, bf16,
     # 8x2048x16x128, Falcon-2 fwd 8.07 vs 18.06 ms, fwd+bwd 41.0 vs 82.2; Falcon-2A 5.49 / 21.7 vs 9.48 / 27.1)
-    # or "rows" (serial loops over the chunk's rows, the default until the eleventh run)
+    # or "rows" (serial loops over the chunk's rows, the default until the eleventh run).  GPU only: the TPU kernel
+    # (pallas_tpu_columns) is the row form either way
     column_solve: str = "blocked"
     # in place ([B, T, H, d] tokens, GPU, power-of-two H): the gates' transpose to the kernels' [B·H, T] and their
     # cotangents' back, "pallas" (a transpose kernel both ways) or "xla" (jnp.swapaxes, the default until the
@@ -246,7 +250,10 @@ class KernelConfig:
     # 1.367 vs 1.209 ms at 8x2048, 1.494 vs 1.324 at 2x8192, 3.421 vs 3.108 at 1x32768 (one CTA per SM at
     # ~211 KB of SMEM: see ``mosaic_gpu.chunk_grad_stored_pass``)
     chunk_grads_kernel: str = "triton"
-    column_block_v: int = 32  # per-column gates: value columns per program (several [C, block_v] fp32 tiles live)
+    # per-column gates: value columns per program (several [C, block_v] fp32 tiles live).  TPU: Mosaic's blocks need
+    # a multiple of 128 columns or all of dv, so a narrower width becomes 128 (or dv) there
+    # (pallas_tpu_columns.value_block; in interpret mode too, so the tests run the widths a TPU would)
+    column_block_v: int = 32
     column_warps: int = 4
 
     def __post_init__(self):
@@ -692,9 +699,12 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
 _kernel_op.defvjp(_fwd_rule, _bwd_rule)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
-    out, _ = _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual)
+_COLUMN_BACKENDS = {"pallas_gpu": pallas_gpu_columns, "pallas_tpu": pallas_tpu_columns}  # per-column kernels
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _column_op(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual, implementation):
+    out, _ = _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual, implementation)
     return out
 
 
@@ -703,19 +713,21 @@ def _column_kw(chunk, config, interpret, residual):
                 residual=residual, blocked=config.column_solve == "blocked")
 
 
-def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual):
+def _column_forward(q, x, y, eta, log_gamma, run, s0, chunk, config, interpret, residual, implementation):
     g, gp, rl = _gates(log_gamma, run, chunk)
-    o, s_end = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True, write_h=False,
-                                               **_column_kw(chunk, config, interpret, residual))
+    o, s_end = _COLUMN_BACKENDS[implementation].forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=True,
+                                                             write_h=False,
+                                                             **_column_kw(chunk, config, interpret, residual))
     return (o, s_end), (q, x, y, eta, g, gp, rl, s0)
 
 
-def _column_bwd(chunk, config, interpret, residual, res, cts):
+def _column_bwd(chunk, config, interpret, residual, implementation, res, cts):
     q, x, y, eta, g, gp, rl, s0 = res
     do, ds_final = cts
     kw = _column_kw(chunk, config, interpret, residual)
-    h, _ = pallas_gpu_columns.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
-    dq, dx, dy, deta, dg, dgp, ds0 = pallas_gpu_columns.backward_pass(
+    kernels = _COLUMN_BACKENDS[implementation]
+    h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, s0, write_o=False, write_h=True, **kw)
+    dq, dx, dy, deta, dg, dgp, ds0 = kernels.backward_pass(
         q, x, y, eta, g, gp, rl, do.astype(y.dtype), h, ds_final.astype(jnp.float32), **kw)
     # g = chunk-local inclusive cumsum, gp = g − log γ (unused without the residual)
     dlog = reverse_chunk_cumsum(dg + dgp, chunk) - dgp if residual else reverse_chunk_cumsum(dg, chunk)
@@ -822,11 +834,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
 
 def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, implementation, config, interpret,
                 residual):
-    """The per-column GPU kernel (``residual``: decayed delta rule, Falcon-2; else the inner-product rule,
-    Falcon-2A).  Gates ``[B, H, T]`` are broadcast over the value columns."""
+    """The per-column kernel of ``implementation`` (``pallas_gpu_columns`` or ``pallas_tpu_columns``;
+    ``residual``: decayed delta rule, Falcon-2; else the inner-product rule, Falcon-2A).  Gates ``[B, H, T]`` are
+    broadcast over the value columns."""
     name = "decayed_delta_rule" if residual else "decayed_attention_per_column"
-    if implementation == "pallas_tpu":
-        raise NotImplementedError(f"pallas_tpu {name}: no TPU kernel for per-column gates yet")
     interpret = interpret_default(implementation, interpret)
     reason = unsupported_reason(q, y, chunk_size, interpret)
     if reason is not None:
@@ -836,7 +847,10 @@ def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, impleme
     dtype, f32 = q.dtype, jnp.float32
     L = next_pow2(-(-T // chunk_size)) * chunk_size
     config = config or KernelConfig()
-    config = dataclasses.replace(config, column_block_v=min(config.column_block_v, dv))
+    block_v = min(config.column_block_v, dv)
+    if implementation == "pallas_tpu":  # Mosaic: a multiple of 128 columns or all of dv (interpret mode alike)
+        block_v = pallas_tpu_columns.value_block(block_v, dv)
+    config = dataclasses.replace(config, column_block_v=block_v)
     eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
 
     flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
@@ -844,7 +858,7 @@ def _per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size, impleme
     o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
                           flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
                           initial_state.astype(f32).reshape(B * H, dk, dv), chunk_size, config, bool(interpret),
-                          residual)
+                          residual, implementation)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
 
 
@@ -858,8 +872,8 @@ def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *,
 
     (``reference.decayed_attention_per_column_reference``).  The per-column kernel of
     :func:`decayed_delta_rule` without the residual (``P = η ⊙ Y``, no triangular system), with the
-    backward of that kernel minus its solve terms.  GPU only (``"pallas_gpu"``, interpret mode
-    elsewhere) or ``"xla"``; ``"pallas_tpu"`` raises ``NotImplementedError``.
+    backward of that kernel minus its solve terms.  ``"pallas_gpu"`` (``pallas_gpu_columns``) or
+    ``"pallas_tpu"`` (``pallas_tpu_columns``), each in its interpret mode off its accelerator, or ``"xla"``.
 
     Args: as :func:`decayed_delta_rule` (eta, log_gamma ``[B, H, T, dv]`` or ``[B, H, T]``).
     Returns: ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
