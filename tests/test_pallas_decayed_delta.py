@@ -9,6 +9,7 @@ interpret mode is slow.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -31,6 +32,33 @@ FP32_TOL = 1e-5
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+GRAD_NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
+
+
+def assert_grads_match(rng, fn, ref_fn, args, run, tol, *, out_shape=None, poison=False, names=GRAD_NAMES):
+    """Gradients of ``⟨o, ct_o⟩ + ⟨final, ct_s⟩`` (fresh random cotangents; ``o`` of ``out_shape``, default y's)
+    w.r.t. ``args = (q, x, y, gate, log_gamma, s0)``: ``fn`` on their fp32 values against ``ref_fn`` (the float64
+    scan) on ``args`` as given, each called as ``f(q, x, y, gate, log_gamma, run, s0)`` — every gradient finite
+    and within ``tol`` relative error.  ``poison``: the kernels' backward traced under ``poisoned_outputs()``
+    too (``kernel`` poisons only the forward it calls)."""
+    ct_o = jnp.asarray(rng.normal(size=out_shape or args[2].shape))
+    ct_s = jnp.asarray(rng.normal(size=args[5].shape))
+
+    def loss(f):
+        def total(*a):
+            o, s = f(*a[:5], run, a[5])
+            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
+        return total
+
+    argnums = tuple(range(6))
+    with poisoned_outputs() if poison else contextlib.nullcontext():
+        got = jax.grad(loss(fn), argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in args))
+    want = jax.grad(loss(ref_fn), argnums=argnums)(*(jnp.asarray(a) for a in args))
+    for name, g, w in zip(names, got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, w) < tol, name
 
 
 def op_inputs(rng, B=1, H=2, T=50, dk=16, dv=16, segments=False, eta_range=(0.1, 1.9), decay_range=(0.0, 0.3)):
@@ -156,26 +184,10 @@ def test_gradients_match_reference(chunk, pieces, block_v, implementation, chunk
     extra = dict(extra)
     q, x, y, eta, log_gamma, run, s0 = op_inputs(rng, T=53, dk=extra.pop("dk", 16), dv=extra.pop("dv", 32),
                                                  segments=extra.pop("segments", True))
-    ct_o = jnp.asarray(rng.normal(size=y.shape))
-    ct_s = jnp.asarray(rng.normal(size=s0.shape))
-
-    def loss(fn):
-        def f(*a):
-            o, s = fn(*a[:5], run, a[5])
-            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
-        return f
-
-    argnums = tuple(range(6))
     config = KernelConfig(block_v=block_v, chunk_grads=chunk_grads, state_grads=state_grads, **extra)
-    with poisoned_outputs():
-        got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
-                                              implementation=implementation)), argnums=argnums)(
-            *(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
-    want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
-        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
-    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
-        assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, w) < 5e-5, name
+    assert_grads_match(rng, lambda *a: kernel(*a, chunk_size=chunk, pieces=pieces, config=config,
+                                              implementation=implementation),
+                       decayed_delta_rule_reference, (q, x, y, eta, log_gamma, s0), run, 5e-5, poison=True)
 
 
 @pytest.mark.parametrize("pieces,block_v,segments,dtype", [(4, 16, True, jnp.float32), (2, 32, False, jnp.float32),
@@ -1117,24 +1129,9 @@ def test_per_column_gradients_match_reference(chunk, block_v, rng):
     """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan, with the
     row-by-row solve (``column_solve="rows"``; the blocked default at multi-block chunks: below)."""
     q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
-    ct_o = jnp.asarray(rng.normal(size=y.shape))
-    ct_s = jnp.asarray(rng.normal(size=s0.shape))
-
-    def loss(fn):
-        def f(*a):
-            o, s = fn(*a[:5], run, a[5])
-            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
-        return f
-
-    argnums = tuple(range(6))
     config = KernelConfig(column_solve="rows", column_block_v=block_v)
-    got = jax.grad(loss(lambda *a: kernel(*a, chunk_size=chunk, config=config)),
-                   argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
-    want = jax.grad(loss(decayed_delta_rule_reference), argnums=argnums)(
-        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
-    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
-        assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, w) < 5e-5, name
+    assert_grads_match(rng, lambda *a: kernel(*a, chunk_size=chunk, config=config), decayed_delta_rule_reference,
+                       (q, x, y, eta, log_gamma, s0), run, 5e-5)
 
 
 def test_per_column_extreme_gates(rng):
@@ -1309,25 +1306,9 @@ def test_attention_per_column_gradients_match_reference(chunk, block_v, rng):
     """Gradients w.r.t. q, x, y, per-column η and log γ, and S0 against the float64 token scan, with the
     row-by-row solve (the blocked default: ``test_per_column_blocked_solve_matches_reference``)."""
     q, x, y, eta, log_gamma, run, s0 = column_inputs(rng)
-    ct_o = jnp.asarray(rng.normal(size=y.shape))
-    ct_s = jnp.asarray(rng.normal(size=s0.shape))
-
-    def loss(fn):
-        def f(*a):
-            o, s = fn(*a[:5], run, a[5])
-            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
-        return f
-
-    argnums = tuple(range(6))
-    got = jax.grad(loss(lambda *a: attn_column_kernel(*a, chunk_size=chunk,
-                                                      config=KernelConfig(column_solve="rows",
-                                                                          column_block_v=block_v))),
-                   argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
-    want = jax.grad(loss(decayed_attention_per_column_reference), argnums=argnums)(
-        *(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
-    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
-        assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, w) < 5e-5, name
+    config = KernelConfig(column_solve="rows", column_block_v=block_v)
+    assert_grads_match(rng, lambda *a: attn_column_kernel(*a, chunk_size=chunk, config=config),
+                       decayed_attention_per_column_reference, (q, x, y, eta, log_gamma, s0), run, 5e-5)
 
 
 def test_attention_per_column_extreme_gates(rng):
@@ -1445,22 +1426,8 @@ def test_per_column_tpu_gradients_match_reference(rule, rng):
     chunk, dv = 256 in two value blocks (dq, dx summed over the blocks' shares)."""
     op, _, ref_op = COLUMN_RULES[rule]
     q, x, y, eta, log_gamma, run, s0 = column_inputs(rng, T=41, dv=256)
-    ct_o = jnp.asarray(rng.normal(size=y.shape))
-    ct_s = jnp.asarray(rng.normal(size=s0.shape))
-
-    def loss(fn):
-        def f(*a):
-            o, s = fn(*a[:5], run, a[5])
-            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
-        return f
-
-    argnums = tuple(range(6))
-    got = jax.grad(loss(lambda *a: op(*a, implementation="pallas_tpu", config=KernelConfig(column_block_v=128))),
-                   argnums=argnums)(*(jnp.asarray(a, jnp.float32) for a in (q, x, y, eta, log_gamma, s0)))
-    want = jax.grad(loss(ref_op), argnums=argnums)(*(jnp.asarray(a) for a in (q, x, y, eta, log_gamma, s0)))
-    for name, g, w in zip(["q", "x", "y", "eta", "log_gamma", "initial_state"], got, want):
-        assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, w) < FP32_TOL, name
+    assert_grads_match(rng, lambda *a: op(*a, implementation="pallas_tpu", config=KernelConfig(column_block_v=128)),
+                       ref_op, (q, x, y, eta, log_gamma, s0), run, FP32_TOL)
 
 
 @pytest.mark.parametrize("case", ["clamp", "tiny-decay"])
@@ -1624,26 +1591,11 @@ def test_windowed_gradients_match_reference(W, pieces, implementation, chunk_gra
     """Gradients w.r.t. q, the window pairs x and y (each pair recurs in W steps' rows), the per-slot weights,
     log γ and S0; segments inside chunks; dv = 32 in two value blocks."""
     q, x, y, w, log_gamma, run, s0 = window_inputs(rng, W, T=29, dv=32)
-    ct_o = jnp.asarray(rng.normal(size=(*q.shape[:3], 32)))
-    ct_s = jnp.asarray(rng.normal(size=s0.shape))
-
-    def loss(fn):
-        def f(*a):
-            o, s = fn(*a[:5], run, a[5])
-            return jnp.sum(o * ct_o.astype(o.dtype)) + jnp.sum(s * ct_s.astype(s.dtype))
-        return f
-
     kw = {} if implementation == "pallas_tpu" else {"pieces": pieces}
-    argnums = tuple(range(6))
     config = KernelConfig(block_v=16, chunk_grads=chunk_grads)
-    got = jax.grad(loss(lambda *a: window_kernel(*a, config=config, implementation=implementation, **kw)),
-                   argnums=argnums)(
-        *(jnp.asarray(a, jnp.float32) for a in (q, x, y, w, log_gamma, s0)))
-    want = jax.grad(loss(windowed_delta_rule_reference), argnums=argnums)(
-        *(jnp.asarray(a) for a in (q, x, y, w, log_gamma, s0)))
-    for name, g, ww in zip(["q", "x", "y", "w", "log_gamma", "initial_state"], got, want):
-        assert np.all(np.isfinite(np.asarray(g))), name
-        assert rel_err(g, ww) < 5e-5, name
+    assert_grads_match(rng, lambda *a: window_kernel(*a, config=config, implementation=implementation, **kw),
+                       windowed_delta_rule_reference, (q, x, y, w, log_gamma, s0), run, 5e-5,
+                       out_shape=(*q.shape[:3], 32), names=("q", "x", "y", "w", "log_gamma", "initial_state"))
 
 
 def test_windowed_extreme_gates(rng):
