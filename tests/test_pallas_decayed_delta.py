@@ -1227,19 +1227,27 @@ def test_per_column_blocked_solve_matches_reference(case, rng):
             assert rel_err(g, w) < 5e-5, (chunk, name)
 
 
+def per_column_falcon_inputs(rng, options):
+    """``falcon`` inputs with per-column gains (β ``[B, T, H, dv]``, B = H = 1, T = 41) and the call's options:
+    ``segments`` becomes ``segment_ids`` (starts inside chunks), ``clamp`` puts λ = 1e6 on a third of the steps
+    (γ at the clamp).  Returns (q, k, v, beta, lam, options)."""
+    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
+    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)
+    options = dict(options)
+    if options.pop("segments", False):
+        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
+    if options.pop("clamp", False):
+        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    return q, k, v, beta, lam, options
+
+
 @pytest.mark.parametrize("options,check_grads", [
     ({"segments": True}, True),
     pytest.param({"timing": "rbw", "alignment": "same_step", "clamp": True}, True, marks=pytest.mark.slow),
 ])
 def test_falcon2_pallas_equals_xla_chunk_form(options, check_grads, rng):
     """Falcon-2 with per-column gains against the XLA chunk form, continuing from a non-trivial state."""
-    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
-    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)  # [B, T, H, dv]
-    options = dict(options)
-    if options.pop("segments", False):
-        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
-    if options.pop("clamp", False):
-        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    q, k, v, beta, lam, options = per_column_falcon_inputs(rng, options)
     kw = dict(variant="2", chunk_size=16, return_final_state=True, **options)
     assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL, same=())
 
@@ -1342,13 +1350,7 @@ def test_attention_per_column_extreme_gates(rng):
 ])
 def test_falcon2a_pallas_equals_xla_chunk_form(options, check_grads, rng):
     """Falcon-2A with per-column gains against the XLA chunk form, continuing from a non-trivial state."""
-    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
-    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)  # [B, T, H, dv]
-    options = dict(options)
-    if options.pop("segments", False):
-        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
-    if options.pop("clamp", False):
-        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    q, k, v, beta, lam, options = per_column_falcon_inputs(rng, options)
     kw = dict(variant="2A", chunk_size=16, return_final_state=True, **options)
     assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol=FP32_TOL)
 
@@ -1526,13 +1528,7 @@ def test_falcon2_on_the_tpu_kernel_equals_xla_chunk_form(variant, options, rng, 
     from falcon_jax.forms import chunk_pallas
 
     monkeypatch.setattr(chunk_pallas, "_implementation", lambda: "pallas_tpu")
-    q, k, v, _, lam = falcon_inputs(rng, B=1, H=1, T=41)
-    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=v.shape), jnp.float32)  # [B, T, H, dv]
-    options = dict(options)
-    if options.pop("segments", False):
-        options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=(1, 41)), axis=1))
-    if options.pop("clamp", False):
-        lam = jnp.where(jnp.asarray(rng.uniform(size=lam.shape) < 0.3), 1e6, lam).astype(jnp.float32)
+    q, k, v, beta, lam, options = per_column_falcon_inputs(rng, options)
     kw = dict(variant=variant, chunk_size=16, return_final_state=True, **options)
     assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, True, rng, tol=FP32_TOL,
                                          same=() if variant == "2" else ("last_key",))
