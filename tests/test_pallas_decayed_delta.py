@@ -1432,7 +1432,7 @@ def test_per_column_tpu_gradients_match_reference(rule, rng):
                        ref_op, (q, x, y, eta, log_gamma, s0), run, FP32_TOL)
 
 
-@pytest.mark.parametrize("case", ["clamp", "tiny-decay"])
+@pytest.mark.parametrize("case", ["clamp", pytest.param("tiny-decay", marks=pytest.mark.slow)])
 def test_per_column_tpu_extreme_gates(case, rng):
     """The TPU kernel at the gates' extremes, chunks of 32: ``"clamp"`` — β = η‖x‖² in (1.99, 1.999) per column
     with nearly parallel keys and, per column, γ at the clamp (1e-6) on an independent third of the steps, γ = 1
@@ -1518,8 +1518,8 @@ def test_per_column_gains_served_on_a_tpu_backend(monkeypatch):
 
 @pytest.mark.parametrize("variant,options", [
     ("2", {"segments": True}), ("2A", {"segments": True}),
-    ("2", {"timing": "rbw", "alignment": "same_step", "clamp": True}),
-    ("2A", {"timing": "rbw", "alignment": "same_step", "clamp": True}),
+    pytest.param("2", {"timing": "rbw", "alignment": "same_step", "clamp": True}, marks=pytest.mark.slow),
+    pytest.param("2A", {"timing": "rbw", "alignment": "same_step", "clamp": True}, marks=pytest.mark.slow),
 ])
 def test_falcon2_on_the_tpu_kernel_equals_xla_chunk_form(variant, options, rng, monkeypatch):
     """``falcon(variant="2" / "2A", impl="pallas")`` with per-column gains through the TPU kernel (what a TPU
