@@ -1,7 +1,7 @@
 """The delta rule's triangular inverse (``pallas_gpu.tri_inverse_pass``) on the GPU, in each of its variants.
 
 1. Values: every chunk's ``T = (I + A)⁻¹`` against float64 inverses of the same rounded inputs, for each variant
-   (``VARIANTS``: the elimination inside the 16-row diagonal blocks and the number of warps).  Cases: the keys read
+   (``VARIANTS``: the elimination inside the 16-row diagonal blocks, one warp).  Cases: the keys read
    one row back in place (Falcon-1's call) or head-major without the shift, segment starts inside chunks, extreme
    gates (β = 1.999 on nearly parallel keys, decays at the clamp: T's entries reach ~1e6), d = 64 and 128, bf16
    and fp32 inputs.  PASS: every element finite, and each variant's error within 2x the row elimination's (the
@@ -48,18 +48,20 @@ def make_case(rng, B, L, H, d, *, dtype, segments: bool, extreme: bool):
     return jnp.asarray(k, dtype), x, jnp.asarray(beta / norm, jnp.float32), g, gp, rl
 
 
-def reference(x, eta, g, gp, rl):
+def reference(x, eta, g, gp, rl, chunk=C, group=1):
     """float64 ``[B·H, L, C]``: row cC + s holds row s of chunk c's ``(I + A)⁻¹``,
-    ``A[s, j] = η_s (x_s·x_j) e^{g⁻_s − g_j}`` for j < s in the same segment."""
+    ``A[s, j] = η_s (x_s·x_j) e^{g⁻_s − g_j}`` for j in an earlier group of ``group`` rows than s (group 1:
+    j < s) in the same segment.  (The CPU tests check the kernel in interpret mode against it too.)"""
     BH, L, _ = x.shape
-    n = L // C
-    f64 = lambda a: np.asarray(a, np.float64).reshape(BH, n, C)  # noqa: E731
+    n = L // chunk
+    f64 = lambda a: np.asarray(a, np.float64).reshape(BH, n, chunk)  # noqa: E731
     eta, g, gp, rl = f64(eta), f64(g), f64(gp), f64(rl)
-    xc = x.reshape(BH, n, C, -1)
-    keep = np.tril(np.ones((C, C), bool), -1) & (rl[..., :, None] == rl[..., None, :])
+    xc = np.asarray(x, np.float64).reshape(BH, n, chunk, -1)
+    step = np.arange(chunk) // group
+    keep = (step[:, None] > step[None, :]) & (rl[..., :, None] == rl[..., None, :])
     expo = np.where(keep, gp[..., :, None] - g[..., None, :], -np.inf)
     A = eta[..., :, None] * np.einsum("bnsk,bnjk->bnsj", xc, xc) * np.exp(expo)
-    return np.linalg.inv(np.eye(C) + A).reshape(BH, L, C)
+    return np.linalg.inv(np.eye(chunk) + A).reshape(BH, L, chunk)
 
 
 def pass_call(variant, *, heads, key_shift, t_dtype):

@@ -492,6 +492,7 @@ def test_triangular_inverse_matches_float64(elimination, group, extreme, rng):
     of ``group`` rows) of the same segment; both eliminations of the diagonal blocks; segment starts inside
     chunks; poisoned outputs.  ``extreme``: nearly parallel keys with
     η‖x‖² = 1.999 and a third of the decays at the clamp (T's entries reach ~1e5)."""
+    from benchmarks.gpu_check_tri_inverse import reference as reference_inverses
     from pallas_kernels.decayed_delta_rule import pallas_gpu
     from pallas_kernels.decayed_delta_rule.api import _gates
 
@@ -508,13 +509,7 @@ def test_triangular_inverse_matches_float64(elimination, group, extreme, rng):
     with poisoned_outputs():
         tinv = pallas_gpu.tri_inverse_pass(jnp.asarray(x, jnp.float32), jnp.asarray(eta, jnp.float32), g, gp, rl,
                                            chunk=C, interpret=True, group=group, elimination=elimination)
-    g, gp, rl = (np.asarray(a, np.float64).reshape(BH, T // C, C) for a in (g, gp, rl))
-    xc = x.reshape(BH, T // C, C, d)
-    s = np.arange(C) // group
-    keep = (s[:, None] > s[None, :]) & (rl[..., :, None] == rl[..., None, :])
-    A = (eta.reshape(BH, T // C, C)[..., :, None] * np.einsum("bnsk,bnjk->bnsj", xc, xc)
-         * np.exp(np.where(keep, gp[..., :, None] - g[..., None, :], -np.inf)))
-    want = np.linalg.inv(np.eye(C) + A).reshape(BH, T, C)
+    want = reference_inverses(x, eta, g, gp, rl, chunk=C, group=group)
     assert not extreme or np.max(np.abs(want)) > 1e3  # the case is as hard as it says
     assert rel_err(tinv, want) < 1e-5
 
