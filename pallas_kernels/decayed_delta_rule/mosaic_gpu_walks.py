@@ -1,0 +1,347 @@
+"""The chunk walks of ``decayed_delta_rule`` as Pallas Mosaic GPU kernels on thread-block clusters (Hopper).
+
+Why clusters.  A walk carries one head's ``[dk, dv]`` state through every chunk in turn, so the only parallelism
+inside a head is over value columns: the Triton walks (``pallas_gpu.forward_pass``) give each of a head's value
+blocks its own program, and each of those programs reads the chunk's whole ``[C, dk]`` keys, queries, ``[C, C]``
+inverse and scores every step.  With 16 batch·heads at 1×32768 (8 blocks of 16 columns, 128 programs) that is
+≈ 3.5 GB per walk through L2, which bounds the long walks (docs/kernels.md, thirteenth run).  Here a head's value
+blocks are the CTAs of one cluster: the tiles every block needs are loaded once per cluster by TMA multicast
+(each CTA loads a share, every CTA receives the whole tile), and only the block's own ``[C, block_v]`` values,
+gates and outputs are its own.
+
+One CTA = one warpgroup computing + one issuing the loads (``plgpu.emit_pipeline_warp_specialized``, ``stages``
+chunks in flight; a slot is refilled only when every CTA of the cluster has consumed it).  Per chunk, with the
+state ``S`` ``[dk, block_v]`` in fp32 registers (rows ``t`` of the chunk; ``c``, ``c⁻``, ``w``, ``a`` the gates of
+``pallas_gpu._gates``, formed here in XLA)::
+
+    R = η ⊙ Y − (η c⁻) ⊙ X S           wgmma X · S            (S rounded to the inputs' dtype, as the Triton walk)
+    P = T R                            wgmma T · R            (R rounded likewise; T stored in the inputs' dtype)
+    o = (QXᵀ ⊙ D) P + c ⊙ Q S          wgmma scores · P, Q · S   (write_o; the scores from masked_scores_pass)
+    S ← a S + Xᵀ (w ⊙ P)              wgmma Xᵀ · (w ⊙ P)
+
+Every product is a 16-bit wgmma with fp32 accumulation, rounding the same operands the Triton walk rounds with
+``walk_operands`` = the inputs' dtype.  All the SMEM tiles of a wgmma share one swizzle, so every tile here is
+tiled ``(8, block_v)`` with a ``2·block_v``-byte swizzle (the narrow ``[·, block_v]`` operands set it).
+
+The keys must already be the write features (``x``): the keys read one row back in place (``key_shift``) would
+need a TMA copy starting one row before a chunk, which Mosaic's tiled copies refuse; the op shifts a copy instead.
+
+Checked on the GPU only (``benchmarks/gpu_check_mosaic_walks.py``); CI cross-lowers it for CUDA and checks what
+it refuses (``tests/test_mosaic_gpu_walks.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+from pallas_kernels.common import chunk_state_dtype, token_dims
+from pallas_kernels.decayed_delta_rule.mosaic_gpu import CHUNK, _load
+from pallas_kernels.decayed_delta_rule.pallas_gpu import _gates
+
+F32 = jnp.float32
+CLUSTER = "cluster"
+MAX_CLUSTER = 8  # the portable thread-block cluster size
+SMEM_BYTES = 232448  # a Hopper CTA's shared memory
+BLOCK_WIDTHS = (16, 32, 64)  # value columns per CTA: the tiles' swizzle is 2·width bytes (32, 64, 128)
+
+
+def walk_unsupported_reason(x, y, chunk: int, *, block_v: int, key_shift: bool = False, pieces: int = 1,
+                            walk_operands=None, t_dtype=None, scores_dtype=None) -> str | None:
+    """Why :func:`forward_walk` cannot take this call (None: it can)."""
+    if plgpu is None:
+        return "this jax has no Pallas Mosaic GPU"
+    if chunk != CHUNK:
+        return f"chunk_size={chunk}: the Mosaic GPU walks take chunk_size={CHUNK}"
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {dtype.name}: bf16 or fp16 only (wgmma would round fp32 to TF32)"
+    if walk_operands is None or jnp.dtype(walk_operands) != dtype:
+        return "the walk's operands in fp32 (KernelConfig(walk_operands='fp32')): the products would differ"
+    for name, dt in (("T", t_dtype), ("the scores", scores_dtype)):
+        if dt is not None and jnp.dtype(dt) != dtype:
+            return f"{name} stored in {jnp.dtype(dt).name}: the wgmma takes it in the inputs' dtype"
+    dk, dv = x.shape[-1], y.shape[-1]
+    if dk not in (64, 128):
+        return f"dk={dk}: the Mosaic GPU walks take 64 or 128"
+    if block_v not in BLOCK_WIDTHS:
+        return f"block_v={block_v}: the Mosaic GPU walks take {' or '.join(map(str, BLOCK_WIDTHS))} value columns"
+    if dv % block_v or dv // block_v > MAX_CLUSTER:
+        return (f"dv={dv} in blocks of {block_v}: a head's blocks form one cluster, at most {MAX_CLUSTER} CTAs "
+                f"(block_v must divide dv, dv / block_v <= {MAX_CLUSTER})")
+    if key_shift:
+        return "keys read one row back in place (a TMA tile starts on a multiple of 8 rows): pass the shifted keys"
+    if pieces != 1:
+        return f"pieces={pieces}: the Mosaic GPU walks walk whole sequences"
+    return None
+
+
+def _tile(dtype, width):
+    """Transforms of an SMEM tile that a wgmma with ``width``-column narrow operands reads: ``(8, width)`` tiles,
+    swizzled by ``width`` elements' bytes (one swizzle for both operands of a wgmma)."""
+    swizzle = width * jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(swizzle))
+
+
+def _products(*pairs):
+    """``[a @ b for a, b, shape in pairs]`` (fp32) issued together, one wait for all (see ``common.mosaic_mma``)."""
+    def scoped(*accs):
+        for acc, (a, b, _) in zip(accs, pairs):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    out = pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for _, _, shape in pairs))
+    return lax.optimization_barrier(out)
+
+
+def walk_gates(eta, g, gp, rl, chunk, dk):
+    """The row gates the walks read, from the chunk-local ``g``, ``gp``, run index ``rl`` ``[BH, L]``: ``η``,
+    ``η c⁻`` (the residual's S-term), ``w`` (a write's decay to the chunk end), ``c`` (S_0's decay to a read),
+    each ``[BH, L]``, and ``a`` (the state's decay over the chunk) repeated over the ``dk`` state rows,
+    ``[BH, L/C · dk]``."""
+    BH, L = eta.shape
+    n = L // chunk
+    eta3, g3, gp3, rl3 = (v.reshape(BH, n, chunk) for v in (eta, g, gp, rl))
+    cont, cont_p, w, a = _gates(eta3, g3, gp3, rl3, g3[..., -1:], rl3[..., -1:])
+    rows = [v.reshape(BH, L).astype(F32) for v in (eta3, eta3 * cont_p, w, cont)]
+    return (*rows, jnp.broadcast_to(a, (BH, n, dk)).reshape(BH, n * dk).astype(F32))
+
+
+def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores=None, write_o=True,
+                 write_p=False, write_h=False, block_v=16, stages=3, walk_operands=None, p_dtype=None,
+                 key_shift=False, pieces=1, form="smem", **triton_kw):
+    """Drop-in for :func:`pallas_gpu.forward_pass` (one piece, keys already shifted): walks every batch·head's
+    chunks with one cluster of ``dv / block_v`` CTAs.
+
+    q, x ``[B·H, L, dk]`` or, with ``heads=H``, ``[B, L, H, dk]`` (read in place); y likewise with dv; eta, g,
+    gp, rl ``[B·H, L]`` (chunk-local g, gp, run index); tinv ``[B·H, L, C]`` in the inputs' dtype; s0
+    ``[B·H, 1, dk, dv]`` fp32; ``scores`` ``[B·H, L, C]`` (the masked scores, ``masked_scores_pass``, in the
+    inputs' dtype) with ``write_o``.  Returns, as ``forward_pass`` does, ``(o like y if write_o, P like y in
+    p_dtype (default walk_operands) if write_p, h [B·H, L/C, dk, dv] in the chunk-state dtype if write_h,
+    s_end [B·H, 1, dk, dv] fp32)``.  Refuses (NotImplementedError) what :func:`walk_unsupported_reason` names.
+
+    ``form``: ``"smem"`` (the state and each product's narrow operand go through SMEM as wgmma's B operand) or
+    ``"registers"`` (value-major: the walk carries ``Sᵀ`` ``[block_v, dk]`` and every product takes its left
+    operand from registers, ``Sᵀ Xᵀ``, ``Rᵀ Tᵀ``, ``(w ⊙ P)ᵀ X``, so no step stores to SMEM before a product;
+    block_v = 64, the smallest M of a wgmma)."""
+    del triton_kw  # warps, stages and interpret of the Triton walk
+    if write_o and scores is None:
+        raise NotImplementedError("mosaic_gpu forward_walk: write_o reads the masked scores (pass scores=)")
+    reason = walk_unsupported_reason(x, y, chunk, block_v=block_v, key_shift=key_shift, pieces=pieces,
+                                     walk_operands=walk_operands, t_dtype=tinv.dtype,
+                                     scores_dtype=None if scores is None else scores.dtype)
+    if reason is None and form == "registers" and block_v != 64:
+        reason = f"form='registers' with block_v={block_v}: a wgmma's left operand has 64 rows (block_v=64)"
+    if reason is not None:
+        raise NotImplementedError(f"mosaic_gpu forward_walk: {reason}")
+    if form not in ("smem", "registers"):
+        raise ValueError(f"forward_walk: form must be 'smem' or 'registers', got {form!r}")
+    value_major = form == "registers"
+    BH, L, dk = token_dims(x, heads)
+    dv = y.shape[-1]
+    H = heads or 1
+    B = BH // H
+    C, N = CHUNK, block_v
+    n_blocks, n = dv // N, L // C
+    dtype = x.dtype
+    p_dtype = jnp.dtype(p_dtype or walk_operands)
+    h_dtype = chunk_state_dtype(dtype)
+    WGMMA, WGMMA_T = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_TRANSPOSED
+    ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
+    tile = _tile(dtype, N)
+    gate_rows = walk_gates(eta, g, gp, rl, C, dk)
+    if not write_o:
+        gate_rows = gate_rows[:3] + gate_rows[4:]  # c is read by the outputs only
+
+    # as many chunks in flight as fit the SMEM (at most ``stages``): each holds its input tiles and output slots
+    item = jnp.dtype(dtype).itemsize
+    per_step = (C * dk * item + C * C * item) * (2 if write_o else 1) + C * N * item + (len(gate_rows) - 1) * C * 4
+    per_step += dk * 4 + C * N * item * write_o + C * N * p_dtype.itemsize * write_p + dk * N * item * write_h
+    fixed = N * dk * 4 + (0 if value_major else dk * N * item + 3 * C * N * item) + 4096  # scratch, barriers, slack
+    depth = max(1, min(stages, (SMEM_BYTES - fixed) // per_step))
+
+    def shared(shape, index_map):  # the same tile for every block of the head: one multicast load per cluster
+        return plgpu.BlockSpec(shape, index_map, transforms=tile, collective_axes=(CLUSTER,))
+
+    def body(*refs):
+        q_ref, x_ref, y_ref, t_ref, s0_ref, sc_ref, *rest = refs
+        gate_refs, rest = rest[:len(gate_rows)], rest[len(gate_rows):]
+        n_scratch = 2 if value_major else 6
+        outs, scratch_refs = rest[:-n_scratch], rest[-n_scratch:]
+        s_b, r_b, wp_b, p_b = (None,) * 4 if value_major else scratch_refs[:4]
+        st_s, bar = scratch_refs[-2:]
+        b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index(CLUSTER)
+        bh = b * H + h
+        cols = pl.ds(j * N, N)
+
+        def tokens(ref):  # one head's [L, d] rows
+            return ref.at[b, :, h, :] if heads is not None else ref.at[bh]
+
+        def own(index_map):
+            return plgpu.BlockSpec((C, N), index_map, transforms=tile)
+
+        in_specs = [shared((C, dk), lambda c: (c, 0)), shared((C, C), lambda c: (c, 0))]
+        in_refs = [tokens(x_ref), t_ref.at[bh]]
+        if write_o:
+            in_specs += [shared((C, dk), lambda c: (c, 0)), shared((C, C), lambda c: (c, 0))]
+            in_refs += [tokens(q_ref), sc_ref.at[bh]]
+        in_specs.append(own(lambda c: (c, j)))
+        in_refs.append(tokens(y_ref))
+        in_specs += [plgpu.BlockSpec((C,), lambda c: (c,))] * (len(gate_rows) - 1)
+        in_specs.append(plgpu.BlockSpec((dk,), lambda c: (c,)))
+        in_refs += [ref.at[bh] for ref in gate_refs]
+        out_specs, out_refs = [], []
+        outs = list(outs)
+        if write_o:
+            out_specs.append(own(lambda c: (c, j)))
+            out_refs.append(tokens(outs.pop(0)))
+        if write_p:
+            out_specs.append(own(lambda c: (c, j)))
+            out_refs.append(tokens(outs.pop(0)))
+        if write_h:
+            out_specs.append(plgpu.BlockSpec((dk, N), lambda c: (c, j), transforms=tile))
+            out_refs.append(outs.pop(0).at[bh])
+        (s_end_ref,) = outs
+
+        def rows_bc(v, rows=C):
+            return lax.broadcast_in_dim(v, (rows, N), [0])
+
+        def step(_, *slots):
+            *slots, S = slots
+            x_s, t_s, *slots = slots
+            if write_o:
+                q_s, sc_s, *slots = slots
+            y_s, *slots = slots
+            eta_s, ec_s, w_s, *slots = slots
+            if write_o:
+                c_s, *slots = slots
+            a_s, *slots = slots
+            o_s = slots.pop(0) if write_o else None
+            p_s = slots.pop(0) if write_p else None
+            h_s = slots.pop(0) if write_h else None
+            state = h_s if write_h else s_b  # the chunk's start state, also the products' operand
+            state[...] = S.astype(state.dtype)
+            plgpu.commit_smem()
+            if write_o:
+                xs, qs = _products((x_s, state, (C, N)), (q_s, state, (C, N)))
+            else:
+                (xs,) = _products((x_s, state, (C, N)))
+            resid = (rows_bc(_load(eta_s, ROWS)) * _load(y_s, WGMMA).astype(F32)
+                     - rows_bc(_load(ec_s, ROWS)) * xs)
+            r_b[...] = resid.astype(dtype)
+            plgpu.commit_smem()
+            (p,) = _products((t_s, r_b, (C, N)))
+            if write_p:
+                p_s[...] = p.astype(p_s.dtype)
+            wp_b[...] = (rows_bc(_load(w_s, ROWS)) * p).astype(dtype)
+            if write_o:
+                p_b[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            if write_o:
+                upd, o = _products((x_s.T, wp_b, (dk, N)), (sc_s, p_b, (C, N)))
+                o_s[...] = (o + rows_bc(_load(c_s, ROWS)) * qs).astype(o_s.dtype)
+            else:
+                (upd,) = _products((x_s.T, wp_b, (dk, N)))
+            return rows_bc(_load(a_s, ROWS), dk) * S + upd
+
+        def cols_bc(v, rows=N):
+            return lax.broadcast_in_dim(v, (rows, v.shape[0]), [1])
+
+        def store_transposed(ref, value):  # a [rows, cols] value into a [cols, rows] tile
+            ref.T[...] = plgpu.layout_cast(value.astype(ref.dtype), WGMMA_T)
+
+        def step_value_major(_, *slots):
+            """The step on ``Sᵀ`` ``[N, dk]``: every product's left operand from registers (WGMMA layout)."""
+            *slots, St = slots
+            x_s, t_s, *slots = slots
+            if write_o:
+                q_s, sc_s, *slots = slots
+            y_s, eta_s, ec_s, w_s, *slots = slots
+            if write_o:
+                c_s, *slots = slots
+            a_s, *slots = slots
+            o_s = slots.pop(0) if write_o else None
+            p_s = slots.pop(0) if write_p else None
+            h_s = slots.pop(0) if write_h else None
+            st = St.astype(dtype)
+            if write_o:
+                xs, qs = _products((st, x_s.T, (N, C)), (st, q_s.T, (N, C)))
+            else:
+                (xs,) = _products((st, x_s.T, (N, C)))
+            if write_h:
+                store_transposed(h_s, st)
+            y_t = plgpu.layout_cast(_load(y_s.T, WGMMA_T), WGMMA).astype(F32)
+            resid = cols_bc(_load(eta_s, COLS)) * y_t - cols_bc(_load(ec_s, COLS)) * xs
+            (p,) = _products((resid.astype(dtype), t_s.T, (N, C)))
+            if write_p:
+                store_transposed(p_s, p)
+            wp = (cols_bc(_load(w_s, COLS)) * p).astype(dtype)
+            if write_o:
+                upd, o = _products((wp, x_s, (N, dk)), (p.astype(dtype), sc_s.T, (N, C)))
+                store_transposed(o_s, o + cols_bc(_load(c_s, COLS)) * qs)
+            else:
+                (upd,) = _products((wp, x_s, (N, dk)))
+            return cols_bc(_load(a_s, COLS)) * St + upd
+
+        def compute(pipeline):
+            if value_major:  # s0 and s_end come and go as Sᵀ ([B·H, dv, dk], transposed in XLA)
+                plgpu.copy_gmem_to_smem(s0_ref.at[bh, cols], st_s, bar)
+                plgpu.barrier_wait(bar)
+                s_end = pipeline(_load(st_s, WGMMA))
+                st_s[...] = s_end
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(st_s, s_end_ref.at[bh, cols])
+                plgpu.wait_smem_to_gmem(0)
+                return
+            plgpu.copy_gmem_to_smem(s0_ref.at[bh, 0, :, cols], st_s, bar)
+            plgpu.barrier_wait(bar)
+            s_end = pipeline(_load(st_s, WGMMA))
+            st_s[...] = s_end
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_s, s_end_ref.at[bh, 0, :, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step_value_major if value_major else step, grid=(n,), memory_registers=40, in_specs=in_specs, out_specs=out_specs,
+            max_concurrent_steps=min(depth, n), wg_axis="wg", num_compute_wgs=1, compute_context=compute)
+        pipeline(*in_refs, *out_refs)
+
+    out_type = []
+    if write_o:
+        out_type.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    if write_p:
+        out_type.append(jax.ShapeDtypeStruct(y.shape, p_dtype))
+    if write_h:
+        out_type.append(jax.ShapeDtypeStruct((BH, n * dk, dv), h_dtype))
+    out_type.append(jax.ShapeDtypeStruct((BH, dv, dk) if value_major else (BH, 1, dk, dv), F32))
+    narrow = plgpu.SMEM((C, N), dtype, transforms=tile)
+    # the fp32 state in and out: tiled as wide as a 128-byte swizzle allows (an untiled [dk, 32] fp32 load found no
+    # bank-conflict-free transfer plan)
+    state_tile = _tile(F32, min(N, 32))
+    if value_major:  # only the fp32 state in and out
+        scratch = [plgpu.SMEM((N, dk), F32, transforms=_tile(F32, 32))]
+    else:
+        scratch = [plgpu.SMEM((dk, N), dtype, transforms=tile), narrow, narrow, narrow,
+                   plgpu.SMEM((dk, N), F32, transforms=state_tile)]
+    scratch.append(plgpu.Barrier(num_arrivals=1))
+    kernel = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H), grid_names=("b", "h"),
+                          cluster=(n_blocks,), cluster_names=(CLUSTER,), num_threads=2, thread_name="wg",
+                          compiler_params=plgpu.CompilerParams(approx_math=True),
+                          kernel_name="falcon_delta_walk_mgpu")
+    sc = scores if scores is not None else tinv  # a placeholder operand when the outputs are not written
+    s0 = s0.astype(F32)
+    if value_major:
+        s0 = jnp.swapaxes(s0[:, 0], 1, 2)
+    outs = list(kernel(q, x, y, tinv, s0, sc, *gate_rows))
+    if value_major:
+        outs[-1] = jnp.swapaxes(outs[-1], 1, 2)[:, None]
+    if write_h:  # [B·H, n·dk, dv] -> [B·H, n, dk, dv]
+        outs[-2] = outs[-2].reshape(BH, n, dk, dv)
+    return tuple(outs)

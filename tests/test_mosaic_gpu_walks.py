@@ -1,0 +1,161 @@
+"""The Mosaic GPU cluster walks of ``decayed_delta_rule`` (``mosaic_gpu_walks.forward_walk``), without a GPU.
+
+Their values are checked on the H200 only (``benchmarks/gpu_check_mosaic_walks.py``: o, P, h and the end state
+against a float64 walk of the same rounded inputs, next to the Triton walk, which the interpret-mode tests
+cover).  Here: what they refuse, and that both forms of the step cross-lower for CUDA with the Triton walk's
+output shapes and dtypes, for every output set, both token layouts, d 64 and 128 and each value-block width.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decayed_delta_rule import mosaic_gpu_walks, pallas_gpu
+from tests.helpers import mosaic_lowering_available
+
+needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
+                                    reason="this jax cannot lower Mosaic GPU kernels for CUDA on CPU")
+BF = jnp.bfloat16
+S = jax.ShapeDtypeStruct
+C = 64
+
+
+def _walk_args(B, L, H, dk, dv, dtype=BF, t_dtype=None, in_place=True):
+    """Zero q, x, y, η, g, g⁻, rl, T, s0, scores (``[B, L, H, d]`` tokens, or head-major)."""
+    shape = (lambda d: (B, L, H, d)) if in_place else (lambda d: (B * H, L, d))
+    q, x = jnp.zeros(shape(dk), dtype), jnp.zeros(shape(dk), dtype)
+    y = jnp.zeros(shape(dv), dtype)
+    rows = jnp.zeros((B * H, L), jnp.float32)
+    tinv = jnp.zeros((B * H, L, C), t_dtype or dtype)
+    s0 = jnp.zeros((B * H, 1, dk, dv), jnp.float32)
+    return q, x, y, rows, rows, rows, jnp.zeros((B * H, L), jnp.int32), tinv, s0, tinv
+
+
+WALK_KW = dict(chunk=C, heads=2, block_v=32, walk_operands=BF, write_o=True, write_p=False, write_h=False)
+
+
+def _call(args, **change):
+    kw = dict(WALK_KW, **change)
+    *pos, scores = args
+    return mosaic_gpu_walks.forward_walk(*pos, scores=scores, **kw)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(chunk=32), "chunk_size=32"),
+    (dict(walk_operands=None), "walk's operands in fp32"),
+    (dict(walk_operands=jnp.float32), "walk's operands in fp32"),
+    (dict(key_shift=True), "pass the shifted keys"),
+    (dict(pieces=2), "pieces=2"),
+    (dict(block_v=8), "block_v=8"),
+    (dict(block_v=128), "block_v=128"),
+    (dict(form="registers"), "form='registers' with block_v=32"),
+])
+def test_walk_refuses_calls_it_does_not_serve(change, match):
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        _call(_walk_args(1, 128, 2, 64, 64), **change)
+
+
+@pytest.mark.parametrize("dk,dv,dtype,t_dtype,block_v,match", [
+    (64, 64, jnp.float32, None, 32, "bf16 or fp16 only"),
+    (32, 64, BF, None, 32, "dk=32"),
+    (256, 64, BF, None, 32, "dk=256"),
+    (64, 64, BF, jnp.float32, 32, "T stored in float32"),
+    (64, 48, BF, None, 32, "block_v must divide dv"),
+    (64, 256, BF, None, 16, "at most 8 CTAs"),  # 16 blocks of 16 columns: past the portable cluster
+])
+def test_walk_refuses_dtypes_and_widths(dk, dv, dtype, t_dtype, block_v, match):
+    args = _walk_args(1, 128, 2, dk, dv, dtype=dtype, t_dtype=t_dtype)
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        _call(args, block_v=block_v, walk_operands=dtype)
+
+
+def test_walk_needs_the_scores_for_outputs_and_a_known_form():
+    *pos, _ = _walk_args(1, 128, 2, 64, 64)
+    with pytest.raises(NotImplementedError, match="write_o reads the masked scores"):
+        mosaic_gpu_walks.forward_walk(*pos, scores=None, **WALK_KW)
+    with pytest.raises(ValueError, match="form must be 'smem' or 'registers'"):
+        _call(_walk_args(1, 128, 2, 64, 64), form="shared")
+
+
+def test_walk_gates_match_the_triton_walks_gates():
+    """The gate rows formed in XLA are ``pallas_gpu._gates`` of the chunk-local g, g⁻ and run index, laid out
+    per token (η, η c⁻, w, c) and per state row (a, repeated over dk)."""
+    rng = np.random.default_rng()
+    BH, n, dk = 3, 2, 8
+    L = n * C
+    lg = -rng.uniform(0.0, 0.3, size=(BH, n, C))
+    g = np.cumsum(lg, axis=-1)
+    gp = g - lg
+    run = np.cumsum(rng.random((BH, n, C)) < 0.05, axis=-1)
+    rl = run - run[..., :1]
+    eta = rng.uniform(0.1, 2.0, size=(BH, L))
+    f32 = lambda a: jnp.asarray(np.reshape(a, (BH, L)), jnp.float32)  # noqa: E731
+    eta_r, ec, w, c, a = mosaic_gpu_walks.walk_gates(f32(eta), f32(g), f32(gp), jnp.asarray(rl.reshape(BH, L)),
+                                                     C, dk)
+    # the definitions, in float64
+    first = rl == 0
+    last_run = rl == rl[..., -1:]
+    want_c = np.where(first, np.exp(g), 0.0)
+    want_ec = eta.reshape(BH, n, C) * np.where(first, np.exp(gp), 0.0)
+    want_w = np.where(last_run, np.exp(g[..., -1:] - g), 0.0)
+    want_a = np.where(rl[..., -1] == 0, np.exp(g[..., -1]), 0.0)
+    np.testing.assert_allclose(np.asarray(eta_r), eta.reshape(BH, L), rtol=1e-6)
+    for got, want in ((ec, want_ec), (w, want_w), (c, want_c)):
+        np.testing.assert_allclose(np.asarray(got).reshape(BH, n, C), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a).reshape(BH, n, dk), np.repeat(want_a[..., None], dk, -1),
+                               rtol=1e-5, atol=1e-7)
+    assert np.any(want_w == 0.0) and np.any(want_c == 0.0)  # the draw has segment starts inside chunks
+
+
+def _result_types(text):
+    """``[(shape, dtype), ...]`` of the lowered Mosaic GPU custom call's results."""
+    (line,) = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    results = line.rsplit("->", 1)[1]
+    return [(tuple(int(n) for n in m.group(1).split("x")), m.group(2))
+            for m in re.finditer(r"tensor<([\dx]+)x(bf16|f16|f32)>", results)]
+
+
+def _lowered(fn, args):
+    return jax.jit(fn).trace(*(S(a.shape, a.dtype) for a in args)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_lowering
+@pytest.mark.parametrize("form,block_v", [("smem", 16), ("smem", 32), ("smem", 64), ("registers", 64)])
+@pytest.mark.parametrize("B,L,H,dk,dv,in_place", [
+    (2, 256, 4, 128, 128, True),  # Falcon-1's call: [B, T, H, d] read in place
+    (1, 64, 2, 64, 64, True),  # one chunk, d64
+    (3, 320, 1, 128, 128, False),  # head-major, odd number of chunks
+])
+@pytest.mark.parametrize("walk", ["output", "recompute"])
+def test_walk_lowers_with_the_triton_walks_outputs(form, block_v, B, L, H, dk, dv, in_place, walk):
+    """Both walks the op runs (the forward's o + end state; the backward's P + chunk states + end state), each
+    form and width: the lowered kernel's results are the Triton walk's, in shape and dtype (the end state of
+    the register form comes back transposed in XLA)."""
+    args = _walk_args(B, L, H, dk, dv, in_place=in_place)
+    outputs = walk == "output"
+    kw = dict(WALK_KW, heads=H if in_place else None, block_v=block_v, write_o=outputs, write_p=not outputs,
+              write_h=not outputs)
+
+    def mosaic(*a):
+        *pos, scores = a
+        return mosaic_gpu_walks.forward_walk(*pos, scores=scores if outputs else None, form=form, **kw)
+
+    def triton(*a):
+        *pos, scores = a
+        return pallas_gpu.forward_pass(*pos, scores=scores if outputs else None, pieces=1, interpret=False, **kw)
+
+    text = _lowered(mosaic, args)
+    assert "falcon_delta_walk_mgpu" in text
+    got = jax.eval_shape(mosaic, *args)
+    want = jax.eval_shape(triton, *args)
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    n = L // C
+    y_shape = args[2].shape
+    kernel_results = [(y_shape, "bf16")] if outputs else [(y_shape, "bf16"), ((B * H, n * dk, dv), "bf16")]
+    s_end = (B * H, dv, dk) if form == "registers" else (B * H, 1, dk, dv)
+    assert _result_types(text) == kernel_results + [(s_end, "f32")]
