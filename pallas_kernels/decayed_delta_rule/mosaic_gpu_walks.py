@@ -14,7 +14,7 @@ chunks in flight; a slot is refilled only when every CTA of the cluster has cons
 state ``S`` ``[dk, block_v]`` in fp32 registers (rows ``t`` of the chunk; ``c``, ``c⁻``, ``w``, ``a`` the gates of
 ``pallas_gpu._gates``, formed here in XLA)::
 
-    R = η ⊙ Y − (η c⁻) ⊙ X S           wgmma X · S            (S rounded to the inputs' dtype, as the Triton walk)
+    R = η ⊙ Y − (η c⁻) ⊙ X S           wgmma X · S       (S rounded to the inputs' dtype, as the Triton walk)
     P = T R                            wgmma T · R            (R rounded likewise; T stored in the inputs' dtype)
     o = (QXᵀ ⊙ D) P + c ⊙ Q S          wgmma scores · P, Q · S   (write_o; the scores from masked_scores_pass)
     S ← a S + Xᵀ (w ⊙ P)              wgmma Xᵀ · (w ⊙ P)
@@ -129,8 +129,8 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
 
     ``form``: ``"smem"`` (the state and each product's narrow operand go through SMEM as wgmma's B operand) or
     ``"registers"`` (value-major: the walk carries ``Sᵀ`` ``[block_v, dk]`` and every product takes its left
-    operand from registers, ``Sᵀ Xᵀ``, ``Rᵀ Tᵀ``, ``(w ⊙ P)ᵀ X``, so no step stores to SMEM before a product;
-    block_v = 64, the smallest M of a wgmma)."""
+    operand from registers, ``Sᵀ Xᵀ``, ``Rᵀ Tᵀ``, ``(w ⊙ P)ᵀ X``, so no step stores to SMEM before a
+    product; block_v = 64, the smallest M of a wgmma)."""
     del triton_kw  # warps, stages and interpret of the Triton walk
     if write_o and scores is None:
         raise NotImplementedError("mosaic_gpu forward_walk: write_o reads the masked scores (pass scores=)")
@@ -309,7 +309,8 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
             plgpu.wait_smem_to_gmem(0)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            step_value_major if value_major else step, grid=(n,), memory_registers=40, in_specs=in_specs, out_specs=out_specs,
+            step_value_major if value_major else step, grid=(n,), memory_registers=40, in_specs=in_specs,
+            out_specs=out_specs,
             max_concurrent_steps=min(depth, n), wg_axis="wg", num_compute_wgs=1, compute_context=compute)
         pipeline(*in_refs, *out_refs)
 
