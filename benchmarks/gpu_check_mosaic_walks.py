@@ -31,10 +31,14 @@ C = 64
 BF = jnp.bfloat16
 
 
-def make_case(rng, B, L, H, dk, dv, *, segments: bool, s0_scale: float = 1.0):
+def make_case(rng, B, L, H, dk, dv, *, segments: bool, s0_scale: float = 1.0, first_row_zero: bool = False,
+              interpret: bool = False):
     """Rounded bf16 q, write features x, y in ``[B, L, H, d]``; η, chunk-local g, g⁻ and run index ``[B·H, L]``;
-    the fp32 initial state ``[B·H, 1, dk, dv]``; and T and the masked scores as the Triton passes form them."""
+    the fp32 initial state ``[B·H, 1, dk, dv]``; and T and the masked scores as the Triton passes form them.
+    ``first_row_zero``: x's row 0 is zero (the write features of keys read one row back, :func:`as_keys`)."""
     q, x = (jnp.asarray(rng.normal(size=(B, L, H, dk)) / np.sqrt(dk), BF) for _ in range(2))
+    if first_row_zero:
+        x = x.at[:, 0].set(0)
     y = jnp.asarray(rng.normal(size=(B, L, H, dv)), BF)
     norms = np.swapaxes(np.asarray(jnp.asarray(x, jnp.float32), np.float64) ** 2, 1, 2).sum(-1).reshape(B * H, L)
     eta = rng.uniform(0.2, 1.9, size=(B * H, L)) / (norms + 0.05)
@@ -47,9 +51,9 @@ def make_case(rng, B, L, H, dk, dv, *, segments: bool, s0_scale: float = 1.0):
     s0 = jnp.asarray(s0_scale * rng.normal(size=(B * H, 1, dk, dv)) / np.sqrt(dk), jnp.float32)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     eta, g, gp, rl = f32(eta), f32(g.reshape(B * H, L)), f32(gp), jnp.asarray(rl, jnp.int32)
-    tinv = pallas_gpu.tri_inverse_pass(x, eta, g, gp, rl, chunk=C, interpret=False, heads=H, t_dtype=BF,
+    tinv = pallas_gpu.tri_inverse_pass(x, eta, g, gp, rl, chunk=C, interpret=interpret, heads=H, t_dtype=BF,
                                        num_warps=1)
-    scores = pallas_gpu.masked_scores_pass(q, x, g, rl, chunk=C, interpret=False, heads=H, dtype=BF)
+    scores = pallas_gpu.masked_scores_pass(q, x, g, rl, chunk=C, interpret=interpret, heads=H, dtype=BF)
     return q, x, y, eta, g, gp, rl, tinv, s0, scores
 
 
@@ -80,11 +84,17 @@ def reference(q, x, y, eta, g, gp, rl, tinv, s0, scores):
     return o, P, h, S
 
 
-def walk_call(impl, *, heads, outputs, block_v, stages, n_heads, form="smem"):
+def as_keys(x):
+    """The keys whose rows read one row back are the write features x (x's row 0 zero): ``k[t] = x[t + 1]``."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def walk_call(impl, *, heads, outputs, block_v, stages, n_heads, form="smem", key_shift=False):
     """The jitted walk (``"mosaic"`` or ``"triton"``) on (q, x, y, η, g, g⁻, rl, T, s0, scores): the output walk
-    (``outputs``: o, end state) or the recompute walk (P, h, end state)."""
+    (``outputs``: o, end state) or the recompute walk (P, h, end state); ``key_shift``: x holds the keys, read
+    one row back."""
     kw = dict(chunk=C, heads=heads, block_v=block_v, walk_operands=BF, write_o=outputs, write_p=not outputs,
-              write_h=not outputs)
+              write_h=not outputs, key_shift=key_shift)
     if impl == "mosaic":
         fn, kw = mosaic_gpu_walks.forward_walk, dict(kw, stages=stages, form=form)
     else:
@@ -110,6 +120,8 @@ def check_values(rng, results) -> bool:
     """Every case of each form until one fails (that form is then not timed); True when all pass."""
     ok, failed_forms = True, set()
     cases = [dict(B=2, L=512, H=4, dk=128, dv=128, block_v=64, segments=True, in_place=True, form="registers"),
+             dict(B=2, L=256, H=4, dk=128, dv=128, block_v=64, segments=True, in_place=True, form="registers",
+                  key_shift=True),  # Falcon-1's call: the keys one row back, read in place (Mosaic: shifted copy)
              dict(B=1, L=64, H=2, dk=128, dv=128, block_v=64, segments=True, in_place=True, form="registers"),
              dict(B=1, L=384, H=2, dk=64, dv=64, block_v=64, segments=False, in_place=True, form="registers"),
              dict(B=3, L=320, H=1, dk=128, dv=128, block_v=64, segments=True, in_place=False, form="registers"),
@@ -123,9 +135,12 @@ def check_values(rng, results) -> bool:
              dict(B=1, L=4096, H=2, dk=128, dv=128, block_v=16, segments=False, in_place=True)]
     for case in cases:
         B, L, H = case["B"], case["L"], case["H"]
-        inputs = make_case(rng, B, L, H, case["dk"], case["dv"], segments=case["segments"])
+        key_shift = case.get("key_shift", False)
+        inputs = make_case(rng, B, L, H, case["dk"], case["dv"], segments=case["segments"], first_row_zero=key_shift)
         o_ref, p_ref, h_ref, s_ref = reference(*inputs)
         q, x, y, *rest = inputs
+        if key_shift:
+            x = as_keys(x)
         if not case["in_place"]:
             q, x, y = (_head_major(a) for a in (q, x, y))
         heads = H if case["in_place"] else None
@@ -139,7 +154,7 @@ def check_values(rng, results) -> bool:
                 block_v = case["block_v"] if impl == "mosaic" else min(32, case["dv"])
                 try:
                     outs = walk_call(impl, heads=heads, outputs=outputs, block_v=block_v, stages=3, n_heads=H,
-                                     form=form)(q, x, y, *rest)
+                                     form=form, key_shift=key_shift)(q, x, y, *rest)
                     jax.block_until_ready(outs)
                 except Exception as e:  # noqa: BLE001 - report; this form is then left out of the timing
                     print(f"FAIL  {impl} did not run: {type(e).__name__}: "

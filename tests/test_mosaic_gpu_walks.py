@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decayed_delta_rule import mosaic_gpu_walks, pallas_gpu
+from pallas_kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu_walks, pallas_gpu
+from pallas_kernels.decayed_delta_rule.api import KernelConfig
 from tests.helpers import mosaic_lowering_available
 
 needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
@@ -49,7 +50,6 @@ def _call(args, **change):
     (dict(chunk=32), "chunk_size=32"),
     (dict(walk_operands=None), "walk's operands in fp32"),
     (dict(walk_operands=jnp.float32), "walk's operands in fp32"),
-    (dict(key_shift=True), "pass the shifted keys"),
     (dict(pieces=2), "pieces=2"),
     (dict(block_v=8), "block_v=8"),
     (dict(block_v=128), "block_v=128"),
@@ -132,14 +132,15 @@ def _lowered(fn, args):
     (3, 320, 1, 128, 128, False),  # head-major, odd number of chunks
 ])
 @pytest.mark.parametrize("walk", ["output", "recompute"])
-def test_walk_lowers_with_the_triton_walks_outputs(form, block_v, B, L, H, dk, dv, in_place, walk):
+@pytest.mark.parametrize("key_shift", [False, True])
+def test_walk_lowers_with_the_triton_walks_outputs(form, block_v, B, L, H, dk, dv, in_place, walk, key_shift):
     """Both walks the op runs (the forward's o + end state; the backward's P + chunk states + end state), each
     form and width: the lowered kernel's results are the Triton walk's, in shape and dtype (the end state of
     the register form comes back transposed in XLA)."""
     args = _walk_args(B, L, H, dk, dv, in_place=in_place)
     outputs = walk == "output"
     kw = dict(WALK_KW, heads=H if in_place else None, block_v=block_v, write_o=outputs, write_p=not outputs,
-              write_h=not outputs)
+              write_h=not outputs, key_shift=key_shift)
 
     def mosaic(*a):
         *pos, scores = a
@@ -159,3 +160,75 @@ def test_walk_lowers_with_the_triton_walks_outputs(form, block_v, B, L, H, dk, d
     kernel_results = [(y_shape, "bf16")] if outputs else [(y_shape, "bf16"), ((B * H, n * dk, dv), "bf16")]
     s_end = (B * H, dv, dk) if form == "registers" else (B * H, 1, dk, dv)
     assert _result_types(text) == kernel_results + [(s_end, "f32")]
+
+
+def test_walks_config_is_validated():
+    for value in ("auto", "triton", "mosaic"):
+        assert KernelConfig(walks=value).walks == value
+    with pytest.raises(ValueError, match="walks must be 'auto' or 'triton' or 'mosaic'"):
+        KernelConfig(walks="cluster")
+
+
+def _lowered_falcon1(config, dtype, grads: bool, B=2, T=256, H=2, D=128):
+    """StableHLO text of Falcon-1's kernel call in one piece (keys one row back, read in place from
+    ``[B, T, H, D]``), its forward or forward + backward, cross-lowered for CUDA with ``config``."""
+    gate = jnp.zeros((B, T, H), jnp.float32)
+    run = jnp.zeros((B, T, H), jnp.int32)
+
+    def loss(q, x, y, eta, log_gamma, s0):
+        o, s = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation="pallas_gpu", layout="BTHD",
+                                  interpret=False, config=config, shifted_keys=True, pieces=1)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    fn = jax.grad(loss, argnums=tuple(range(6))) if grads else loss
+    tokens = S((B, T, H, D), dtype)
+    return jax.jit(fn).trace(tokens, tokens, tokens, S(gate.shape, gate.dtype), S(gate.shape, gate.dtype),
+                             S((B, H, D, D), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_lowering
+@pytest.mark.parametrize("grads", [False, True])
+def test_op_takes_the_configured_walks(grads):
+    """``walks="mosaic"`` runs the Mosaic GPU walks in Falcon-1's call (the forward's output walk; under grad
+    also the backward's recompute walk) for bf16 and hands fp32 back to the Triton walks; "triton" and, off a
+    Hopper GPU, "auto" keep the Triton walks."""
+    def walks(text):
+        return (text.count('name = "falcon_delta_fwd"'), "falcon_delta_walk_mgpu" in text)
+
+    fused = dict(outputs="pallas")  # this small call would take the split forward
+    mosaic = walks(_lowered_falcon1(KernelConfig(walks="mosaic", **fused), BF, grads))
+    triton = walks(_lowered_falcon1(KernelConfig(walks="triton", **fused), BF, grads))
+    assert mosaic == (0, True) and triton[0] >= 1 + grads and not triton[1]
+    assert walks(_lowered_falcon1(KernelConfig(walks="mosaic", **fused), jnp.float32, grads)) == (triton[0], False)
+    assert walks(_lowered_falcon1(KernelConfig(walks="auto", **fused), BF, grads)) == triton  # no Hopper GPU here
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_gpu_check_reference_matches_the_triton_walk(in_place):
+    """The float64 walk that ``benchmarks/gpu_check_mosaic_walks.py`` holds the Mosaic walks to agrees with the
+    Triton walk in interpret mode (to bf16 rounding), segment starts inside chunks and keys one row back
+    included; and a wrong initial state shows."""
+    from benchmarks.common import rel_err
+    from benchmarks.gpu_check_mosaic_walks import as_keys, make_case, reference
+
+    B, L, H, d = 1, 192, 2, 32
+    inputs = make_case(np.random.default_rng(), B, L, H, d, d, segments=True, first_row_zero=True, interpret=True)
+    o_ref, p_ref, h_ref, s_ref = reference(*inputs)
+    q, x, y, *rest = inputs
+    if not in_place:
+        q, x, y = (jnp.swapaxes(a, 1, 2).reshape(B * H, L, d) for a in (q, x, y))
+    heads = H if in_place else None
+    kw = dict(chunk=C, heads=heads, block_v=16, walk_operands=BF, pieces=1, interpret=True, key_shift=True)
+    o, _ = pallas_gpu.forward_pass(q, as_keys(x), y, *rest[:-1], scores=rest[-1], write_o=True, write_h=False,
+                                   **kw)
+    p, h, s_end = pallas_gpu.forward_pass(q, as_keys(x), y, *rest[:-1], write_o=False, write_h=True,
+                                          write_p=True, **kw)
+
+    def tokens(a):
+        a = np.asarray(jnp.asarray(a, jnp.float32))
+        return np.swapaxes(a, 1, 2).reshape(B * H, L, -1) if in_place else a
+
+    errs = [rel_err(tokens(o), o_ref), rel_err(tokens(p), p_ref), rel_err(h, h_ref), rel_err(s_end[:, 0], s_ref)]
+    assert max(errs) < 2e-2, errs
+    o_wrong, _, h_wrong, _ = reference(*inputs[:8], 0 * inputs[8], inputs[9])
+    assert rel_err(h[:, 0], h_wrong[:, 0]) > 0.5 and rel_err(tokens(o), o_wrong) > 1e-2

@@ -61,8 +61,8 @@ from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_
                                    reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
                                    unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
-from pallas_kernels.decayed_delta_rule import (mosaic_gpu, pallas_gpu, pallas_gpu_columns, pallas_tpu,
-                                               pallas_tpu_columns)
+from pallas_kernels.decayed_delta_rule import (mosaic_gpu, mosaic_gpu_walks, pallas_gpu, pallas_gpu_columns,
+                                               pallas_tpu, pallas_tpu_columns)
 from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
 from pallas_kernels.decayed_delta_rule.xla import outputs as xla_outputs
 from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
@@ -75,6 +75,9 @@ IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
 FEW_OUTPUT_PROGRAMS = 264
 # the split reverse walk takes (c ⊙ Q)ᵀ dO from dstate_prepare from this many programs on (KernelConfig.dstate_q)
 MANY_WALK_PROGRAMS = 256
+# KernelConfig(walks="mosaic"): the Mosaic GPU walks' value columns per CTA and chunks in flight (the register form;
+# H200 bf16 H16 d128, next93: 64 columns at 3 stages the fastest Mosaic walk at 8x2048 and 2x8192)
+MOSAIC_WALK_BLOCK_V, MOSAIC_WALK_STAGES = 64, 3
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -250,6 +253,16 @@ class KernelConfig:
     # 1.367 vs 1.209 ms at 8x2048, 1.494 vs 1.324 at 2x8192, 3.421 vs 3.108 at 1x32768 (one CTA per SM at
     # ~211 KB of SMEM: see ``mosaic_gpu.chunk_grad_stored_pass``)
     chunk_grads_kernel: str = "triton"
+    # GPU, the fused walks of one piece (the forward's output walk and the backward's recompute walk): the Triton
+    # kernels ("triton") or the Pallas Mosaic GPU ones of ``mosaic_gpu_walks.py`` ("mosaic": a head's value blocks of
+    # 64 columns as one thread-block cluster sharing the chunk's tiles by TMA multicast, the state carried
+    # transposed so that every product takes its left operand from registers; bf16/fp16, C = 64, d 64 or 128, the
+    # walks' operands in the inputs' dtype; keys read one row back are shifted by a copy in XLA first; the Triton
+    # kernel where it does not serve the call), or "auto": "mosaic" on a Hopper GPU under jax >= 0.11 (as
+    # ``prepare``).  Default "triton": on the H200 (bf16, H16, d128, the walks alone, next93) the Mosaic walks are
+    # faster only at 8x2048 (0.142 vs 0.171 ms output walk, 0.137 vs 0.157 recompute), even at 2x8192 and slower at
+    # 1x32768 (0.768 vs 0.729, 0.688 vs 0.574), where a walk step's latency bounds either kernel
+    walks: str = "triton"
     # per-column gates: value columns per program (several [C, block_v] fp32 tiles live).  TPU: Mosaic's blocks need
     # a multiple of 128 columns or all of dv, so a narrower width becomes 128 (or dv) there
     # (pallas_tpu_columns.value_block; in interpret mode too, so the tests run the widths a TPU would)
@@ -268,7 +281,8 @@ class KernelConfig:
                               ("dstate_b", ("stored", "from_t")),
                               ("dstate_q", ("auto", "walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
-                              *((name, ("auto", "triton", "mosaic")) for name in ("prepare", "chunk_grads_kernel")),
+                              *((name, ("auto", "triton", "mosaic")) for name in ("prepare", "chunk_grads_kernel",
+                                                                                  "walks")),
                               ("grad_loops", GRAD_LOOPS),
                               ("stored_v", ("auto", "fp32", "input")),
                               *((name, ("fp32", "input")) for name in ("stored_dr", "tri_dtype",
@@ -554,11 +568,13 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
     else:
         output_programs = BH * pieces * (dv // config.block_v)
         stages = config.walk_stages(config.fwd_stages, output_programs=output_programs)
-        if config.fwd_scores_for(backend, output_programs) == "kernel":
+        walk = _walk(config, backend, interpret, pieces)
+        # the Mosaic walk reads the scores (a Triton walk handed the call back reads them too)
+        if config.fwd_scores_for(backend, output_programs) == "kernel" or walk is not kernels.forward_pass:
             kw["scores"] = kernels.masked_scores_pass(q, x, g, rl, chunk=chunk, interpret=interpret, heads=heads,
                                                       dtype=kw["walk_operands"] or jnp.float32, **keys)
-        o, s_end = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
-                                        **dict(kw, num_stages=stages), **keys)
+        o, s_end = walk(q, x, y, eta, g, gp, rl, tinv, starts, write_o=True, write_h=False,
+                        **dict(kw, num_stages=stages), **keys)
     # the pieces' transitions M ([BH, P, dk, dk] fp32) are kept for the backward's reverse scan over pieces
     return (o, s_end[:, -1]), (q, x, y, eta, g, gp, rl, starts, tinv if config.save_tri else None, fold, M)
 
@@ -585,6 +601,20 @@ def _mosaic_or_triton(choice: str, backend: str, interpret: bool, mosaic_pass, t
             return triton_pass(*args, **kw)
 
     return either
+
+
+def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
+    """The fused walk of one piece (``KernelConfig.walks``, :func:`_mosaic_or_triton`): ``forward_pass``'s call."""
+    kernels = _BACKENDS[backend]
+    if pieces != 1:
+        return kernels.forward_pass
+
+    def mosaic_walk(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
+        del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
+        return mosaic_gpu_walks.forward_walk(*args, block_v=MOSAIC_WALK_BLOCK_V, stages=MOSAIC_WALK_STAGES,
+                                             form="registers", **kw)
+
+    return _mosaic_or_triton(config.walks, backend, interpret, mosaic_walk, kernels.forward_pass)
 
 
 def _prepare(config: KernelConfig, backend: str, interpret: bool):
@@ -618,8 +648,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
     if stored:
-        p, h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True,
-                                       write_p=True, **fwd_kw, **keys)
+        p, h, _ = _walk(config, backend, interpret, pieces)(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False,
+                                                            write_h=True, write_p=True, **fwd_kw, **keys)
     else:
         h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
     # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,

@@ -23,8 +23,9 @@ Every product is a 16-bit wgmma with fp32 accumulation, rounding the same operan
 ``walk_operands`` = the inputs' dtype.  All the SMEM tiles of a wgmma share one swizzle, so every tile here is
 tiled ``(8, block_v)`` with a ``2·block_v``-byte swizzle (the narrow ``[·, block_v]`` operands set it).
 
-The keys must already be the write features (``x``): the keys read one row back in place (``key_shift``) would
-need a TMA copy starting one row before a chunk, which Mosaic's tiled copies refuse; the op shifts a copy instead.
+Keys read one row back in place (``key_shift``, Falcon-1's call) would need a TMA copy starting one row before a
+chunk, which the tiled copies a wgmma operand needs cannot do (a copy of 8-row tiles starts on a tile); with
+``key_shift`` the walk shifts a copy of the keys in XLA first (one more read and write of ``[B, L, H, dk]``).
 
 Checked on the GPU only (``benchmarks/gpu_check_mosaic_walks.py``); CI cross-lowers it for CUDA and checks what
 it refuses (``tests/test_mosaic_gpu_walks.py``).
@@ -42,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-from pallas_kernels.common import chunk_state_dtype, token_dims
+from pallas_kernels.common import chunk_state_dtype, shift_time, token_dims
 from pallas_kernels.decayed_delta_rule.mosaic_gpu import CHUNK, _load
 from pallas_kernels.decayed_delta_rule.pallas_gpu import _gates
 
@@ -53,8 +54,8 @@ SMEM_BYTES = 232448  # a Hopper CTA's shared memory
 BLOCK_WIDTHS = (16, 32, 64)  # value columns per CTA: the tiles' swizzle is 2·width bytes (32, 64, 128)
 
 
-def walk_unsupported_reason(x, y, chunk: int, *, block_v: int, key_shift: bool = False, pieces: int = 1,
-                            walk_operands=None, t_dtype=None, scores_dtype=None) -> str | None:
+def walk_unsupported_reason(x, y, chunk: int, *, block_v: int, pieces: int = 1, walk_operands=None, t_dtype=None,
+                            scores_dtype=None) -> str | None:
     """Why :func:`forward_walk` cannot take this call (None: it can)."""
     if plgpu is None:
         return "this jax has no Pallas Mosaic GPU"
@@ -76,8 +77,6 @@ def walk_unsupported_reason(x, y, chunk: int, *, block_v: int, key_shift: bool =
     if dv % block_v or dv // block_v > MAX_CLUSTER:
         return (f"dv={dv} in blocks of {block_v}: a head's blocks form one cluster, at most {MAX_CLUSTER} CTAs "
                 f"(block_v must divide dv, dv / block_v <= {MAX_CLUSTER})")
-    if key_shift:
-        return "keys read one row back in place (a TMA tile starts on a multiple of 8 rows): pass the shifted keys"
     if pieces != 1:
         return f"pieces={pieces}: the Mosaic GPU walks walk whole sequences"
     return None
@@ -117,8 +116,8 @@ def walk_gates(eta, g, gp, rl, chunk, dk):
 def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores=None, write_o=True,
                  write_p=False, write_h=False, block_v=16, stages=3, walk_operands=None, p_dtype=None,
                  key_shift=False, pieces=1, form="smem", **triton_kw):
-    """Drop-in for :func:`pallas_gpu.forward_pass` (one piece, keys already shifted): walks every batch·head's
-    chunks with one cluster of ``dv / block_v`` CTAs.
+    """Drop-in for :func:`pallas_gpu.forward_pass` (one piece): walks every batch·head's chunks with one cluster
+    of ``dv / block_v`` CTAs.
 
     q, x ``[B·H, L, dk]`` or, with ``heads=H``, ``[B, L, H, dk]`` (read in place); y likewise with dv; eta, g,
     gp, rl ``[B·H, L]`` (chunk-local g, gp, run index); tinv ``[B·H, L, C]`` in the inputs' dtype; s0
@@ -134,8 +133,7 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     del triton_kw  # warps, stages and interpret of the Triton walk
     if write_o and scores is None:
         raise NotImplementedError("mosaic_gpu forward_walk: write_o reads the masked scores (pass scores=)")
-    reason = walk_unsupported_reason(x, y, chunk, block_v=block_v, key_shift=key_shift, pieces=pieces,
-                                     walk_operands=walk_operands, t_dtype=tinv.dtype,
+    reason = walk_unsupported_reason(x, y, chunk, block_v=block_v, pieces=pieces, walk_operands=walk_operands, t_dtype=tinv.dtype,
                                      scores_dtype=None if scores is None else scores.dtype)
     if reason is None and form == "registers" and block_v != 64:
         reason = f"form='registers' with block_v={block_v}: a wgmma's left operand has 64 rows (block_v=64)"
@@ -144,6 +142,8 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     if form not in ("smem", "registers"):
         raise ValueError(f"forward_walk: form must be 'smem' or 'registers', got {form!r}")
     value_major = form == "registers"
+    if key_shift:  # row t's write feature is x[t − 1], zero at t = 0 (time is axis 1 in either layout)
+        x = shift_time(x, 1, axis=1)
     BH, L, dk = token_dims(x, heads)
     dv = y.shape[-1]
     H = heads or 1
