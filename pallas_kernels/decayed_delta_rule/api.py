@@ -258,11 +258,15 @@ class KernelConfig:
     # 64 columns as one thread-block cluster sharing the chunk's tiles by TMA multicast, the state carried
     # transposed so that every product takes its left operand from registers; bf16/fp16, C = 64, d 64 or 128, the
     # walks' operands in the inputs' dtype; keys read one row back are shifted by a copy in XLA first; the Triton
-    # kernel where it does not serve the call), or "auto": "mosaic" on a Hopper GPU under jax >= 0.11 (as
-    # ``prepare``).  Default "triton": on the H200 (bf16, H16, d128, the walks alone, next93) the Mosaic walks are
-    # faster only at 8x2048 (0.142 vs 0.171 ms output walk, 0.137 vs 0.157 recompute), even at 2x8192 and slower at
-    # 1x32768 (0.768 vs 0.729, 0.688 vs 0.574), where a walk step's latency bounds either kernel
-    walks: str = "triton"
+    # kernel where it does not serve the call), or "auto" (the default): "mosaic" on a Hopper GPU under jax >= 0.11
+    # (as ``prepare``) where the Triton walks would take 64 value columns (``block_v_for``: 16-bit inputs, at least
+    # 256 such programs), "triton" otherwise.  On the H200 (bf16, H16, d128) the walks alone (next93): 8x2048
+    # 0.142 vs 0.171 ms output walk, 0.137 vs 0.157 recompute; 2x8192 (Triton at 32 columns) 0.216 vs 0.214,
+    # 0.200 vs 0.181; 1x32768 (16 columns) 0.768 vs 0.729, 0.688 vs 0.574, where a walk step's latency bounds
+    # either kernel.  The whole op, fwd / fwd+bwd, one lease (next94): 8x2048 0.330 / 1.191 vs 0.352 / 1.203 ms,
+    # 2x8192 0.408 / 1.353 vs 0.408 / 1.337, 1x32768 1.190 / 3.312 vs 1.070 / 3.098 (there the keys' shifted copy
+    # is an 81 us fusion of its own; at 8x2048 XLA fuses it with ||x||^2)
+    walks: str = "auto"
     # per-column gates: value columns per program (several [C, block_v] fp32 tiles live).  TPU: Mosaic's blocks need
     # a multiple of 128 columns or all of dv, so a narrower width becomes 128 (or dv) there
     # (pallas_tpu_columns.value_block; in interpret mode too, so the tests run the widths a TPU would)
@@ -604,7 +608,8 @@ def _mosaic_or_triton(choice: str, backend: str, interpret: bool, mosaic_pass, t
 
 
 def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
-    """The fused walk of one piece (``KernelConfig.walks``, :func:`_mosaic_or_triton`): ``forward_pass``'s call."""
+    """The fused walk of one piece (``KernelConfig.walks``, :func:`_mosaic_or_triton`; ``config`` resolved, its
+    ``block_v`` set): ``forward_pass``'s call."""
     kernels = _BACKENDS[backend]
     if pieces != 1:
         return kernels.forward_pass
@@ -614,7 +619,10 @@ def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
         return mosaic_gpu_walks.forward_walk(*args, block_v=MOSAIC_WALK_BLOCK_V, stages=MOSAIC_WALK_STAGES,
                                              form="registers", **kw)
 
-    return _mosaic_or_triton(config.walks, backend, interpret, mosaic_walk, kernels.forward_pass)
+    choice = config.walks
+    if choice == "auto" and config.block_v != MOSAIC_WALK_BLOCK_V:  # only the 64-column walks measured faster
+        choice = "triton"
+    return _mosaic_or_triton(choice, backend, interpret, mosaic_walk, kernels.forward_pass)
 
 
 def _prepare(config: KernelConfig, backend: str, interpret: bool):
