@@ -89,6 +89,96 @@ def as_keys(x):
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
+def reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, ds_end):
+    """float64 split reverse walk of the rounded inputs (x, v ``[B, L, H, d]``, the q-term ``[B·H, n, dk, dv]``,
+    ds_end ``[B·H, 1, dk, dv]``): dR ``[B·H, L, dv]``, dh ``[B·H, n, dk, dv]``, dS_start ``[B·H, dk, dv]``."""
+    B, L, H, _ = x.shape
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    xh, vh = (np.swapaxes(f64(a), 1, 2).reshape(B * H, L, -1) for a in (x, v))
+    eta, g, gp, rl, tinv, qt = (f64(a) for a in (eta, g, gp, rl, tinv, q_term))
+    dS = f64(ds_end)[:, 0]
+    n = L // C
+    dr, dh = np.zeros_like(vh), np.zeros_like(qt)
+    for c in reversed(range(n)):
+        r = slice(c * C, (c + 1) * C)
+        gc, gpc, rc = g[:, r], gp[:, r], rl[:, r]
+        cont_p = np.where(rc == 0, np.exp(gpc), 0.0)
+        w = np.where(rc == rc[:, -1:], np.exp(gc[:, -1:] - gc), 0.0)
+        a = np.where(rc[:, -1] == 0, np.exp(gc[:, -1]), 0.0)
+        dh[:, c] = dS
+        xds = w[..., None] * np.einsum("btk,bkv->btv", xh[:, r], dS)
+        dr[:, r] = vh[:, r] + np.einsum("bst,bsv->btv", tinv[:, r], xds)
+        dS = (a[:, None, None] * dS + qt[:, c]
+              - np.einsum("btk,btv->bkv", xh[:, r], (eta[:, r] * cont_p)[..., None] * dr[:, r]))
+    return dr, dh, dS
+
+
+def reverse_call(impl):
+    """The jitted split reverse walk (``"mosaic"`` or ``"triton"``) as Falcon-1's backward calls it (in place,
+    keys one row back, V and the q-term given, B from T, dR and dh written), on (x as keys, η, g, g⁻, rl, T, V,
+    q-term, ds_end) with ``heads`` from x's shape."""
+    def run(keys, eta, g, gp, rl, tinv, v, q_term, ds_end):
+        kw = dict(chunk=C, pieces=1, block_v=64, write_dh=True, vb=(v, None, q_term), write_dr=BF, b_from_t=True,
+                  walk_operands=BF, heads=keys.shape[2], key_shift=True)
+        if impl == "mosaic":
+            return mosaic_gpu_walks.reverse_walk(keys, keys, eta, g, gp, rl, tinv, v, ds_end, **kw)
+        return pallas_gpu.state_grad_split_pass(keys, keys, eta, g, gp, rl, tinv, v, ds_end, interpret=False,
+                                                num_warps=4, num_stages=3, **kw)
+
+    return jax.jit(run)
+
+
+def check_reverse(rng, results) -> bool:
+    """The Mosaic reverse walk's dR, dh and dS_start against float64, next to the Triton walk's."""
+    ok = True
+    for B, L, H, d, segments in ((2, 512, 4, 128, True), (1, 64, 2, 128, True), (1, 384, 2, 64, False),
+                                 (1, 4096, 2, 128, False)):
+        q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=segments,
+                                                         first_row_zero=True)
+        v = y
+        q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
+        want = reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, s0)
+        errs = {}
+        for impl in ("mosaic", "triton"):
+            try:
+                dr, dh, ds = reverse_call(impl)(as_keys(x), eta, g, gp, rl, tinv, v, q_term, s0)
+                jax.block_until_ready(ds)
+            except Exception as e:  # noqa: BLE001
+                print(f"FAIL  reverse walk: {impl} did not run: {type(e).__name__}: "
+                      f"{(str(e).splitlines() or [repr(e)])[0][:400]}", flush=True)
+                results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, ok=False, error=impl))
+                return False
+            finite = all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in (dr, dh, ds))
+            errs[impl] = dict(dR=rel_err(_as_ref_tokens(dr, True, B, L, H), want[0]), dh=rel_err(dh, want[1]),
+                              ds=rel_err(ds[:, 0], want[2]), finite=finite)
+        passed = errs["mosaic"]["finite"]
+        for name in ("dR", "dh", "ds"):
+            bound = 2 * errs["triton"][name] + 2.0**-9
+            passed &= errs["mosaic"][name] <= bound
+            print(f"  {name:3s} rel err mosaic {errs['mosaic'][name]:.3e}  triton {errs['triton'][name]:.3e}  "
+                  f"(bound {bound:.3e})", flush=True)
+        print(f"{'PASS' if passed else 'FAIL'}  reverse walk  [B={B}, L={L}, H={H}, d={d}, segments={segments}]",
+              flush=True)
+        results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, segments=segments, ok=passed,
+                                                      mosaic=errs["mosaic"], triton=errs["triton"]))
+        ok &= passed
+    return ok
+
+
+def time_reverse(rng, results) -> None:
+    rows = []
+    B, L, H, d = 8, 2048, 16, 128
+    q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=False, first_row_zero=True)
+    q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
+    args = (as_keys(x), eta, g, gp, rl, tinv, y, q_term, s0)
+    row = {"shape": f"{B}x{L}x{H}x{d}", "walk": "reverse"}
+    for impl in ("triton", "mosaic"):
+        row[f"{impl} ms"] = time_jax(reverse_call(impl), *args)
+    print(row, flush=True)
+    rows.append(row)
+    results["reverse timing"] = rows
+
+
 def walk_call(impl, *, heads, outputs, block_v, stages, n_heads, form="smem", key_shift=False):
     """The jitted walk (``"mosaic"`` or ``"triton"``) on (q, x, y, η, g, g⁻, rl, T, s0, scores): the output walk
     (``outputs``: o, end state) or the recompute walk (P, h, end state); ``key_shift``: x holds the keys, read
@@ -234,15 +324,23 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--reverse-only", action="store_true", help="only the reverse walk (values, then timing)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__}
     t0 = time.time()
-    ok = check_values(rng, results)
+    ok = True
+    if not args.reverse_only:
+        ok = check_values(rng, results)
+    reverse_ok = check_reverse(rng, results)
+    ok &= reverse_ok
+    results.setdefault("forms failed", [])
     results["values seconds"] = time.time() - t0
     if args.out:
         write_json(args.out, results)
-    if not args.skip_timing and len(results["forms failed"]) < 2:
+    if not args.skip_timing and reverse_ok:
+        time_reverse(rng, results)
+    if not args.skip_timing and not args.reverse_only and len(results["forms failed"]) < 2:
         time_passes(rng, results)
     return finish_checks(results, ok, args.out)
 

@@ -246,3 +246,87 @@ def test_auto_takes_the_mosaic_walks_on_hopper_for_64_columns(monkeypatch):
         text = _lowered_falcon1(KernelConfig(outputs="pallas", block_v=block_v), BF, grads=True)
         assert ("falcon_delta_walk_mgpu" in text) is mosaic, block_v
         assert (text.count('name = "falcon_delta_fwd"') == 0) is mosaic, block_v
+
+
+def test_gpu_check_reverse_reference_matches_the_triton_walk():
+    """The float64 split reverse walk that ``gpu_check_mosaic_walks.py`` holds the Mosaic reverse walk to agrees
+    with the Triton reverse walk in interpret mode (keys one row back in place, segment starts inside chunks, V and
+    the q-term given, B from T); and a wrong q-term shows."""
+    from benchmarks.common import rel_err
+    from benchmarks.gpu_check_mosaic_walks import as_keys, make_case, reverse_reference
+
+    rng = np.random.default_rng()
+    B, L, H, d = 1, 192, 2, 32
+    q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=True, first_row_zero=True,
+                                                     interpret=True)
+    q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
+    dr, dh, ds = pallas_gpu.state_grad_split_pass(
+        q, as_keys(x), eta, g, gp, rl, tinv, y, s0, chunk=C, pieces=1, block_v=16, write_dh=True, interpret=True,
+        vb=(y, None, q_term), write_dr=BF, b_from_t=True, walk_operands=BF, heads=H, key_shift=True)
+    want = reverse_reference(x, eta, g, gp, rl, tinv, y, q_term, s0)
+    dr = np.swapaxes(np.asarray(dr.astype(jnp.float32)), 1, 2).reshape(B * H, L, d)
+    errs = [rel_err(dr, want[0]), rel_err(dh, want[1]), rel_err(ds[:, 0], want[2])]
+    assert max(errs) < 2e-2, errs
+    wrong = reverse_reference(x, eta, g, gp, rl, tinv, y, 0 * q_term, s0)
+    assert rel_err(ds[:, 0], wrong[2]) > 0.1
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_v=32), "block_v=32"),
+    (dict(b_from_t=False), "B formed from T"),
+    (dict(write_dh=False), "dh written"),
+    (dict(write_dr=jnp.float32), "dR stored in fp32"),
+    (dict(pieces=2), "pieces=2"),
+])
+def test_reverse_walk_refuses_calls_it_does_not_serve(change, match):
+    B, L, H, d = 1, 128, 2, 64
+    tokens = jnp.zeros((B, L, H, d), BF)
+    rows = jnp.zeros((B * H, L), jnp.float32)
+    vb = (tokens, None, jnp.zeros((B * H, L // C, d, d), BF))
+    kw = dict(dict(chunk=C, vb=vb, write_dr=BF, b_from_t=True, walk_operands=BF, heads=H, key_shift=True), **change)
+    with pytest.raises(NotImplementedError, match=re.escape(match)):
+        mosaic_gpu_walks.reverse_walk(tokens, tokens, rows, rows, rows, rows.astype(jnp.int32),
+                                      jnp.zeros((B * H, L, C), BF), tokens, jnp.zeros((B * H, 1, d, d)), **kw)
+
+
+@needs_lowering
+@pytest.mark.parametrize("B,L,H,d,in_place", [(2, 256, 4, 128, True), (3, 320, 1, 128, False), (1, 64, 2, 64, True)])
+def test_reverse_walk_lowers_with_the_triton_walks_outputs(B, L, H, d, in_place):
+    """The Mosaic reverse walk cross-lowers for CUDA, writes dR and dh over V and the q-term (two aliased
+    operands of one Mosaic GPU call) and returns the Triton walk's shapes and dtypes."""
+    tok = S((B, L, H, d) if in_place else (B * H, L, d), BF)
+    rows = S((B * H, L), jnp.float32)
+    args = (tok, tok, rows, rows, rows, S((B * H, L), jnp.int32), S((B * H, L, C), BF), tok,
+            S((B * H, 1, d, d), jnp.float32), tok, S((B * H, L // C, d, d), BF))
+
+    def call(fn, **extra):
+        def run(q, x, eta, g, gp, rl, t, do, ds_end, v, q_term):
+            return fn(q, x, eta, g, gp, rl, t, do, ds_end, chunk=C, pieces=1, block_v=64, write_dh=True,
+                      vb=(v, None, q_term), write_dr=BF, b_from_t=True, walk_operands=BF,
+                      heads=H if in_place else None, key_shift=True, **extra)
+        return run
+
+    mosaic = call(mosaic_gpu_walks.reverse_walk)
+    text = jax.jit(mosaic).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    (line,) = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert line.count("output_operand_alias<") == 2
+    got = jax.eval_shape(mosaic, *args)
+    want = jax.eval_shape(call(pallas_gpu.state_grad_split_pass, interpret=False), *args)
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+
+
+@needs_lowering
+def test_op_backward_takes_the_mosaic_reverse_walk():
+    """Under ``walks="mosaic"`` Falcon-1's backward runs the split reverse walk as the Mosaic GPU kernel (one
+    Mosaic call with two aliased operands, no Triton ``falcon_delta_dstate_walk``); fp32 and "triton" keep the
+    Triton walk."""
+    def reverse(config, dtype=BF):
+        text = _lowered_falcon1(config, dtype, grads=True)
+        mosaic = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln
+                  and ln.count("output_operand_alias<") == 2]
+        return len(mosaic), text.count('name = "falcon_delta_dstate_walk"')
+
+    kw = dict(outputs="pallas", dstate_q="prepare", split_block_v=64)
+    assert reverse(KernelConfig(walks="mosaic", **kw)) == (1, 0)
+    assert reverse(KernelConfig(walks="triton", **kw)) == (0, 1)
+    assert reverse(KernelConfig(walks="mosaic", **kw), jnp.float32) == (0, 1)

@@ -625,6 +625,21 @@ def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
     return _mosaic_or_triton(choice, backend, interpret, mosaic_walk, kernels.forward_pass)
 
 
+def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: int):
+    """The split reverse walk writing dh and dR (``KernelConfig.walks``, as :func:`_walk`; ``block_v`` the Triton
+    walk's width): ``state_grad_split_pass``'s call."""
+    kernels = _BACKENDS[backend]
+    choice = config.walks
+    if choice == "auto" and block_v != MOSAIC_WALK_BLOCK_V:
+        choice = "triton"
+
+    def mosaic_walk(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
+        del num_warps, num_stages, interpret, block_v
+        return mosaic_gpu_walks.reverse_walk(*args, block_v=mosaic_gpu_walks.REVERSE_BLOCK_V, **kw)
+
+    return _mosaic_or_triton(choice, backend, interpret, mosaic_walk, kernels.state_grad_split_pass)
+
+
 def _prepare(config: KernelConfig, backend: str, interpret: bool):
     """The split reverse walk's ``prepare_vb`` (``KernelConfig.prepare``, :func:`_mosaic_or_triton`)."""
     kernels = _BACKENDS[backend]
@@ -688,6 +703,8 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         ds_ends = ds_final[:, None]
     if stored:
         dr_dtype = jnp.float32 if config.stored_dr == "fp32" else state_kw["walk_operands"] or jnp.float32
+        if split_state_grads and pieces == 1:
+            state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"])
         dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
                                            **state_kw, **keys)
     else:

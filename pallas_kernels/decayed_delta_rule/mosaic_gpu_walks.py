@@ -33,6 +33,8 @@ it refuses (``tests/test_mosaic_gpu_walks.py``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -100,6 +102,22 @@ def _products(*pairs):
     return lax.optimization_barrier(out)
 
 
+def _cols_bc(v, rows):
+    """A ``[cols]`` vector broadcast over ``rows`` rows: ``[rows, cols]``."""
+    return lax.broadcast_in_dim(v, (rows, v.shape[0]), [1])
+
+
+def _store_transposed(ref, value):
+    """A ``[rows, cols]`` value (WGMMA layout) into a ``[cols, rows]`` SMEM tile."""
+    ref.T[...] = plgpu.layout_cast(value.astype(ref.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+
+
+def _load_transposed(ref):
+    """A ``[cols, rows]`` SMEM tile as a ``[rows, cols]`` fp32 value in the WGMMA layout."""
+    value = _load(ref.T, plgpu.Layout.WGMMA_TRANSPOSED)
+    return plgpu.layout_cast(value, plgpu.Layout.WGMMA).astype(F32)
+
+
 def walk_gates(eta, g, gp, rl, chunk, dk):
     """The row gates the walks read, from the chunk-local ``g``, ``gp``, run index ``rl`` ``[BH, L]``: ``η``,
     ``η c⁻`` (the residual's S-term), ``w`` (a write's decay to the chunk end), ``c`` (S_0's decay to a read),
@@ -153,7 +171,7 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     dtype = x.dtype
     p_dtype = jnp.dtype(p_dtype or walk_operands)
     h_dtype = chunk_state_dtype(dtype)
-    WGMMA, WGMMA_T = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_TRANSPOSED
+    WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
     tile = _tile(dtype, N)
     gate_rows = walk_gates(eta, g, gp, rl, C, dk)
@@ -251,11 +269,7 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
                 (upd,) = _products((x_s.T, wp_b, (dk, N)))
             return rows_bc(_load(a_s, ROWS), dk) * S + upd
 
-        def cols_bc(v, rows=N):
-            return lax.broadcast_in_dim(v, (rows, v.shape[0]), [1])
-
-        def store_transposed(ref, value):  # a [rows, cols] value into a [cols, rows] tile
-            ref.T[...] = plgpu.layout_cast(value.astype(ref.dtype), WGMMA_T)
+        cols_bc = functools.partial(_cols_bc, rows=N)
 
         def step_value_major(_, *slots):
             """The step on ``Sᵀ`` ``[N, dk]``: every product's left operand from registers (WGMMA layout)."""
@@ -276,16 +290,16 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
             else:
                 (xs,) = _products((st, x_s.T, (N, C)))
             if write_h:
-                store_transposed(h_s, st)
-            y_t = plgpu.layout_cast(_load(y_s.T, WGMMA_T), WGMMA).astype(F32)
+                _store_transposed(h_s, st)
+            y_t = _load_transposed(y_s)
             resid = cols_bc(_load(eta_s, COLS)) * y_t - cols_bc(_load(ec_s, COLS)) * xs
             (p,) = _products((resid.astype(dtype), t_s.T, (N, C)))
             if write_p:
-                store_transposed(p_s, p)
+                _store_transposed(p_s, p)
             wp = (cols_bc(_load(w_s, COLS)) * p).astype(dtype)
             if write_o:
                 upd, o = _products((wp, x_s, (N, dk)), (p.astype(dtype), sc_s.T, (N, C)))
-                store_transposed(o_s, o + cols_bc(_load(c_s, COLS)) * qs)
+                _store_transposed(o_s, o + cols_bc(_load(c_s, COLS)) * qs)
             else:
                 (upd,) = _products((wp, x_s, (N, dk)))
             return cols_bc(_load(a_s, COLS)) * St + upd
@@ -346,3 +360,137 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     if write_h:  # [B·H, n·dk, dv] -> [B·H, n, dk, dv]
         outs[-2] = outs[-2].reshape(BH, n, dk, dv)
     return tuple(outs)
+
+
+def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: int, write_dh: bool, vb, write_dr,
+                                    b_from_t: bool, walk_operands, t_dtype) -> str | None:
+    """Why :func:`reverse_walk` cannot take this call (None: it can)."""
+    reason = walk_unsupported_reason(x, do, chunk, block_v=block_v, pieces=pieces, walk_operands=walk_operands,
+                                     t_dtype=t_dtype)
+    if reason is not None:
+        return reason
+    if block_v != REVERSE_BLOCK_V:
+        return f"block_v={block_v}: the Mosaic GPU reverse walk takes {REVERSE_BLOCK_V} value columns"
+    dtype = jnp.dtype(x.dtype)
+    if vb is None or vb[2] is None or not b_from_t or not write_dh:
+        return ("the reverse walk without V, the q-term from prepare_vb, B formed from T or dh written "
+                "(KernelConfig(dstate_q='prepare', dstate_b='from_t'))")
+    if jnp.dtype(vb[0].dtype) != dtype or jnp.dtype(vb[2].dtype) != dtype:
+        return "V or the q-term stored in fp32: the walk writes dR and dh over them in the inputs' dtype"
+    if write_dr is None or jnp.dtype(write_dr) != dtype:
+        return "dR stored in fp32 or not at all (KernelConfig(stored_dr='input'))"
+    return None
+
+
+REVERSE_BLOCK_V = 64  # the register form: a wgmma's left operand has 64 rows
+
+
+def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, block_v=REVERSE_BLOCK_V,
+                 write_dh=True, vb=None, write_dr=None, b_from_t=False, walk_operands=None, heads=None,
+                 key_shift=False, **triton_kw):
+    """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, V and the
+    q-term from ``prepare_vb`` in the inputs' dtype, B formed from T, dh and dR written): the split reverse walk,
+    every batch·head's chunks last first, with one cluster of ``dv / 64`` CTAs sharing the chunk's keys and T by
+    TMA multicast.  Per chunk, carrying ``dSᵀ`` ``[64, dk]`` in fp32 registers (every product's left operand from
+    registers)::
+
+        dh_c = dS                                            (written over the chunk's q-term)
+        dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                             wgmma dSᵀ · Xᵀ, then · T   (dR written over V)
+        dSᵀ ← a dSᵀ + ((c ⊙ Q)ᵀ dO)ᵀ − (η c⁻ ⊙ dR)ᵀ X          wgmma
+
+    q, do: unused (the q-term holds them); x ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``); eta, g, gp, rl
+    ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32; ``vb = (V like do, None, q-term
+    [B·H, L/C, dk, dv])``.  Returns ``(dR like do, dh [B·H, L/C, dk, dv], dS_start [B·H, 1, dk, dv] fp32)``; dR and
+    dh take V's and the q-term's buffers (the kernel writes them in place through ``jax.new_ref``).  Refuses
+    (NotImplementedError) what :func:`reverse_walk_unsupported_reason` names."""
+    del q, do, triton_kw
+    reason = reverse_walk_unsupported_reason(x, vb[0] if vb is not None else x, chunk, block_v=block_v,
+                                             pieces=pieces, write_dh=write_dh, vb=vb, write_dr=write_dr,
+                                             b_from_t=b_from_t, walk_operands=walk_operands, t_dtype=tinv.dtype)
+    if reason is not None:
+        raise NotImplementedError(f"mosaic_gpu reverse_walk: {reason}")
+    if key_shift:  # as forward_walk
+        x = shift_time(x, 1, axis=1)
+    v, _, q_term = vb
+    BH, L, dk = token_dims(x, heads)
+    dv = v.shape[-1]
+    H = heads or 1
+    B = BH // H
+    C, N = CHUNK, block_v
+    n_blocks, n = dv // N, L // C
+    dtype = x.dtype
+    WGMMA = plgpu.Layout.WGMMA
+    COLS = WGMMA.reduce(0)
+    tile = _tile(dtype, N)
+    _, ec_rows, w_rows, _, a_rows = walk_gates(eta, g, gp, rl, C, dk)
+
+    item = jnp.dtype(dtype).itemsize
+    per_step = C * dk * item + C * C * item + 2 * C * N * item + 2 * dk * N * item + 2 * C * 4 + dk * 4
+    depth = max(1, min(3, (SMEM_BYTES - N * dk * 4 - 4096) // per_step))
+
+    def body(x_ref, t_ref, ec_ref, w_ref, a_ref, ds_end_ref, v_ref, qt_ref, ds_start_ref):
+        def scoped(st_s, bar):
+            b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index(CLUSTER)
+            bh = b * H + h
+            cols = pl.ds(j * N, N)
+
+            def tokens(ref):
+                return ref.at[b, :, h, :] if heads is not None else ref.at[bh]
+
+            def back(c):  # the pipeline's step c is chunk n - 1 - c
+                return n - 1 - c
+
+            shared = functools.partial(plgpu.BlockSpec, transforms=tile, collective_axes=(CLUSTER,))
+            own_rows = plgpu.BlockSpec((C, N), lambda c: (back(c), j), transforms=tile)
+            own_state = plgpu.BlockSpec((dk, N), lambda c: (back(c), j), transforms=tile)
+            in_specs = [shared((C, dk), lambda c: (back(c), 0)), shared((C, C), lambda c: (back(c), 0)),
+                        plgpu.BlockSpec((C,), lambda c: (back(c),)), plgpu.BlockSpec((C,), lambda c: (back(c),)),
+                        plgpu.BlockSpec((dk,), lambda c: (back(c),)), own_rows, own_state]
+            in_refs = [tokens(x_ref), t_ref.at[bh], ec_ref.at[bh], w_ref.at[bh], a_ref.at[bh], tokens(v_ref),
+                       qt_ref.at[bh]]
+            out_specs = [own_rows, own_state]
+            out_refs = [tokens(v_ref), qt_ref.at[bh]]
+            cols_bc = functools.partial(_cols_bc, rows=N)
+
+            def step(_, x_s, t_s, ec_s, w_s, a_s, v_s, qt_s, dr_s, dh_s, dSt):
+                q_term = _load_transposed(qt_s)  # (c ⊙ Q)ᵀ dO, before dh takes its place
+                v_t = _load_transposed(v_s)
+                st = dSt.astype(dtype)
+                (xds,) = _products((st, x_s.T, (N, C)))
+                _store_transposed(dh_s, st)
+                wx = (cols_bc(_load(w_s, COLS)) * xds).astype(dtype)
+                (bds,) = _products((wx, t_s, (N, C)))
+                dr = v_t + bds
+                _store_transposed(dr_s, dr)
+                edr = (cols_bc(_load(ec_s, COLS)) * dr).astype(dtype)
+                (upd,) = _products((edr, x_s, (N, dk)))
+                return cols_bc(_load(a_s, COLS)) * dSt + q_term - upd
+
+            def compute(pipeline):
+                plgpu.copy_gmem_to_smem(ds_end_ref.at[bh, cols], st_s, bar)
+                plgpu.barrier_wait(bar)
+                ds_start = pipeline(_load(st_s, WGMMA))
+                st_s[...] = ds_start
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(st_s, ds_start_ref.at[bh, cols])
+                plgpu.wait_smem_to_gmem(0)
+
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                step, grid=(n,), memory_registers=40, in_specs=in_specs, out_specs=out_specs,
+                max_concurrent_steps=min(depth, n), wg_axis="wg", num_compute_wgs=1, compute_context=compute)
+            pipeline(*in_refs, *out_refs)
+
+        pl.run_scoped(scoped, plgpu.SMEM((N, dk), F32, transforms=_tile(F32, 32)), plgpu.Barrier(num_arrivals=1),
+                      collective_axes="wg")
+
+    mesh = plgpu.Mesh(grid=(B, H), grid_names=("b", "h"), cluster=(n_blocks,), cluster_names=(CLUSTER,),
+                      num_threads=2, thread_name="wg", kernel_name="falcon_delta_dstate_walk_mgpu")
+    kernel = pl.kernel(body, out_type=jax.ShapeDtypeStruct((BH, dv, dk), F32), mesh=mesh, name=mesh.kernel_name,
+                       compiler_params=plgpu.CompilerParams(approx_math=True))
+    # dR and dh are written over V and the q-term: refs passed to the kernel are aliased in and out of it
+    v_ref = jax.new_ref(v.astype(dtype))
+    qt_ref = jax.new_ref(q_term.reshape(BH, n * dk, dv))
+    ds_end_t = jnp.swapaxes(ds_end[:, 0].astype(F32), 1, 2)
+    ds_start_t = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, qt_ref)
+    dr, dh = v_ref[...], qt_ref[...].reshape(BH, n, dk, dv)
+    return dr, dh, jnp.swapaxes(ds_start_t, 1, 2)[:, None]
