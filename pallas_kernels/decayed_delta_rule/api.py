@@ -253,19 +253,22 @@ class KernelConfig:
     # 1.367 vs 1.209 ms at 8x2048, 1.494 vs 1.324 at 2x8192, 3.421 vs 3.108 at 1x32768 (one CTA per SM at
     # ~211 KB of SMEM: see ``mosaic_gpu.chunk_grad_stored_pass``)
     chunk_grads_kernel: str = "triton"
-    # GPU, the fused walks of one piece (the forward's output walk and the backward's recompute walk): the Triton
-    # kernels ("triton") or the Pallas Mosaic GPU ones of ``mosaic_gpu_walks.py`` ("mosaic": a head's value blocks of
-    # 64 columns as one thread-block cluster sharing the chunk's tiles by TMA multicast, the state carried
-    # transposed so that every product takes its left operand from registers; bf16/fp16, C = 64, d 64 or 128, the
-    # walks' operands in the inputs' dtype; keys read one row back are shifted by a copy in XLA first; the Triton
-    # kernel where it does not serve the call), or "auto" (the default): "mosaic" on a Hopper GPU under jax >= 0.11
-    # (as ``prepare``) where the Triton walks would take 64 value columns (``block_v_for``: 16-bit inputs, at least
-    # 256 such programs), "triton" otherwise.  On the H200 (bf16, H16, d128) the walks alone (next93): 8x2048
-    # 0.142 vs 0.171 ms output walk, 0.137 vs 0.157 recompute; 2x8192 (Triton at 32 columns) 0.216 vs 0.214,
+    # GPU, the walks of one piece — the forward's output walk, the backward's recompute walk (fused) and its split
+    # reverse walk: the Triton kernels ("triton") or the Pallas Mosaic GPU ones of ``mosaic_gpu_walks.py``
+    # ("mosaic": a head's value blocks of 64 columns as one thread-block cluster sharing the chunk's tiles by TMA
+    # multicast, the state carried transposed so that every product takes its left operand from registers;
+    # bf16/fp16, C = 64, d 64 or 128, the walks' operands in the inputs' dtype, the reverse walk with the q-term from
+    # prepare and dR stored in the inputs' dtype; keys read one row back are shifted by a copy in XLA first; the
+    # Triton kernel where it does not serve the call), or "auto" (the default): "mosaic" on a Hopper GPU under
+    # jax >= 0.11 (as ``prepare``) for a walk the Triton kernel would run at 64 value columns (``block_v_for``,
+    # ``split_block_v_for``), "triton" otherwise.  On the H200 (bf16, H16, d128) the fused walks alone (next93):
+    # 8x2048 0.142 vs 0.171 ms output walk, 0.137 vs 0.157 recompute; 2x8192 (Triton at 32 columns) 0.216 vs 0.214,
     # 0.200 vs 0.181; 1x32768 (16 columns) 0.768 vs 0.729, 0.688 vs 0.574, where a walk step's latency bounds
-    # either kernel.  The whole op, fwd / fwd+bwd, one lease (next94): 8x2048 0.330 / 1.191 vs 0.352 / 1.203 ms,
-    # 2x8192 0.408 / 1.353 vs 0.408 / 1.337, 1x32768 1.190 / 3.312 vs 1.070 / 3.098 (there the keys' shifted copy
-    # is an 81 us fusion of its own; at 8x2048 XLA fuses it with ||x||^2)
+    # either kernel.  The whole op, fwd / fwd+bwd: "mosaic" everywhere (next94, fused walks only) 8x2048
+    # 0.330 / 1.191 vs 0.352 / 1.203 ms, 2x8192 0.408 / 1.353 vs 0.408 / 1.337, 1x32768 1.190 / 3.312 vs
+    # 1.070 / 3.098 (there the keys' shifted copy is an 81 us fusion of its own; at 8x2048 XLA fuses it with
+    # ||x||^2); "auto" with the reverse walk too (next96) 8x2048 0.329 / 1.141 vs 0.362 / 1.221 (reverse walk
+    # 141 vs 182 us), the other shapes the Triton walks; +71 MB compiled peak at 8x2048 (the shifted keys)
     walks: str = "auto"
     # per-column gates: value columns per program (several [C, block_v] fp32 tiles live).  TPU: Mosaic's blocks need
     # a multiple of 128 columns or all of dv, so a narrower width becomes 128 (or dv) there
