@@ -74,8 +74,9 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 # bench_regression.py's whole-op variant rows (its WHOLE_OP_VARIANTS), which --rows "falcon-1 pallas" also picks:
-# --skip "$WHOLE_OP_VARIANTS" leaves the default op and the --configs rows
-WHOLE_OP_VARIANTS="ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks"
+# --skip "$WHOLE_OP_VARIANTS" leaves the default op and the --configs rows (named in full where a --configs row may
+# share a word, e.g. walks=...)
+WHOLE_OP_VARIANTS="ninth-run,bf16 V,stored split,XLA gate,8 warps,2 warps,unrolled,fori loops,walks 2 stages,walks 3 stages"
 
 step() {  # step NAME SECONDS CMD...: run with a limit, keep a filtered log
   local name=$1 limit=$2
@@ -958,7 +959,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # keys, the whole op against the default in one lease, its bf16 checks, and where the time goes
     step check_walks 150 python3 benchmarks/gpu_check_mosaic_walks.py --skip-timing --out "$out/$part/check_walks.json"
     step bench 200 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
-      --skip "${WHOLE_OP_VARIANTS/,walks/,walks 8 warps,walks 1 stage,walks 2 stages,walks 3 stages,split walks}" \
+      --skip "$WHOLE_OP_VARIANTS" \
       --configs "walks=mosaic" --out "$out/$part/bench.json"
     step check 80 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
       --kernel-config "walks=mosaic" --out "$out/$part/check.json"
@@ -968,7 +969,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # 64 value columns) against walks="triton" in one lease, with the compiled peak memory
     step bench 300 python3 benchmarks/bench_regression.py --memory-shapes "8x2048x16x128,1x32768x16x128" \
       --rows "falcon-1 pallas" \
-      --skip "${WHOLE_OP_VARIANTS/,walks/,walks 8 warps,walks 1 stage,walks 2 stages,walks 3 stages,split walks}" \
+      --skip "$WHOLE_OP_VARIANTS" \
       --configs "walks=triton" --out "$out/$part/bench.json"
     ;;
   next96)  # twenty-third run, fourth call: the split reverse walk as a Mosaic GPU cluster kernel (dR and dh written over V
@@ -976,7 +977,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # walks="auto" (now also the reverse walk at 64 columns) against walks="triton", memory, bf16 checks, profile
     step check_walks 150 python3 benchmarks/gpu_check_mosaic_walks.py --reverse-only --out "$out/$part/check_walks.json"
     step bench 200 python3 benchmarks/bench_regression.py --memory-shapes "8x2048x16x128" --rows "falcon-1 pallas" \
-      --skip "${WHOLE_OP_VARIANTS/,walks/,walks 8 warps,walks 1 stage,walks 2 stages,walks 3 stages,split walks}" \
+      --skip "$WHOLE_OP_VARIANTS" \
       --configs "walks=triton" --out "$out/$part/bench.json"
     step check 80 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
       --kernel-config "walks=mosaic,dstate_q=prepare" --out "$out/$part/check.json"
@@ -994,7 +995,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
   next98)  # twenty-third run, sixth call: the Mosaic reverse walk where the Triton one takes 32 or 16 columns
     # (split_block_v=64 makes "auto" take it at 2x8192 and 1x32768), against the Triton walk at 64 columns
     step bench 250 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
-      --skip "${WHOLE_OP_VARIANTS/,walks/,walks 8 warps,walks 1 stage,walks 2 stages,walks 3 stages,split walks}" \
+      --skip "$WHOLE_OP_VARIANTS" \
       --configs "split_block_v=64;split_block_v=64,walks=triton" --out "$out/$part/bench.json"
     ;;
   *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98)"; exit 2 ;;

@@ -75,9 +75,9 @@ IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
 FEW_OUTPUT_PROGRAMS = 264
 # the split reverse walk takes (c ⊙ Q)ᵀ dO from dstate_prepare from this many programs on (KernelConfig.dstate_q)
 MANY_WALK_PROGRAMS = 256
-# KernelConfig(walks="mosaic"): the Mosaic GPU walks' value columns per CTA and chunks in flight (the register form;
-# H200 bf16 H16 d128, next93: 64 columns at 3 stages the fastest Mosaic walk at 8x2048 and 2x8192)
-MOSAIC_WALK_BLOCK_V, MOSAIC_WALK_STAGES = 64, 3
+# KernelConfig(walks="mosaic"): the Mosaic GPU fused walks' chunks in flight (the register form, 64 columns; H200
+# bf16 H16 d128, next93: 3 stages the fastest Mosaic walk at 8x2048 and 2x8192)
+MOSAIC_WALK_STAGES = 3
 _BACKENDS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
@@ -610,37 +610,37 @@ def _mosaic_or_triton(choice: str, backend: str, interpret: bool, mosaic_pass, t
     return either
 
 
+def _mosaic_walk_or_triton(config: KernelConfig, backend: str, interpret: bool, block_v: int, mosaic_walk,
+                           triton_walk, **mosaic_kw):
+    """A walk with a Mosaic GPU kernel (``KernelConfig.walks``, :func:`_mosaic_or_triton`): "auto" takes it only
+    for a walk the Triton kernel would run at ``block_v`` = 64 columns (where it measured faster); the Mosaic
+    walk is called with the Triton walk's arguments less its launch parameters, plus ``mosaic_kw``."""
+    choice = config.walks
+    if choice == "auto" and block_v != mosaic_gpu_walks.REGISTER_FORM_BLOCK_V:
+        choice = "triton"
+
+    def mosaic(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
+        del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
+        return mosaic_walk(*args, block_v=mosaic_gpu_walks.REGISTER_FORM_BLOCK_V, **mosaic_kw, **kw)
+
+    return _mosaic_or_triton(choice, backend, interpret, mosaic, triton_walk)
+
+
 def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
-    """The fused walk of one piece (``KernelConfig.walks``, :func:`_mosaic_or_triton`; ``config`` resolved, its
-    ``block_v`` set): ``forward_pass``'s call."""
+    """The fused walk of one piece (``config`` resolved, its ``block_v`` set): ``forward_pass``'s call."""
     kernels = _BACKENDS[backend]
     if pieces != 1:
         return kernels.forward_pass
-
-    def mosaic_walk(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
-        del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
-        return mosaic_gpu_walks.forward_walk(*args, block_v=MOSAIC_WALK_BLOCK_V, stages=MOSAIC_WALK_STAGES,
-                                             form="registers", **kw)
-
-    choice = config.walks
-    if choice == "auto" and config.block_v != MOSAIC_WALK_BLOCK_V:  # only the 64-column walks measured faster
-        choice = "triton"
-    return _mosaic_or_triton(choice, backend, interpret, mosaic_walk, kernels.forward_pass)
+    return _mosaic_walk_or_triton(config, backend, interpret, config.block_v, mosaic_gpu_walks.forward_walk,
+                                  kernels.forward_pass, stages=MOSAIC_WALK_STAGES, form="registers")
 
 
 def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: int):
-    """The split reverse walk writing dh and dR (``KernelConfig.walks``, as :func:`_walk`; ``block_v`` the Triton
-    walk's width): ``state_grad_split_pass``'s call."""
+    """The split reverse walk of one piece writing dh and dR (``block_v`` the Triton walk's width):
+    ``state_grad_split_pass``'s call."""
     kernels = _BACKENDS[backend]
-    choice = config.walks
-    if choice == "auto" and block_v != MOSAIC_WALK_BLOCK_V:
-        choice = "triton"
-
-    def mosaic_walk(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
-        del num_warps, num_stages, interpret, block_v
-        return mosaic_gpu_walks.reverse_walk(*args, block_v=mosaic_gpu_walks.REVERSE_BLOCK_V, **kw)
-
-    return _mosaic_or_triton(choice, backend, interpret, mosaic_walk, kernels.state_grad_split_pass)
+    return _mosaic_walk_or_triton(config, backend, interpret, block_v, mosaic_gpu_walks.reverse_walk,
+                                  kernels.state_grad_split_pass)
 
 
 def _prepare(config: KernelConfig, backend: str, interpret: bool):

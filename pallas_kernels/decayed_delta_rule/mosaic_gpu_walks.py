@@ -58,6 +58,7 @@ CLUSTER = "cluster"
 MAX_CLUSTER = 8  # the portable thread-block cluster size
 SMEM_BYTES = 232448  # a Hopper CTA's shared memory
 BLOCK_WIDTHS = (16, 32, 64)  # value columns per CTA: the tiles' swizzle is 2·width bytes (32, 64, 128)
+REGISTER_FORM_BLOCK_V = 64  # the register form's value columns: a wgmma's left operand has 64 rows
 
 
 def walk_unsupported_reason(x, y, chunk: int, *, block_v: int, pieces: int = 1, walk_operands=None, t_dtype=None,
@@ -122,6 +123,27 @@ def _load_transposed(ref):
     return plgpu.layout_cast(value, plgpu.Layout.WGMMA).astype(F32)
 
 
+def _carry_state(pipeline, state_in, state_out, st_s, bar):
+    """A walk's ``compute_context``: the fp32 state from ``state_in`` (GMEM) through SMEM into the pipeline's carry,
+    and the carry at the end out to ``state_out``."""
+    plgpu.copy_gmem_to_smem(state_in, st_s, bar)
+    plgpu.barrier_wait(bar)
+    end = pipeline(_load(st_s, plgpu.Layout.WGMMA))
+    st_s[...] = end
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(st_s, state_out)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _walk_dims(x, v, heads, block_v):
+    """``(BH, B, H, dk, dv, n_blocks, n)`` of a walk over ``x`` (keys) and ``v`` (values) in ``block_v``-column
+    blocks of ``CHUNK``-row chunks."""
+    BH, L, dk = token_dims(x, heads)
+    dv = v.shape[-1]
+    H = heads or 1
+    return BH, BH // H, H, dk, dv, dv // block_v, L // CHUNK
+
+
 def walk_gates(eta, g, gp, rl, chunk, dk):
     """The row gates the walks read, from the chunk-local ``g``, ``gp``, run index ``rl`` ``[BH, L]``: ``η``,
     ``η c⁻`` (the residual's S-term), ``w`` (a write's decay to the chunk end), ``c`` (S_0's decay to a read),
@@ -155,10 +177,11 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     del triton_kw  # warps, stages and interpret of the Triton walk
     if write_o and scores is None:
         raise NotImplementedError("mosaic_gpu forward_walk: write_o reads the masked scores (pass scores=)")
-    reason = walk_unsupported_reason(x, y, chunk, block_v=block_v, pieces=pieces, walk_operands=walk_operands, t_dtype=tinv.dtype,
-                                     scores_dtype=None if scores is None else scores.dtype)
-    if reason is None and form == "registers" and block_v != 64:
-        reason = f"form='registers' with block_v={block_v}: a wgmma's left operand has 64 rows (block_v=64)"
+    reason = walk_unsupported_reason(x, y, chunk, block_v=block_v, pieces=pieces, walk_operands=walk_operands,
+                                     t_dtype=tinv.dtype, scores_dtype=None if scores is None else scores.dtype)
+    if reason is None and form == "registers" and block_v != REGISTER_FORM_BLOCK_V:
+        reason = (f"form='registers' with block_v={block_v}: a wgmma's left operand has 64 rows "
+                  f"(block_v={REGISTER_FORM_BLOCK_V})")
     if reason is not None:
         raise NotImplementedError(f"mosaic_gpu forward_walk: {reason}")
     if form not in ("smem", "registers"):
@@ -166,12 +189,8 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
     value_major = form == "registers"
     if key_shift:  # row t's write feature is x[t − 1], zero at t = 0 (time is axis 1 in either layout)
         x = shift_time(x, 1, axis=1)
-    BH, L, dk = token_dims(x, heads)
-    dv = y.shape[-1]
-    H = heads or 1
-    B = BH // H
+    BH, B, H, dk, dv, n_blocks, n = _walk_dims(x, y, heads, block_v)
     C, N = CHUNK, block_v
-    n_blocks, n = dv // N, L // C
     dtype = x.dtype
     p_dtype = jnp.dtype(p_dtype or walk_operands)
     h_dtype = chunk_state_dtype(dtype)
@@ -308,23 +327,11 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
                 (upd,) = _products((wp, x_s, (N, dk)))
             return cols_bc(_load(a_s, COLS)) * St + upd
 
+        # s0 and s_end: [B·H, 1, dk, dv], or as Sᵀ [B·H, dv, dk] (transposed in XLA) for the register form
+        state_at = (lambda ref: ref.at[bh, cols]) if value_major else (lambda ref: ref.at[bh, 0, :, cols])
+
         def compute(pipeline):
-            if value_major:  # s0 and s_end come and go as Sᵀ ([B·H, dv, dk], transposed in XLA)
-                plgpu.copy_gmem_to_smem(s0_ref.at[bh, cols], st_s, bar)
-                plgpu.barrier_wait(bar)
-                s_end = pipeline(_load(st_s, WGMMA))
-                st_s[...] = s_end
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(st_s, s_end_ref.at[bh, cols])
-                plgpu.wait_smem_to_gmem(0)
-                return
-            plgpu.copy_gmem_to_smem(s0_ref.at[bh, 0, :, cols], st_s, bar)
-            plgpu.barrier_wait(bar)
-            s_end = pipeline(_load(st_s, WGMMA))
-            st_s[...] = s_end
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s, s_end_ref.at[bh, 0, :, cols])
-            plgpu.wait_smem_to_gmem(0)
+            _carry_state(pipeline, state_at(s0_ref), state_at(s_end_ref), st_s, bar)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step_value_major if value_major else step, grid=(n,), memory_registers=40, in_specs=in_specs,
@@ -373,8 +380,8 @@ def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: 
                                      t_dtype=t_dtype)
     if reason is not None:
         return reason
-    if block_v != REVERSE_BLOCK_V:
-        return f"block_v={block_v}: the Mosaic GPU reverse walk takes {REVERSE_BLOCK_V} value columns"
+    if block_v != REGISTER_FORM_BLOCK_V:
+        return f"block_v={block_v}: the Mosaic GPU reverse walk takes {REGISTER_FORM_BLOCK_V} value columns"
     dtype = jnp.dtype(x.dtype)
     if vb is None or vb[2] is None or not b_from_t or not write_dh:
         return ("the reverse walk without V, the q-term from prepare_vb, B formed from T or dh written "
@@ -386,10 +393,7 @@ def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: 
     return None
 
 
-REVERSE_BLOCK_V = 64  # the register form: a wgmma's left operand has 64 rows
-
-
-def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, block_v=REVERSE_BLOCK_V,
+def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, block_v=REGISTER_FORM_BLOCK_V,
                  write_dh=True, vb=None, write_dr=None, b_from_t=False, walk_operands=None, heads=None,
                  key_shift=False, **triton_kw):
     """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, V and the
@@ -398,9 +402,9 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
     TMA multicast.  Per chunk, carrying ``dSᵀ`` ``[64, dk]`` in fp32 registers (every product's left operand from
     registers)::
 
-        dh_c = dS                                            (written over the chunk's q-term)
-        dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                             wgmma dSᵀ · Xᵀ, then · T   (dR written over V)
-        dSᵀ ← a dSᵀ + ((c ⊙ Q)ᵀ dO)ᵀ − (η c⁻ ⊙ dR)ᵀ X          wgmma
+        dh_c = dS                                          (written over the chunk's q-term)
+        dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                           wgmma dSᵀ · Xᵀ, then · T   (dR written over V)
+        dSᵀ ← a dSᵀ + ((c ⊙ Q)ᵀ dO)ᵀ − (η c⁻ ⊙ dR)ᵀ X        wgmma
 
     q, do: unused (the q-term holds them); x ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``); eta, g, gp, rl
     ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32; ``vb = (V like do, None, q-term
@@ -416,15 +420,10 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
     if key_shift:  # as forward_walk
         x = shift_time(x, 1, axis=1)
     v, _, q_term = vb
-    BH, L, dk = token_dims(x, heads)
-    dv = v.shape[-1]
-    H = heads or 1
-    B = BH // H
+    BH, B, H, dk, dv, n_blocks, n = _walk_dims(x, v, heads, block_v)
     C, N = CHUNK, block_v
-    n_blocks, n = dv // N, L // C
     dtype = x.dtype
-    WGMMA = plgpu.Layout.WGMMA
-    COLS = WGMMA.reduce(0)
+    COLS = plgpu.Layout.WGMMA.reduce(0)
     tile = _tile(dtype, N)
     _, ec_rows, w_rows, _, a_rows = walk_gates(eta, g, gp, rl, C, dk)
 
@@ -471,13 +470,7 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
                 return cols_bc(_load(a_s, COLS)) * dSt + q_term - upd
 
             def compute(pipeline):
-                plgpu.copy_gmem_to_smem(ds_end_ref.at[bh, cols], st_s, bar)
-                plgpu.barrier_wait(bar)
-                ds_start = pipeline(_load(st_s, WGMMA))
-                st_s[...] = ds_start
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(st_s, ds_start_ref.at[bh, cols])
-                plgpu.wait_smem_to_gmem(0)
+                _carry_state(pipeline, ds_end_ref.at[bh, cols], ds_start_ref.at[bh, cols], st_s, bar)
 
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 step, grid=(n,), memory_registers=40, in_specs=in_specs, out_specs=out_specs,
@@ -492,7 +485,7 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
     kernel = pl.kernel(body, out_type=jax.ShapeDtypeStruct((BH, dv, dk), F32), mesh=mesh, name=mesh.kernel_name,
                        compiler_params=plgpu.CompilerParams(approx_math=True))
     # dR and dh are written over V and the q-term: refs passed to the kernel are aliased in and out of it
-    v_ref = jax.new_ref(v.astype(dtype))
+    v_ref = jax.new_ref(v)
     qt_ref = jax.new_ref(q_term.reshape(BH, n * dk, dv))
     ds_end_t = jnp.swapaxes(ds_end[:, 0].astype(F32), 1, 2)
     ds_start_t = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, qt_ref)
