@@ -113,69 +113,89 @@ def reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, ds_end):
     return dr, dh, dS
 
 
-def reverse_call(impl):
+def q_term_reference(q, do, g, rl):
+    """float64 ``(c ⊙ Q)ᵀ dO`` per chunk of the rounded q, dO ``[B, L, H, d]`` (c_t = e^{g_t} while the chunk's
+    first segment runs, else 0): ``[B·H, L/C, dk, dv]``."""
+    B, L, H, _ = q.shape
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    qh, doh = (np.swapaxes(f64(a), 1, 2).reshape(B * H, L // C, C, -1) for a in (q, do))
+    cont = np.where(f64(rl) == 0, np.exp(f64(g)), 0.0).reshape(B * H, L // C, C)
+    return np.einsum("bntk,bntv->bnkv", cont[..., None] * qh, doh)
+
+
+def reverse_call(impl, q_in_walk=False):
     """The jitted split reverse walk (``"mosaic"`` or ``"triton"``) as Falcon-1's backward calls it (in place,
-    keys one row back, V and the q-term given, B from T, dR and dh written), on (x as keys, η, g, g⁻, rl, T, V,
-    q-term, ds_end) with ``heads`` from x's shape."""
-    def run(keys, eta, g, gp, rl, tinv, v, q_term, ds_end):
-        kw = dict(chunk=C, pieces=1, block_v=64, write_dh=True, vb=(v, None, q_term), write_dr=BF, b_from_t=True,
-                  walk_operands=BF, heads=keys.shape[2], key_shift=True)
+    keys one row back, V given, B from T, dR and dh written), on (x as keys, q, dO, η, g, g⁻, rl, T, V, q-term,
+    ds_end) with ``heads`` from x's shape; ``q_in_walk``: the walk forms the q-term from q and dO (the q-term
+    argument is ignored), else it reads the given one."""
+    def run(keys, q, do, eta, g, gp, rl, tinv, v, q_term, ds_end):
+        kw = dict(chunk=C, pieces=1, block_v=64, write_dh=True, vb=(v, None, None if q_in_walk else q_term),
+                  write_dr=BF, b_from_t=True, walk_operands=BF, heads=keys.shape[2], key_shift=True)
         if impl == "mosaic":
-            return mosaic_gpu_walks.reverse_walk(keys, keys, eta, g, gp, rl, tinv, v, ds_end, **kw)
-        return pallas_gpu.state_grad_split_pass(keys, keys, eta, g, gp, rl, tinv, v, ds_end, interpret=False,
+            return mosaic_gpu_walks.reverse_walk(q, keys, eta, g, gp, rl, tinv, do, ds_end, **kw)
+        return pallas_gpu.state_grad_split_pass(q, keys, eta, g, gp, rl, tinv, do, ds_end, interpret=False,
                                                 num_warps=4, num_stages=3, **kw)
 
     return jax.jit(run)
 
 
 def check_reverse(rng, results) -> bool:
-    """The Mosaic reverse walk's dR, dh and dS_start against float64, next to the Triton walk's."""
+    """The Mosaic reverse walk's dR, dh and dS_start against float64, next to the Triton walk's: the q-term given
+    (as ``prepare_vb`` forms it) and formed in the walk from q and dO."""
     ok = True
     for B, L, H, d, segments in ((2, 512, 4, 128, True), (1, 64, 2, 128, True), (1, 384, 2, 64, False),
                                  (1, 4096, 2, 128, False)):
         q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=segments,
                                                          first_row_zero=True)
         v = y
-        q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
-        want = reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, s0)
-        errs = {}
-        for impl in ("mosaic", "triton"):
-            try:
-                dr, dh, ds = reverse_call(impl)(as_keys(x), eta, g, gp, rl, tinv, v, q_term, s0)
-                jax.block_until_ready(ds)
-            except Exception as e:  # noqa: BLE001
-                print(f"FAIL  reverse walk: {impl} did not run: {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [repr(e)])[0][:400]}", flush=True)
-                results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, ok=False, error=impl))
-                return False
-            finite = all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in (dr, dh, ds))
-            errs[impl] = dict(dR=rel_err(_as_ref_tokens(dr, True, B, L, H), want[0]), dh=rel_err(dh, want[1]),
-                              ds=rel_err(ds[:, 0], want[2]), finite=finite)
-        passed = errs["mosaic"]["finite"]
-        for name in ("dR", "dh", "ds"):
-            bound = 2 * errs["triton"][name] + 2.0**-9
-            passed &= errs["mosaic"][name] <= bound
-            print(f"  {name:3s} rel err mosaic {errs['mosaic'][name]:.3e}  triton {errs['triton'][name]:.3e}  "
-                  f"(bound {bound:.3e})", flush=True)
-        print(f"{'PASS' if passed else 'FAIL'}  reverse walk  [B={B}, L={L}, H={H}, d={d}, segments={segments}]",
-              flush=True)
-        results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, segments=segments, ok=passed,
-                                                      mosaic=errs["mosaic"], triton=errs["triton"]))
-        ok &= passed
+        do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
+        given = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
+        for q_in_walk in (False, True):
+            q_term = q_term_reference(q, do, g, rl) if q_in_walk else given
+            want = reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, s0)
+            errs = {}
+            for impl in ("mosaic", "triton"):
+                try:
+                    dr, dh, ds = reverse_call(impl, q_in_walk)(as_keys(x), q, do, eta, g, gp, rl, tinv, v, given, s0)
+                    jax.block_until_ready(ds)
+                except Exception as e:  # noqa: BLE001
+                    print(f"FAIL  reverse walk: {impl} (q-term in the walk: {q_in_walk}) did not run: "
+                          f"{type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0][:400]}", flush=True)
+                    results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, q_in_walk=q_in_walk,
+                                                                  ok=False, error=impl))
+                    return False
+                finite = all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in (dr, dh, ds))
+                errs[impl] = dict(dR=rel_err(_as_ref_tokens(dr, True, B, L, H), want[0]), dh=rel_err(dh, want[1]),
+                                  ds=rel_err(ds[:, 0], want[2]), finite=finite)
+            passed = errs["mosaic"]["finite"]
+            for name in ("dR", "dh", "ds"):
+                bound = 2 * errs["triton"][name] + 2.0**-9
+                passed &= errs["mosaic"][name] <= bound
+                print(f"  {name:3s} rel err mosaic {errs['mosaic'][name]:.3e}  triton {errs['triton'][name]:.3e}  "
+                      f"(bound {bound:.3e})", flush=True)
+            print(f"{'PASS' if passed else 'FAIL'}  reverse walk  [B={B}, L={L}, H={H}, d={d}, segments={segments}, "
+                  f"q-term in the walk: {q_in_walk}]", flush=True)
+            results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, segments=segments, q_in_walk=q_in_walk,
+                                                          ok=passed, mosaic=errs["mosaic"], triton=errs["triton"]))
+            ok &= passed
     return ok
 
 
 def time_reverse(rng, results) -> None:
+    """Each reverse walk alone at 8x2048x16x128 (V, the q-term and dO fresh jit arguments: XLA copies V and the
+    q-term before the in-place kernels, which the op does not)."""
     rows = []
     B, L, H, d = 8, 2048, 16, 128
     q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=False, first_row_zero=True)
     q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
-    args = (as_keys(x), eta, g, gp, rl, tinv, y, q_term, s0)
-    row = {"shape": f"{B}x{L}x{H}x{d}", "walk": "reverse"}
-    for impl in ("triton", "mosaic"):
-        row[f"{impl} ms"] = time_jax(reverse_call(impl), *args)
-    print(row, flush=True)
-    rows.append(row)
+    do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
+    args = (as_keys(x), q, do, eta, g, gp, rl, tinv, y, q_term, s0)
+    for q_in_walk in (False, True):
+        row = {"shape": f"{B}x{L}x{H}x{d}", "walk": "reverse", "q-term": "walk" if q_in_walk else "given"}
+        for impl in ("triton", "mosaic"):
+            row[f"{impl} ms"] = time_jax(reverse_call(impl, q_in_walk), *args)
+        print(row, flush=True)
+        rows.append(row)
     results["reverse timing"] = rows
 
 

@@ -998,6 +998,16 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --skip "$WHOLE_OP_VARIANTS" \
       --configs "split_block_v=64;split_block_v=64,walks=triton" --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98)"; exit 2 ;;
+  next99)  # twenty-fourth run, first call: the Mosaic reverse walk forming the q-term (c ⊙ Q)ᵀ dO itself (dstate_q=walk:
+    # prepare writes V only, the walk reads Q and dO, dh takes its own buffer): values of both q-term modes and each
+    # walk alone, then the whole op at every shape and 8x2048's memory and profile against the default (dstate_q
+    # from prepare at 8x2048; at 2x8192 and 1x32768 "auto" already forms it in the Triton walks)
+    step check_walks 150 python3 benchmarks/gpu_check_mosaic_walks.py --reverse-only --out "$out/$part/check_walks.json"
+    step bench 220 python3 benchmarks/bench_regression.py --memory-shapes "8x2048x16x128" --rows "falcon-1 pallas" \
+      --skip "$WHOLE_OP_VARIANTS" --configs "dstate_q=walk" --out "$out/$part/bench.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-1" --top 14 \
+      --kernel-config "dstate_q=walk" --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -271,6 +271,29 @@ def test_gpu_check_reverse_reference_matches_the_triton_walk():
     assert rel_err(ds[:, 0], wrong[2]) > 0.1
 
 
+def test_gpu_check_reverse_reference_with_the_q_term_formed_in_the_walk():
+    """With the q-term formed in the walk (``vb[2] = None``), the float64 q-term the GPU check builds
+    (``q_term_reference``: ``(c ⊙ Q)ᵀ dO`` per chunk, c zero after a segment start) and its reverse walk agree with
+    the Triton walk in interpret mode, which forms it from q and dO; and dropping c's segment cut shows."""
+    from benchmarks.common import rel_err
+    from benchmarks.gpu_check_mosaic_walks import as_keys, make_case, q_term_reference, reverse_reference
+
+    rng = np.random.default_rng()
+    B, L, H, d = 1, 192, 2, 32
+    q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=True, first_row_zero=True,
+                                                     interpret=True)
+    do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
+    dr, dh, ds = pallas_gpu.state_grad_split_pass(
+        q, as_keys(x), eta, g, gp, rl, tinv, do, s0, chunk=C, pieces=1, block_v=16, write_dh=True, interpret=True,
+        vb=(y, None, None), write_dr=BF, b_from_t=True, walk_operands=BF, heads=H, key_shift=True)
+    want = reverse_reference(x, eta, g, gp, rl, tinv, y, q_term_reference(q, do, g, rl), s0)
+    dr = np.swapaxes(np.asarray(dr.astype(jnp.float32)), 1, 2).reshape(B * H, L, d)
+    errs = [rel_err(dr, want[0]), rel_err(dh, want[1]), rel_err(ds[:, 0], want[2])]
+    assert max(errs) < 2e-2, errs
+    uncut = reverse_reference(x, eta, g, gp, jnp.zeros_like(rl), tinv, y, q_term_reference(q, do, g, 0 * rl), s0)
+    assert rel_err(dh, uncut[1]) > 3 * max(errs)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(block_v=32), "block_v=32"),
     (dict(b_from_t=False), "B formed from T"),
@@ -289,30 +312,43 @@ def test_reverse_walk_refuses_calls_it_does_not_serve(change, match):
                                       jnp.zeros((B * H, L, C), BF), tokens, jnp.zeros((B * H, 1, d, d)), **kw)
 
 
+def test_reverse_walk_refuses_fp32_queries_for_the_q_term_it_forms():
+    B, L, H, d = 1, 128, 2, 64
+    tokens = jnp.zeros((B, L, H, d), BF)
+    rows = jnp.zeros((B * H, L), jnp.float32)
+    with pytest.raises(NotImplementedError, match="forming the q-term in the walk"):
+        mosaic_gpu_walks.reverse_walk(tokens.astype(jnp.float32), tokens, rows, rows, rows, rows.astype(jnp.int32),
+                                      jnp.zeros((B * H, L, C), BF), tokens, jnp.zeros((B * H, 1, d, d)), chunk=C,
+                                      vb=(tokens, None, None), write_dr=BF, b_from_t=True, walk_operands=BF, heads=H)
+
+
 @needs_lowering
 @pytest.mark.parametrize("B,L,H,d,in_place", [(2, 256, 4, 128, True), (3, 320, 1, 128, False), (1, 64, 2, 64, True)])
 def test_reverse_walk_lowers_with_the_triton_walks_outputs(B, L, H, d, in_place):
     """The Mosaic reverse walk cross-lowers for CUDA, writes dR and dh over V and the q-term (two aliased
-    operands of one Mosaic GPU call) and returns the Triton walk's shapes and dtypes."""
+    operands of one Mosaic GPU call) or, forming the q-term itself, dR over V (one), and returns the Triton walk's
+    shapes and dtypes."""
     tok = S((B, L, H, d) if in_place else (B * H, L, d), BF)
     rows = S((B * H, L), jnp.float32)
     args = (tok, tok, rows, rows, rows, S((B * H, L), jnp.int32), S((B * H, L, C), BF), tok,
             S((B * H, 1, d, d), jnp.float32), tok, S((B * H, L // C, d, d), BF))
 
-    def call(fn, **extra):
+    def call(fn, given_q_term=True, **extra):
         def run(q, x, eta, g, gp, rl, t, do, ds_end, v, q_term):
             return fn(q, x, eta, g, gp, rl, t, do, ds_end, chunk=C, pieces=1, block_v=64, write_dh=True,
-                      vb=(v, None, q_term), write_dr=BF, b_from_t=True, walk_operands=BF,
+                      vb=(v, None, q_term if given_q_term else None), write_dr=BF, b_from_t=True, walk_operands=BF,
                       heads=H if in_place else None, key_shift=True, **extra)
         return run
 
-    mosaic = call(mosaic_gpu_walks.reverse_walk)
-    text = jax.jit(mosaic).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    (line,) = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
-    assert line.count("output_operand_alias<") == 2
-    got = jax.eval_shape(mosaic, *args)
-    want = jax.eval_shape(call(pallas_gpu.state_grad_split_pass, interpret=False), *args)
-    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    for given_q_term, aliases in ((True, 2), (False, 1)):  # without it the walk forms it, dh its own output
+        mosaic = call(mosaic_gpu_walks.reverse_walk, given_q_term=given_q_term)
+        text = jax.jit(mosaic).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        (line,) = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
+        assert line.count("output_operand_alias<") == aliases
+        got = jax.eval_shape(mosaic, *args)
+        want = jax.eval_shape(call(pallas_gpu.state_grad_split_pass, given_q_term=given_q_term, interpret=False),
+                              *args)
+        assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
 
 
 @needs_lowering
@@ -330,3 +366,20 @@ def test_op_backward_takes_the_mosaic_reverse_walk():
     assert reverse(KernelConfig(walks="mosaic", **kw)) == (1, 0)
     assert reverse(KernelConfig(walks="triton", **kw)) == (0, 1)
     assert reverse(KernelConfig(walks="mosaic", **kw), jnp.float32) == (0, 1)
+
+
+@needs_lowering
+def test_op_backward_forms_the_q_term_in_the_mosaic_reverse_walk():
+    """Under ``dstate_q="auto"`` the Mosaic reverse walk forms the q-term itself (one aliased operand, V's: dh is
+    its own output) and prepare writes none, even at the 256 programs where the Triton walk reads prepare's; the
+    Triton walk ("triton") still reads it there, in dh's buffer."""
+    def lowered(walks):  # B4 T128 H64 d128: 256 reverse-walk programs of 64 columns
+        text = _lowered_falcon1(KernelConfig(outputs="pallas", split_block_v=64, walks=walks), BF, grads=True, B=4,
+                                T=128, H=64)
+        aliased = [ln.count("output_operand_alias<") for ln in text.splitlines()
+                   if "custom_call @mosaic_gpu" in ln and "output_operand_alias<" in ln]
+        (prepare,) = [ln for ln in text.splitlines() if 'name = "falcon_delta_dstate_prepare"' in ln]
+        return aliased, prepare.count("tensor<256x2x128x128xbf16>")  # the q-term [B·H, L/C, dk, dv] among its outputs
+
+    assert lowered("mosaic") == ([1], 0)
+    assert lowered("triton") == ([], 1)

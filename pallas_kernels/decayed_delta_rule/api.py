@@ -219,7 +219,10 @@ class KernelConfig:
     # seventeenth run): "prepare" when the walk runs at least 256 programs.  H200 bf16 whole op fwd+bwd, prepare vs
     # walk (next61): 1.231 vs 1.297 ms at 8x2048x16x128 (256 programs of 64 columns: the walk 298 -> 182 us,
     # prepare 142 -> 192), but 1.437 vs 1.340 at 2x8192 and 3.401 vs 3.151 at 1x32768 (128 programs: the walk
-    # 1,006 -> 1,157 us at 1x32768); with the keys in place, 1.304 vs 1.364 ms at 8x2048 (next63)
+    # 1,006 -> 1,157 us at 1x32768); with the keys in place, 1.304 vs 1.364 ms at 8x2048 (next63).  Since the
+    # twenty-fourth run "auto" is "walk" wherever the Mosaic GPU reverse walk runs: it forms the q-term from the
+    # multicast Q tile off its dS chain at no cost (H200 bf16 8x2048, next99: the walk 142.4 us either way, prepare
+    # 118.3 -> 84.1 us, whole op fwd+bwd 1.120 vs 1.145 ms, same peak memory: dh takes the q-term's buffer)
     dstate_q: str = "auto"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
     # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
@@ -358,10 +361,13 @@ class KernelConfig:
             return self.fwd_scores
         return "kernel" if output_programs <= FEW_OUTPUT_PROGRAMS else "walk"
 
-    def dstate_q_for(self, walk_programs: int) -> str:
-        """``dstate_q`` with "auto" resolved for a split reverse walk of ``walk_programs`` programs."""
+    def dstate_q_for(self, walk_programs: int, mosaic_walk: bool = False) -> str:
+        """``dstate_q`` with "auto" resolved for a split reverse walk of ``walk_programs`` programs (``mosaic_walk``:
+        the Mosaic GPU reverse walk will run it)."""
         if self.dstate_q != "auto":
             return self.dstate_q
+        if mosaic_walk:
+            return "walk"
         return "prepare" if walk_programs >= MANY_WALK_PROGRAMS else "walk"
 
     def stored_v_for(self, group: int) -> str:
@@ -610,14 +616,19 @@ def _mosaic_or_triton(choice: str, backend: str, interpret: bool, mosaic_pass, t
     return either
 
 
+def _walks_choice(config: KernelConfig, block_v: int) -> str:
+    """``KernelConfig.walks`` for a walk the Triton kernel would run at ``block_v`` columns: "auto" takes the
+    Mosaic walk (on a Hopper GPU, :func:`_mosaic_or_triton`) only at 64 columns, where it measured faster."""
+    if config.walks == "auto" and block_v != mosaic_gpu_walks.REGISTER_FORM_BLOCK_V:
+        return "triton"
+    return config.walks
+
+
 def _mosaic_walk_or_triton(config: KernelConfig, backend: str, interpret: bool, block_v: int, mosaic_walk,
                            triton_walk, **mosaic_kw):
-    """A walk with a Mosaic GPU kernel (``KernelConfig.walks``, :func:`_mosaic_or_triton`): "auto" takes it only
-    for a walk the Triton kernel would run at ``block_v`` = 64 columns (where it measured faster); the Mosaic
-    walk is called with the Triton walk's arguments less its launch parameters, plus ``mosaic_kw``."""
-    choice = config.walks
-    if choice == "auto" and block_v != mosaic_gpu_walks.REGISTER_FORM_BLOCK_V:
-        choice = "triton"
+    """A walk with a Mosaic GPU kernel (``KernelConfig.walks``, :func:`_walks_choice`, :func:`_mosaic_or_triton`);
+    the Mosaic walk is called with the Triton walk's arguments less its launch parameters, plus ``mosaic_kw``."""
+    choice = _walks_choice(config, block_v)
 
     def mosaic(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
         del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
@@ -643,10 +654,29 @@ def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: 
                                   kernels.state_grad_split_pass)
 
 
+def _takes_mosaic_reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: int, q, x, do, tinv, *,
+                               chunk: int, v_dtype, write_dr, b_from_t: bool, walk_operands) -> bool:
+    """Whether :func:`_reverse_walk` will run the Mosaic GPU reverse walk for this one-piece call (decided before
+    ``prepare_vb``, which forms the q-term only for a walk that does not)."""
+    choice = _walks_choice(config, block_v)
+    if backend != "pallas_gpu" or interpret or choice == "triton" or (choice == "auto" and not mosaic_gpu.on_hopper()):
+        return False
+    v = jax.ShapeDtypeStruct(do.shape, v_dtype)
+    return mosaic_gpu_walks.reverse_walk_unsupported_reason(
+        x, v, chunk, block_v=mosaic_gpu_walks.REGISTER_FORM_BLOCK_V, pieces=1, write_dh=True, vb=(v, None, None),
+        write_dr=write_dr, b_from_t=b_from_t, walk_operands=walk_operands, t_dtype=tinv.dtype, q_dtype=q.dtype,
+        do_dtype=do.dtype) is None
+
+
 def _prepare(config: KernelConfig, backend: str, interpret: bool):
     """The split reverse walk's ``prepare_vb`` (``KernelConfig.prepare``, :func:`_mosaic_or_triton`)."""
     kernels = _BACKENDS[backend]
     return _mosaic_or_triton(config.prepare, backend, interpret, mosaic_gpu.prepare_vb, kernels.prepare_vb)
+
+
+def _stored_dr_dtype(config: KernelConfig, walk_kw: dict):
+    """The dtype the reverse walk stores dR in for the stored chunk gradients (``KernelConfig.stored_dr``)."""
+    return jnp.float32 if config.stored_dr == "fp32" else walk_kw["walk_operands"] or jnp.float32
 
 
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
@@ -687,11 +717,15 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
         # the walk's (c ⊙ Q)ᵀ dO per chunk from prepare, in dh's buffer (KernelConfig.dstate_q; one piece only)
         state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
         walk_programs = BH * pieces * (dv // state_kw["block_v"])
-        q_term = config.dstate_q_for(walk_programs) == "prepare" and pieces == 1
+        v_dtype = lo if config.stored_v_for(group) == "input" else jnp.float32
+        mosaic_walk = pieces == 1 and stored and _takes_mosaic_reverse_walk(
+            config, backend, interpret, state_kw["block_v"], q, x, do, tinv, chunk=chunk, v_dtype=v_dtype,
+            write_dr=_stored_dr_dtype(config, state_kw), b_from_t=b_from_t, walk_operands=state_kw["walk_operands"])
+        q_term = config.dstate_q_for(walk_programs, mosaic_walk) == "prepare" and pieces == 1
         state_kw["vb"] = _prepare(config, backend, interpret)(
             q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
             num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
-            v_dtype=lo if config.stored_v_for(group) == "input" else jnp.float32, with_b=not b_from_t,
+            v_dtype=v_dtype, with_b=not b_from_t,
             q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None, walk_operands=state_kw["walk_operands"],
             **keys)
         state_kw["b_from_t"] = b_from_t
@@ -705,7 +739,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
     else:
         ds_ends = ds_final[:, None]
     if stored:
-        dr_dtype = jnp.float32 if config.stored_dr == "fp32" else state_kw["walk_operands"] or jnp.float32
+        dr_dtype = _stored_dr_dtype(config, state_kw)
         if split_state_grads and pieces == 1:
             state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"])
         dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,

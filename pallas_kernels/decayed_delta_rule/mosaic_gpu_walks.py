@@ -374,7 +374,8 @@ def forward_walk(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, heads=None, scores
 
 
 def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: int, write_dh: bool, vb, write_dr,
-                                    b_from_t: bool, walk_operands, t_dtype) -> str | None:
+                                    b_from_t: bool, walk_operands, t_dtype, q_dtype=None,
+                                    do_dtype=None) -> str | None:
     """Why :func:`reverse_walk` cannot take this call (None: it can)."""
     reason = walk_unsupported_reason(x, do, chunk, block_v=block_v, pieces=pieces, walk_operands=walk_operands,
                                      t_dtype=t_dtype)
@@ -383,11 +384,13 @@ def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: 
     if block_v != REGISTER_FORM_BLOCK_V:
         return f"block_v={block_v}: the Mosaic GPU reverse walk takes {REGISTER_FORM_BLOCK_V} value columns"
     dtype = jnp.dtype(x.dtype)
-    if vb is None or vb[2] is None or not b_from_t or not write_dh:
-        return ("the reverse walk without V, the q-term from prepare_vb, B formed from T or dh written "
-                "(KernelConfig(dstate_q='prepare', dstate_b='from_t'))")
-    if jnp.dtype(vb[0].dtype) != dtype or jnp.dtype(vb[2].dtype) != dtype:
+    if vb is None or not b_from_t or not write_dh:
+        return ("the reverse walk without V from prepare_vb, B formed from T or dh written "
+                "(KernelConfig(dstate_b='from_t'))")
+    if jnp.dtype(vb[0].dtype) != dtype or (vb[2] is not None and jnp.dtype(vb[2].dtype) != dtype):
         return "V or the q-term stored in fp32: the walk writes dR and dh over them in the inputs' dtype"
+    if vb[2] is None and (q_dtype is None or jnp.dtype(q_dtype) != dtype or jnp.dtype(do_dtype) != dtype):
+        return "forming the q-term in the walk from queries or dO in another dtype than the keys'"
     if write_dr is None or jnp.dtype(write_dr) != dtype:
         return "dR stored in fp32 or not at all (KernelConfig(stored_dr='input'))"
     return None
@@ -396,42 +399,58 @@ def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: 
 def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, block_v=REGISTER_FORM_BLOCK_V,
                  write_dh=True, vb=None, write_dr=None, b_from_t=False, walk_operands=None, heads=None,
                  key_shift=False, **triton_kw):
-    """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, V and the
-    q-term from ``prepare_vb`` in the inputs' dtype, B formed from T, dh and dR written): the split reverse walk,
-    every batch·head's chunks last first, with one cluster of ``dv / 64`` CTAs sharing the chunk's keys and T by
-    TMA multicast.  Per chunk, carrying ``dSᵀ`` ``[64, dk]`` in fp32 registers (every product's left operand from
-    registers)::
+    """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, V from
+    ``prepare_vb`` in the inputs' dtype, B formed from T, dh and dR written): the split reverse walk, every
+    batch·head's chunks last first, with one cluster of ``dv / 64`` CTAs sharing the chunk's keys, T (and
+    queries) by TMA multicast.  Per chunk, carrying ``dSᵀ`` ``[64, dk]`` in fp32 registers (every product's left
+    operand from registers)::
 
-        dh_c = dS                                          (written over the chunk's q-term)
+        dh_c = dS
         dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                           wgmma dSᵀ · Xᵀ, then · T   (dR written over V)
-        dSᵀ ← a dSᵀ + ((c ⊙ Q)ᵀ dO)ᵀ − (η c⁻ ⊙ dR)ᵀ X        wgmma
+        dSᵀ ← a dSᵀ + (c ⊙ dO)ᵀ Q − (η c⁻ ⊙ dR)ᵀ X          wgmma
 
-    q, do: unused (the q-term holds them); x ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``); eta, g, gp, rl
-    ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32; ``vb = (V like do, None, q-term
-    [B·H, L/C, dk, dv])``.  Returns ``(dR like do, dh [B·H, L/C, dk, dv], dS_start [B·H, 1, dk, dv] fp32)``; dR and
-    dh take V's and the q-term's buffers (the kernel writes them in place through ``jax.new_ref``).  Refuses
-    (NotImplementedError) what :func:`reverse_walk_unsupported_reason` names."""
-    del q, do, triton_kw
+    The q-term ``((c ⊙ Q)ᵀ dO)ᵀ`` comes from ``prepare_vb`` (``vb[2]``, dh written over it) or, with
+    ``vb[2] = None``, is formed here: one more product per step, off the chain through dS, issued with ``dSᵀ Xᵀ``
+    (dh then takes a buffer of its own, the one the q-term would have taken).
+
+    q ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``) and do like V: read only to form the q-term; x like q;
+    eta, g, gp, rl ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32; ``vb = (V like do, None,
+    q-term [B·H, L/C, dk, dv] or None)``.  Returns ``(dR like do, dh [B·H, L/C, dk, dv], dS_start [B·H, 1, dk,
+    dv] fp32)``; dR takes V's buffer (and dh the q-term's) — the kernel writes them in place through
+    ``jax.new_ref``.  Refuses (NotImplementedError) what :func:`reverse_walk_unsupported_reason` names."""
+    del triton_kw
     reason = reverse_walk_unsupported_reason(x, vb[0] if vb is not None else x, chunk, block_v=block_v,
                                              pieces=pieces, write_dh=write_dh, vb=vb, write_dr=write_dr,
-                                             b_from_t=b_from_t, walk_operands=walk_operands, t_dtype=tinv.dtype)
+                                             b_from_t=b_from_t, walk_operands=walk_operands, t_dtype=tinv.dtype,
+                                             q_dtype=q.dtype, do_dtype=do.dtype)
     if reason is not None:
         raise NotImplementedError(f"mosaic_gpu reverse_walk: {reason}")
     if key_shift:  # as forward_walk
         x = shift_time(x, 1, axis=1)
     v, _, q_term = vb
+    with_q = q_term is None  # the walk forms the q-term
     BH, B, H, dk, dv, n_blocks, n = _walk_dims(x, v, heads, block_v)
     C, N = CHUNK, block_v
     dtype = x.dtype
+    h_dtype = chunk_state_dtype(dtype)
     COLS = plgpu.Layout.WGMMA.reduce(0)
     tile = _tile(dtype, N)
-    _, ec_rows, w_rows, _, a_rows = walk_gates(eta, g, gp, rl, C, dk)
+    _, ec_rows, w_rows, c_rows, a_rows = walk_gates(eta, g, gp, rl, C, dk)
 
     item = jnp.dtype(dtype).itemsize
     per_step = C * dk * item + C * C * item + 2 * C * N * item + 2 * dk * N * item + 2 * C * 4 + dk * 4
+    if with_q:  # Q, dO and c in; no q-term in
+        per_step += C * dk * item + C * N * item + C * 4 - dk * N * item
     depth = max(1, min(3, (SMEM_BYTES - N * dk * 4 - 4096) // per_step))
 
-    def body(x_ref, t_ref, ec_ref, w_ref, a_ref, ds_end_ref, v_ref, qt_ref, ds_start_ref):
+    def body(*refs):
+        x_ref, t_ref, ec_ref, w_ref, a_ref, ds_end_ref, v_ref, *refs = refs
+        if with_q:
+            q_ref, do_ref, c_ref, ds_start_ref, dh_ref = refs
+        else:
+            qt_ref, ds_start_ref = refs
+            dh_ref = qt_ref  # dh over the q-term
+
         def scoped(st_s, bar):
             b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index(CLUSTER)
             bh = b * H + h
@@ -446,20 +465,32 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
             shared = functools.partial(plgpu.BlockSpec, transforms=tile, collective_axes=(CLUSTER,))
             own_rows = plgpu.BlockSpec((C, N), lambda c: (back(c), j), transforms=tile)
             own_state = plgpu.BlockSpec((dk, N), lambda c: (back(c), j), transforms=tile)
-            in_specs = [shared((C, dk), lambda c: (back(c), 0)), shared((C, C), lambda c: (back(c), 0)),
-                        plgpu.BlockSpec((C,), lambda c: (back(c),)), plgpu.BlockSpec((C,), lambda c: (back(c),)),
-                        plgpu.BlockSpec((dk,), lambda c: (back(c),)), own_rows, own_state]
-            in_refs = [tokens(x_ref), t_ref.at[bh], ec_ref.at[bh], w_ref.at[bh], a_ref.at[bh], tokens(v_ref),
-                       qt_ref.at[bh]]
+            gate = plgpu.BlockSpec((C,), lambda c: (back(c),))
+            in_specs = [shared((C, dk), lambda c: (back(c), 0)), shared((C, C), lambda c: (back(c), 0)), gate, gate,
+                        plgpu.BlockSpec((dk,), lambda c: (back(c),)), own_rows]
+            in_refs = [tokens(x_ref), t_ref.at[bh], ec_ref.at[bh], w_ref.at[bh], a_ref.at[bh], tokens(v_ref)]
+            if with_q:
+                in_specs += [shared((C, dk), lambda c: (back(c), 0)), own_rows, gate]
+                in_refs += [tokens(q_ref), tokens(do_ref), c_ref.at[bh]]
+            else:
+                in_specs.append(own_state)
+                in_refs.append(qt_ref.at[bh])
             out_specs = [own_rows, own_state]
-            out_refs = [tokens(v_ref), qt_ref.at[bh]]
+            out_refs = [tokens(v_ref), dh_ref.at[bh]]
             cols_bc = functools.partial(_cols_bc, rows=N)
 
-            def step(_, x_s, t_s, ec_s, w_s, a_s, v_s, qt_s, dr_s, dh_s, dSt):
-                q_term = _load_transposed(qt_s)  # (c ⊙ Q)ᵀ dO, before dh takes its place
-                v_t = _load_transposed(v_s)
+            def step(_, x_s, t_s, ec_s, w_s, a_s, v_s, *slots):
+                *slots, dr_s, dh_s, dSt = slots
                 st = dSt.astype(dtype)
-                (xds,) = _products((st, x_s.T, (N, C)))
+                if with_q:
+                    q_s, do_s, c_s = slots
+                    cdo = (cols_bc(_load(c_s, COLS)) * _load_transposed(do_s)).astype(dtype)  # (c ⊙ dO)ᵀ
+                    xds, q_term = _products((st, x_s.T, (N, C)), (cdo, q_s, (N, dk)))
+                else:
+                    (qt_s,) = slots
+                    q_term = _load_transposed(qt_s)  # before dh takes its place
+                    (xds,) = _products((st, x_s.T, (N, C)))
+                v_t = _load_transposed(v_s)
                 _store_transposed(dh_s, st)
                 wx = (cols_bc(_load(w_s, COLS)) * xds).astype(dtype)
                 (bds,) = _products((wx, t_s, (N, C)))
@@ -482,12 +513,18 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
 
     mesh = plgpu.Mesh(grid=(B, H), grid_names=("b", "h"), cluster=(n_blocks,), cluster_names=(CLUSTER,),
                       num_threads=2, thread_name="wg", kernel_name="falcon_delta_dstate_walk_mgpu")
-    kernel = pl.kernel(body, out_type=jax.ShapeDtypeStruct((BH, dv, dk), F32), mesh=mesh, name=mesh.kernel_name,
+    out_type = [jax.ShapeDtypeStruct((BH, dv, dk), F32)]
+    if with_q:
+        out_type.append(jax.ShapeDtypeStruct((BH, n * dk, dv), h_dtype))
+    kernel = pl.kernel(body, out_type=tuple(out_type), mesh=mesh, name=mesh.kernel_name,
                        compiler_params=plgpu.CompilerParams(approx_math=True))
-    # dR and dh are written over V and the q-term: refs passed to the kernel are aliased in and out of it
+    # dR (and dh) are written over V (and the q-term): refs passed to the kernel are aliased in and out of it
     v_ref = jax.new_ref(v)
-    qt_ref = jax.new_ref(q_term.reshape(BH, n * dk, dv))
     ds_end_t = jnp.swapaxes(ds_end[:, 0].astype(F32), 1, 2)
-    ds_start_t = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, qt_ref)
-    dr, dh = v_ref[...], qt_ref[...].reshape(BH, n, dk, dv)
-    return dr, dh, jnp.swapaxes(ds_start_t, 1, 2)[:, None]
+    if with_q:
+        ds_start_t, dh = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, q, do, c_rows)
+    else:
+        qt_ref = jax.new_ref(q_term.reshape(BH, n * dk, dv))
+        (ds_start_t,) = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, qt_ref)
+        dh = qt_ref[...]
+    return v_ref[...], dh.reshape(BH, n, dk, dv), jnp.swapaxes(ds_start_t, 1, 2)[:, None]
