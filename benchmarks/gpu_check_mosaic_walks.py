@@ -123,14 +123,41 @@ def q_term_reference(q, do, g, rl):
     return np.einsum("bntk,bntv->bnkv", cont[..., None] * qh, doh)
 
 
-def reverse_call(impl, q_in_walk=False):
+def v_reference(q, x, do, g, rl, tinv):
+    """float64 ``V = Tᵀ (QXᵀ ⊙ D)ᵀ dO`` per chunk of the rounded q, x (the write features), dO ``[B, L, H, d]``
+    and T: ``[B·H, L, dv]``."""
+    B, L, H, _ = q.shape
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    n = L // C
+    qh, xh, doh = (np.swapaxes(f64(a), 1, 2).reshape(B * H, n, C, -1) for a in (q, x, do))
+    gc, rc, tc = f64(g).reshape(B * H, n, C), f64(rl).reshape(B * H, n, C), f64(tinv).reshape(B * H, n, C, C)
+    keep = (np.tril(np.ones((C, C), bool)) & (rc[..., :, None] == rc[..., None, :]))
+    decay = np.where(keep, np.exp(np.where(keep, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
+    scores = np.einsum("bntk,bnsk->bnts", qh, xh) * decay
+    v = np.einsum("bnsj,bnts,bntv->bnjv", tc, scores, doh)
+    return v.reshape(B * H, L, -1)
+
+
+# what the reverse walk is given: V and the q-term ("given", as prepare_vb writes both), V alone (the q-term formed
+# in the walk), or neither (both formed in the walk; the Triton walk, which cannot, reads V from Triton's prepare_vb)
+REVERSE_MODES = ("given", "q in walk", "v and q in walk")
+
+
+def reverse_call(impl, mode="given"):
     """The jitted split reverse walk (``"mosaic"`` or ``"triton"``) as Falcon-1's backward calls it (in place,
-    keys one row back, V given, B from T, dR and dh written), on (x as keys, q, dO, η, g, g⁻, rl, T, V, q-term,
-    ds_end) with ``heads`` from x's shape; ``q_in_walk``: the walk forms the q-term from q and dO (the q-term
-    argument is ignored), else it reads the given one."""
+    keys one row back, B from T, dR and dh written), on (x as keys, q, dO, η, g, g⁻, rl, T, V, q-term, ds_end) with
+    ``heads`` from x's shape; ``mode`` (:data:`REVERSE_MODES`) says which of V and the q-term it is given."""
     def run(keys, q, do, eta, g, gp, rl, tinv, v, q_term, ds_end):
-        kw = dict(chunk=C, pieces=1, block_v=64, write_dh=True, vb=(v, None, None if q_in_walk else q_term),
-                  write_dr=BF, b_from_t=True, walk_operands=BF, heads=keys.shape[2], key_shift=True)
+        H = keys.shape[2]
+        if mode == "v and q in walk" and impl == "triton":
+            v, _, _ = pallas_gpu.prepare_vb(q, keys, eta, g, gp, rl, tinv, do, chunk=C, interpret=False, heads=H,
+                                            v_dtype=BF, with_b=False, walk_operands=BF, key_shift=True)
+        elif mode == "v and q in walk":
+            v = None
+        if mode != "given":
+            q_term = None
+        kw = dict(chunk=C, pieces=1, block_v=64, write_dh=True, vb=(v, None, q_term), write_dr=BF, b_from_t=True,
+                  walk_operands=BF, heads=H, key_shift=True)
         if impl == "mosaic":
             return mosaic_gpu_walks.reverse_walk(q, keys, eta, g, gp, rl, tinv, do, ds_end, **kw)
         return pallas_gpu.state_grad_split_pass(q, keys, eta, g, gp, rl, tinv, do, ds_end, interpret=False,
@@ -140,29 +167,34 @@ def reverse_call(impl, q_in_walk=False):
 
 
 def check_reverse(rng, results) -> bool:
-    """The Mosaic reverse walk's dR, dh and dS_start against float64, next to the Triton walk's: the q-term given
-    (as ``prepare_vb`` forms it) and formed in the walk from q and dO."""
+    """The Mosaic reverse walk's dR, dh and dS_start against float64, next to the Triton walk's, in each of
+    :data:`REVERSE_MODES`."""
     ok = True
     for B, L, H, d, segments in ((2, 512, 4, 128, True), (1, 64, 2, 128, True), (1, 384, 2, 64, False),
                                  (1, 4096, 2, 128, False)):
         q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=segments,
                                                          first_row_zero=True)
-        v = y
         do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
+        given_v = y
         given = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
-        for q_in_walk in (False, True):
-            q_term = q_term_reference(q, do, g, rl) if q_in_walk else given
-            want = reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, s0)
+        for mode in REVERSE_MODES:
+            q_term = given if mode == "given" else q_term_reference(q, do, g, rl)
+            if mode == "v and q in walk":
+                v = v_reference(q, x, do, g, rl, tinv)
+                v = np.swapaxes(v.reshape(B, H, L, d), 1, 2)  # [B, L, H, dv], as reverse_reference takes V
+                want = reverse_reference(x, eta, g, gp, rl, tinv, v, q_term, s0)
+            else:
+                want = reverse_reference(x, eta, g, gp, rl, tinv, given_v, q_term, s0)
             errs = {}
             for impl in ("mosaic", "triton"):
                 try:
-                    dr, dh, ds = reverse_call(impl, q_in_walk)(as_keys(x), q, do, eta, g, gp, rl, tinv, v, given, s0)
+                    dr, dh, ds = reverse_call(impl, mode)(as_keys(x), q, do, eta, g, gp, rl, tinv, given_v, given, s0)
                     jax.block_until_ready(ds)
                 except Exception as e:  # noqa: BLE001
-                    print(f"FAIL  reverse walk: {impl} (q-term in the walk: {q_in_walk}) did not run: "
+                    print(f"FAIL  reverse walk: {impl} ({mode}) did not run: "
                           f"{type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0][:400]}", flush=True)
-                    results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, q_in_walk=q_in_walk,
-                                                                  ok=False, error=impl))
+                    results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, mode=mode, ok=False,
+                                                                  error=impl))
                     return False
                 finite = all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in (dr, dh, ds))
                 errs[impl] = dict(dR=rel_err(_as_ref_tokens(dr, True, B, L, H), want[0]), dh=rel_err(dh, want[1]),
@@ -174,26 +206,27 @@ def check_reverse(rng, results) -> bool:
                 print(f"  {name:3s} rel err mosaic {errs['mosaic'][name]:.3e}  triton {errs['triton'][name]:.3e}  "
                       f"(bound {bound:.3e})", flush=True)
             print(f"{'PASS' if passed else 'FAIL'}  reverse walk  [B={B}, L={L}, H={H}, d={d}, segments={segments}, "
-                  f"q-term in the walk: {q_in_walk}]", flush=True)
-            results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, segments=segments, q_in_walk=q_in_walk,
+                  f"{mode}]", flush=True)
+            results.setdefault("reverse", []).append(dict(B=B, L=L, H=H, d=d, segments=segments, mode=mode,
                                                           ok=passed, mosaic=errs["mosaic"], triton=errs["triton"]))
             ok &= passed
     return ok
 
 
 def time_reverse(rng, results) -> None:
-    """Each reverse walk alone at 8x2048x16x128 (V, the q-term and dO fresh jit arguments: XLA copies V and the
-    q-term before the in-place kernels, which the op does not)."""
+    """Each reverse walk alone at 8x2048x16x128 in each of :data:`REVERSE_MODES` (V, the q-term and dO fresh jit
+    arguments: XLA copies what the in-place kernels write over, which the op does not; the Triton walk's
+    "v and q in walk" includes Triton's prepare_vb)."""
     rows = []
     B, L, H, d = 8, 2048, 16, 128
     q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=False, first_row_zero=True)
     q_term = jnp.asarray(rng.normal(size=(B * H, L // C, d, d)) / np.sqrt(d), BF)
     do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
     args = (as_keys(x), q, do, eta, g, gp, rl, tinv, y, q_term, s0)
-    for q_in_walk in (False, True):
-        row = {"shape": f"{B}x{L}x{H}x{d}", "walk": "reverse", "q-term": "walk" if q_in_walk else "given"}
+    for mode in REVERSE_MODES:
+        row = {"shape": f"{B}x{L}x{H}x{d}", "walk": "reverse", "given": mode}
         for impl in ("triton", "mosaic"):
-            row[f"{impl} ms"] = time_jax(reverse_call(impl, q_in_walk), *args)
+            row[f"{impl} ms"] = time_jax(reverse_call(impl, mode), *args)
         print(row, flush=True)
         rows.append(row)
     results["reverse timing"] = rows

@@ -1008,6 +1008,29 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-1" --top 14 \
       --kernel-config "dstate_q=walk" --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99)"; exit 2 ;;
+  next100)  # twenty-fourth run, second call: the Mosaic reverse walk forming V too (dstate_v, "auto": no prepare pass
+    # at 8x2048): values of the three modes and each walk alone, the whole op at every shape against dstate_v=prepare,
+    # 8x2048's memory
+    step check_walks 200 python3 benchmarks/gpu_check_mosaic_walks.py --reverse-only --out "$out/$part/check_walks.json"
+    step bench 220 python3 benchmarks/bench_regression.py --memory-shapes "8x2048x16x128" --rows "falcon-1 pallas" \
+      --skip "$WHOLE_OP_VARIANTS" --configs "dstate_v=prepare" --out "$out/$part/bench.json"
+    ;;
+  next101)  # twenty-fourth run, third call: the op's bf16 checks through the Mosaic walks, the reverse one forming the
+    # q-term (the default) and also V (dstate_v=walk), in one piece (the check's B1 T2048 H4 call); the profile at 8x2048
+    step check 120 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads" \
+      --kernel-config "walks=mosaic,target_programs=1" --out "$out/$part/check.json"
+    step check_v 120 python3 benchmarks/gpu_check_regression.py --only "bf16 grads" \
+      --kernel-config "walks=mosaic,target_programs=1,dstate_v=walk" --out "$out/$part/check_v.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-1" --top 14 \
+      --out "$out/$part/profile.json"
+    ;;
+  next102)  # twenty-fourth run, fourth call: the stored chunk gradients' launch parameters again under today's default
+    # (last tuned in the ninth to fifteenth runs, before the Mosaic walks and the in-place dy/dx)
+    step bench 300 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
+      --shapes "8x2048x16x128,2x8192x16x128" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "grad_block_k=64;grad_block_k=16;grad_stages=2;grad_stages=4;grad_warps=8;grad_block_v=32;grad_block_v=128" \
+      --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

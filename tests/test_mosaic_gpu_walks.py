@@ -294,9 +294,30 @@ def test_gpu_check_reverse_reference_with_the_q_term_formed_in_the_walk():
     assert rel_err(dh, uncut[1]) > 3 * max(errs)
 
 
+def test_gpu_check_v_reference_matches_the_triton_prepare():
+    """The float64 ``V = Tᵀ (QXᵀ ⊙ D)ᵀ dO`` the GPU check holds the walk that forms V to (``v_reference``) agrees
+    with Triton's ``prepare_vb`` in interpret mode (keys one row back in place, segment starts inside chunks); and
+    a V without the segment cut shows."""
+    from benchmarks.common import rel_err
+    from benchmarks.gpu_check_mosaic_walks import as_keys, make_case, v_reference
+
+    rng = np.random.default_rng()
+    B, L, H, d = 2, 128, 2, 32
+    q, x, y, eta, g, gp, rl, tinv, s0, _ = make_case(rng, B, L, H, d, d, segments=True, first_row_zero=True,
+                                                     interpret=True)
+    do = jnp.asarray(rng.normal(size=(B, L, H, d)), BF)
+    v, _, _ = pallas_gpu.prepare_vb(q, as_keys(x), eta, g, gp, rl, tinv, do, chunk=C, interpret=True, heads=H,
+                                    v_dtype=jnp.float32, with_b=False, walk_operands=BF, key_shift=True)
+    got = np.swapaxes(np.asarray(v), 1, 2).reshape(B * H, L, d)
+    err = rel_err(got, v_reference(q, x, do, g, rl, tinv))
+    assert err < 2e-2, err
+    assert rel_err(got, v_reference(q, x, do, g, 0 * rl, tinv)) > 3 * err
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(block_v=32), "block_v=32"),
     (dict(b_from_t=False), "B formed from T"),
+    (dict(vb=(None, None, jnp.zeros((2, 2, 64, 64), BF))), "the walk forms both or neither"),
     (dict(write_dh=False), "dh written"),
     (dict(write_dr=jnp.float32), "dR stored in fp32"),
     (dict(pieces=2), "pieces=2"),
@@ -333,15 +354,16 @@ def test_reverse_walk_lowers_with_the_triton_walks_outputs(B, L, H, d, in_place)
     args = (tok, tok, rows, rows, rows, S((B * H, L), jnp.int32), S((B * H, L, C), BF), tok,
             S((B * H, 1, d, d), jnp.float32), tok, S((B * H, L // C, d, d), BF))
 
-    def call(fn, given_q_term=True, **extra):
+    def call(fn, given_v=True, given_q_term=True, **extra):
         def run(q, x, eta, g, gp, rl, t, do, ds_end, v, q_term):
             return fn(q, x, eta, g, gp, rl, t, do, ds_end, chunk=C, pieces=1, block_v=64, write_dh=True,
-                      vb=(v, None, q_term if given_q_term else None), write_dr=BF, b_from_t=True, walk_operands=BF,
+                      vb=(v if given_v else None, None, q_term if given_q_term else None), write_dr=BF, b_from_t=True, walk_operands=BF,
                       heads=H if in_place else None, key_shift=True, **extra)
         return run
 
-    for given_q_term, aliases in ((True, 2), (False, 1)):  # without it the walk forms it, dh its own output
-        mosaic = call(mosaic_gpu_walks.reverse_walk, given_q_term=given_q_term)
+    # without the q-term the walk forms it (dh its own output), without V too (dR its own output)
+    for given_v, given_q_term, aliases in ((True, True, 2), (True, False, 1), (False, False, 0)):
+        mosaic = call(mosaic_gpu_walks.reverse_walk, given_v=given_v, given_q_term=given_q_term)
         text = jax.jit(mosaic).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         (line,) = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
         assert line.count("output_operand_alias<") == aliases
@@ -369,17 +391,22 @@ def test_op_backward_takes_the_mosaic_reverse_walk():
 
 
 @needs_lowering
-def test_op_backward_forms_the_q_term_in_the_mosaic_reverse_walk():
-    """Under ``dstate_q="auto"`` the Mosaic reverse walk forms the q-term itself (one aliased operand, V's: dh is
-    its own output) and prepare writes none, even at the 256 programs where the Triton walk reads prepare's; the
-    Triton walk ("triton") still reads it there, in dh's buffer."""
-    def lowered(walks):  # B4 T128 H64 d128: 256 reverse-walk programs of 64 columns
-        text = _lowered_falcon1(KernelConfig(outputs="pallas", split_block_v=64, walks=walks), BF, grads=True, B=4,
-                                T=128, H=64)
+def test_op_backward_forms_v_and_the_q_term_in_the_mosaic_reverse_walk():
+    """Under "auto" the Mosaic reverse walk forms the q-term itself and reads V from prepare (dR over V: one alias;
+    prepare writes V alone), even at the 256 programs where the Triton walk reads prepare's q-term.  With
+    ``dstate_v="walk"`` it forms V too: no prepare pass runs and the walk aliases nothing (dR and dh its own
+    outputs).  The Triton walks ("triton") read V and the q-term from prepare."""
+    def lowered(**kw):  # B4 T128 H64 d128: 256 reverse-walk programs of 64 columns
+        text = _lowered_falcon1(KernelConfig(outputs="pallas", split_block_v=64, **kw), BF, grads=True, B=4, T=128,
+                                H=64)
         aliased = [ln.count("output_operand_alias<") for ln in text.splitlines()
                    if "custom_call @mosaic_gpu" in ln and "output_operand_alias<" in ln]
-        (prepare,) = [ln for ln in text.splitlines() if 'name = "falcon_delta_dstate_prepare"' in ln]
-        return aliased, prepare.count("tensor<256x2x128x128xbf16>")  # the q-term [B·H, L/C, dk, dv] among its outputs
+        prepare = [ln for ln in text.splitlines() if 'name = "falcon_delta_dstate_prepare"' in ln]
+        # prepare's outputs: V [B, T, H, dv] and, when it forms it, the q-term [B·H, L/C, dk, dv]
+        results = [ln.rsplit("->", 1)[1] for ln in prepare]
+        return aliased, [(r.count("tensor<4x128x64x128xbf16>"), r.count("tensor<256x2x128x128xbf16>"))
+                         for r in results]
 
-    assert lowered("mosaic") == ([1], 0)
-    assert lowered("triton") == ([], 1)
+    assert lowered(walks="mosaic") == ([1], [(1, 0)])
+    assert lowered(walks="mosaic", dstate_v="walk") == ([], [])
+    assert lowered(walks="triton") == ([], [(1, 1)])

@@ -792,6 +792,10 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     # the Mosaic reverse walk forms it itself at any count (next99: free there, prepare 118 -> 84 us at 8x2048)
     assert [cfg.dstate_q_for(n, mosaic_walk=True) for n in (128, 256, 512)] == ["walk"] * 3
     assert KernelConfig(dstate_q="prepare").dstate_q_for(256, mosaic_walk=True) == "prepare"
+    # V from prepare unless asked for in the Mosaic walk (next100: slower there), and only with the q-term there too
+    assert cfg.dstate_v_for(True, True) == "prepare"
+    assert [KernelConfig(dstate_v="walk").dstate_v_for(*a) for a in ((True, True), (True, False), (False, True))] == [
+        "walk", "prepare", "prepare"]
     # V in bf16 for Falcon-1's one row per step, fp32 for a window's rows (Falcon-3)
     assert (cfg.stored_v_for(1), cfg.stored_v_for(4)) == ("input", "fp32")
     assert KernelConfig(stored_v="input").stored_v_for(4) == "input"

@@ -224,6 +224,13 @@ class KernelConfig:
     # multicast Q tile off its dS chain at no cost (H200 bf16 8x2048, next99: the walk 142.4 us either way, prepare
     # 118.3 -> 84.1 us, whole op fwd+bwd 1.120 vs 1.145 ms, same peak memory: dh takes the q-term's buffer)
     dstate_q: str = "auto"
+    # GPU, the split reverse walk's V = Tᵀ(QXᵀ⊙D)ᵀdO: from dstate_prepare ("prepare") or formed by the Mosaic GPU
+    # reverse walk itself ("walk": the masked scores from its multicast Q and X tiles and dOᵀ(QXᵀ⊙D) added to
+    # (w ⊙ X dS)ᵀ before its one product with T, so no prepare pass runs; only where the Mosaic walk runs and forms
+    # the q-term too, else "prepare"), or "auto": "prepare".  The walk's step is latency-bound and the three more
+    # products (scores, two parts against dO) cost it more than the pass they save (H200 bf16 8x2048, next100: the
+    # walk alone 0.368 vs 0.254 ms, the whole op fwd+bwd 1.169 vs 1.097 ms, same peak memory)
+    dstate_v: str = "auto"
     # GPU, the forward walk that writes the outputs: its masked scores QXᵀ ⊙ D formed by every value-block program
     # of a head ("walk") or once per chunk by a parallel 4-warp kernel and read by the walk ("kernel"), or "auto":
     # "kernel" when the output walk runs at most 264 programs (two per SM of the H200's 132), else "walk".  H200
@@ -290,6 +297,7 @@ class KernelConfig:
                               ("gate_transpose", ("xla", "pallas")),
                               ("dstate_b", ("stored", "from_t")),
                               ("dstate_q", ("auto", "walk", "prepare")),
+                              ("dstate_v", ("auto", "walk", "prepare")),
                               ("fwd_scores", ("auto", "walk", "kernel")),
                               *((name, ("auto", "triton", "mosaic")) for name in ("prepare", "chunk_grads_kernel",
                                                                                   "walks")),
@@ -369,6 +377,13 @@ class KernelConfig:
         if mosaic_walk:
             return "walk"
         return "prepare" if walk_programs >= MANY_WALK_PROGRAMS else "walk"
+
+    def dstate_v_for(self, mosaic_walk: bool, q_term_in_walk: bool) -> str:
+        """``dstate_v`` resolved: "walk" where it asks for it and the Mosaic GPU reverse walk runs (``mosaic_walk``)
+        and forms the q-term itself (``q_term_in_walk``); else "prepare"."""
+        if mosaic_walk and q_term_in_walk and self.dstate_v == "walk":
+            return "walk"
+        return "prepare"
 
     def stored_v_for(self, group: int) -> str:
         """``stored_v`` with "auto" resolved for steps of ``group`` rows (1: Falcon-1; the window: Falcon-3)."""
@@ -646,9 +661,16 @@ def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
                                   kernels.forward_pass, stages=MOSAIC_WALK_STAGES, form="registers")
 
 
-def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: int):
+def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: int, v_in_walk: bool = False):
     """The split reverse walk of one piece writing dh and dR (``block_v`` the Triton walk's width):
-    ``state_grad_split_pass``'s call."""
+    ``state_grad_split_pass``'s call.  ``v_in_walk``: the Mosaic walk forms V (no ``prepare_vb`` ran, so no
+    Triton walk can take the call; :func:`_takes_mosaic_reverse_walk` said the Mosaic one will)."""
+    if v_in_walk:
+        def mosaic(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
+            del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
+            return mosaic_gpu_walks.reverse_walk(*args, block_v=mosaic_gpu_walks.REGISTER_FORM_BLOCK_V, **kw)
+
+        return mosaic
     kernels = _BACKENDS[backend]
     return _mosaic_walk_or_triton(config, backend, interpret, block_v, mosaic_gpu_walks.reverse_walk,
                                   kernels.state_grad_split_pass)
@@ -722,12 +744,16 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
             config, backend, interpret, state_kw["block_v"], q, x, do, tinv, chunk=chunk, v_dtype=v_dtype,
             write_dr=_stored_dr_dtype(config, state_kw), b_from_t=b_from_t, walk_operands=state_kw["walk_operands"])
         q_term = config.dstate_q_for(walk_programs, mosaic_walk) == "prepare" and pieces == 1
-        state_kw["vb"] = _prepare(config, backend, interpret)(
-            q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-            num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
-            v_dtype=v_dtype, with_b=not b_from_t,
-            q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None, walk_operands=state_kw["walk_operands"],
-            **keys)
+        v_in_walk = config.dstate_v_for(mosaic_walk, not q_term) == "walk"
+        if v_in_walk:  # the Mosaic reverse walk forms V and the q-term: no prepare pass
+            state_kw["vb"] = (None, None, None)
+        else:
+            state_kw["vb"] = _prepare(config, backend, interpret)(
+                q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
+                num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
+                v_dtype=v_dtype, with_b=not b_from_t,
+                q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
+                walk_operands=state_kw["walk_operands"], **keys)
         state_kw["b_from_t"] = b_from_t
     else:
         state_grad_pass = kernels.state_grad_pass
@@ -741,7 +767,7 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
     if stored:
         dr_dtype = _stored_dr_dtype(config, state_kw)
         if split_state_grads and pieces == 1:
-            state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"])
+            state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"], v_in_walk)
         dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
                                            **state_kw, **keys)
     else:

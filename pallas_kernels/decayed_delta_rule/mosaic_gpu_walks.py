@@ -385,55 +385,74 @@ def reverse_walk_unsupported_reason(x, do, chunk: int, *, block_v: int, pieces: 
         return f"block_v={block_v}: the Mosaic GPU reverse walk takes {REGISTER_FORM_BLOCK_V} value columns"
     dtype = jnp.dtype(x.dtype)
     if vb is None or not b_from_t or not write_dh:
-        return ("the reverse walk without V from prepare_vb, B formed from T or dh written "
+        return ("the reverse walk without prepare_vb's (V, B, q-term), B formed from T or dh written "
                 "(KernelConfig(dstate_b='from_t'))")
-    if jnp.dtype(vb[0].dtype) != dtype or (vb[2] is not None and jnp.dtype(vb[2].dtype) != dtype):
+    v, _, q_term = vb
+    if v is None and q_term is not None:
+        return "V formed in the walk with the q-term from prepare_vb: the walk forms both or neither"
+    if (v is not None and jnp.dtype(v.dtype) != dtype) or (q_term is not None and jnp.dtype(q_term.dtype) != dtype):
         return "V or the q-term stored in fp32: the walk writes dR and dh over them in the inputs' dtype"
-    if vb[2] is None and (q_dtype is None or jnp.dtype(q_dtype) != dtype or jnp.dtype(do_dtype) != dtype):
+    if q_term is None and (q_dtype is None or jnp.dtype(q_dtype) != dtype or jnp.dtype(do_dtype) != dtype):
         return "forming the q-term in the walk from queries or dO in another dtype than the keys'"
     if write_dr is None or jnp.dtype(write_dr) != dtype:
         return "dR stored in fp32 or not at all (KernelConfig(stored_dr='input'))"
     return None
 
 
+def _summed_products(shape, *pairs):
+    """``Σ a @ b`` over ``pairs`` (fp32): every product into one accumulator, one wait."""
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+
+
 def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, block_v=REGISTER_FORM_BLOCK_V,
                  write_dh=True, vb=None, write_dr=None, b_from_t=False, walk_operands=None, heads=None,
                  key_shift=False, **triton_kw):
-    """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, V from
-    ``prepare_vb`` in the inputs' dtype, B formed from T, dh and dR written): the split reverse walk, every
-    batch·head's chunks last first, with one cluster of ``dv / 64`` CTAs sharing the chunk's keys, T (and
-    queries) by TMA multicast.  Per chunk, carrying ``dSᵀ`` ``[64, dk]`` in fp32 registers (every product's left
-    operand from registers)::
+    """Drop-in for :func:`pallas_gpu.state_grad_split_pass` as Falcon-1's backward calls it (one piece, B formed
+    from T, dh and dR written): the split reverse walk, every batch·head's chunks last first, with one cluster of
+    ``dv / 64`` CTAs sharing the chunk's keys, T (and queries) by TMA multicast.  Per chunk, carrying ``dSᵀ``
+    ``[64, dk]`` in fp32 registers (every product's left operand from registers or, for the scores, SMEM)::
 
         dh_c = dS
-        dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                           wgmma dSᵀ · Xᵀ, then · T   (dR written over V)
+        dRᵀ = Vᵀ + (w ⊙ X dS)ᵀ T                           wgmma dSᵀ · Xᵀ, then · T
         dSᵀ ← a dSᵀ + (c ⊙ dO)ᵀ Q − (η c⁻ ⊙ dR)ᵀ X          wgmma
 
-    The q-term ``((c ⊙ Q)ᵀ dO)ᵀ`` comes from ``prepare_vb`` (``vb[2]``, dh written over it) or, with
-    ``vb[2] = None``, is formed here: one more product per step, off the chain through dS, issued with ``dSᵀ Xᵀ``
-    (dh then takes a buffer of its own, the one the q-term would have taken).
+    ``vb = (V, None, q-term)`` as ``prepare_vb`` gives them — V ``Tᵀ (QXᵀ ⊙ D)ᵀ dO`` like do (dR written over it),
+    the q-term ``((c ⊙ Q)ᵀ dO)`` ``[B·H, L/C, dk, dv]`` (dh written over it) — or with None in their place formed
+    here, off the chain through dS: the q-term as one more product issued with ``dSᵀ Xᵀ`` (dh then takes a
+    buffer of its own, the one the q-term would have taken); V (only with the q-term) as the masked scores
+    ``QXᵀ ⊙ D`` (a product from the multicast Q and X tiles, masked in registers, staged to SMEM as two 16-bit
+    parts ``hi + lo`` as ``mosaic_gpu.prepare_vb`` does) and ``dOᵀ (QXᵀ ⊙ D)``, added to ``(w ⊙ X dS)ᵀ`` before
+    the one product with T: ``dRᵀ = (dOᵀ (QXᵀ ⊙ D) + (w ⊙ X dS)ᵀ) T`` (dR then takes V's buffer), so the walk
+    needs no ``prepare_vb`` at all.
 
-    q ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``) and do like V: read only to form the q-term; x like q;
-    eta, g, gp, rl ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32; ``vb = (V like do, None,
-    q-term [B·H, L/C, dk, dv] or None)``.  Returns ``(dR like do, dh [B·H, L/C, dk, dv], dS_start [B·H, 1, dk,
-    dv] fp32)``; dR takes V's buffer (and dh the q-term's) — the kernel writes them in place through
-    ``jax.new_ref``.  Refuses (NotImplementedError) what :func:`reverse_walk_unsupported_reason` names."""
+    q ``[B·H, L, dk]`` or ``[B, L, H, dk]`` (``heads``) and do like the values: read only to form what ``vb``
+    leaves out; x like q; eta, g, gp, rl ``[B·H, L]``; tinv ``[B·H, L, C]``; ds_end ``[B·H, 1, dk, dv]`` fp32.
+    Returns ``(dR like do, dh [B·H, L/C, dk, dv], dS_start [B·H, 1, dk, dv] fp32)``; given V and q-term buffers
+    are written in place through ``jax.new_ref``.  Refuses (NotImplementedError) what
+    :func:`reverse_walk_unsupported_reason` names."""
     del triton_kw
-    reason = reverse_walk_unsupported_reason(x, vb[0] if vb is not None else x, chunk, block_v=block_v,
-                                             pieces=pieces, write_dh=write_dh, vb=vb, write_dr=write_dr,
-                                             b_from_t=b_from_t, walk_operands=walk_operands, t_dtype=tinv.dtype,
-                                             q_dtype=q.dtype, do_dtype=do.dtype)
+    reason = reverse_walk_unsupported_reason(x, do if vb is None or vb[0] is None else vb[0], chunk,
+                                             block_v=block_v, pieces=pieces, write_dh=write_dh, vb=vb,
+                                             write_dr=write_dr, b_from_t=b_from_t, walk_operands=walk_operands,
+                                             t_dtype=tinv.dtype, q_dtype=q.dtype, do_dtype=do.dtype)
     if reason is not None:
         raise NotImplementedError(f"mosaic_gpu reverse_walk: {reason}")
     if key_shift:  # as forward_walk
         x = shift_time(x, 1, axis=1)
     v, _, q_term = vb
     with_q = q_term is None  # the walk forms the q-term
-    BH, B, H, dk, dv, n_blocks, n = _walk_dims(x, v, heads, block_v)
+    with_v = v is None  # ... and V
+    BH, B, H, dk, dv, n_blocks, n = _walk_dims(x, do, heads, block_v)
     C, N = CHUNK, block_v
     dtype = x.dtype
     h_dtype = chunk_state_dtype(dtype)
-    COLS = plgpu.Layout.WGMMA.reduce(0)
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
     tile = _tile(dtype, N)
     _, ec_rows, w_rows, c_rows, a_rows = walk_gates(eta, g, gp, rl, C, dk)
 
@@ -441,17 +460,26 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
     per_step = C * dk * item + C * C * item + 2 * C * N * item + 2 * dk * N * item + 2 * C * 4 + dk * 4
     if with_q:  # Q, dO and c in; no q-term in
         per_step += C * dk * item + C * N * item + C * 4 - dk * N * item
-    depth = max(1, min(3, (SMEM_BYTES - N * dk * 4 - 4096) // per_step))
+    fixed = N * dk * 4 + 4096
+    if with_v:  # no V in; g and the run index in twice (one buffer per register layout); the scores' two parts
+        per_step += 4 * C * 4 - C * N * item
+        fixed += 2 * C * C * item
+    depth = max(1, min(3, (SMEM_BYTES - fixed) // per_step))
 
     def body(*refs):
-        x_ref, t_ref, ec_ref, w_ref, a_ref, ds_end_ref, v_ref, *refs = refs
+        x_ref, t_ref, ec_ref, w_ref, a_ref, ds_end_ref, *refs = refs
+        v_ref = None if with_v else refs.pop(0)
         if with_q:
-            q_ref, do_ref, c_ref, ds_start_ref, dh_ref = refs
+            q_ref, do_ref, c_ref, *refs = refs
         else:
-            qt_ref, ds_start_ref = refs
-            dh_ref = qt_ref  # dh over the q-term
+            qt_ref, *refs = refs
+        if with_v:
+            g_ref, r_ref, *refs = refs
+        ds_start_ref, *refs = refs
+        dh_ref = refs.pop(0) if with_q else qt_ref  # dh over the q-term when it is given
+        dr_ref = refs.pop(0) if with_v else v_ref  # dR over V likewise
 
-        def scoped(st_s, bar):
+        def scoped(st_s, bar, *score_parts):
             b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index(CLUSTER)
             bh = b * H + h
             cols = pl.ds(j * N, N)
@@ -467,38 +495,71 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
             own_state = plgpu.BlockSpec((dk, N), lambda c: (back(c), j), transforms=tile)
             gate = plgpu.BlockSpec((C,), lambda c: (back(c),))
             in_specs = [shared((C, dk), lambda c: (back(c), 0)), shared((C, C), lambda c: (back(c), 0)), gate, gate,
-                        plgpu.BlockSpec((dk,), lambda c: (back(c),)), own_rows]
-            in_refs = [tokens(x_ref), t_ref.at[bh], ec_ref.at[bh], w_ref.at[bh], a_ref.at[bh], tokens(v_ref)]
+                        plgpu.BlockSpec((dk,), lambda c: (back(c),))]
+            in_refs = [tokens(x_ref), t_ref.at[bh], ec_ref.at[bh], w_ref.at[bh], a_ref.at[bh]]
+            if not with_v:
+                in_specs.append(own_rows)
+                in_refs.append(tokens(v_ref))
             if with_q:
                 in_specs += [shared((C, dk), lambda c: (back(c), 0)), own_rows, gate]
                 in_refs += [tokens(q_ref), tokens(do_ref), c_ref.at[bh]]
             else:
                 in_specs.append(own_state)
                 in_refs.append(qt_ref.at[bh])
+            if with_v:  # g and the run index, each read along rows and along columns of the scores
+                in_specs += [gate] * 4
+                in_refs += [g_ref.at[bh], g_ref.at[bh], r_ref.at[bh], r_ref.at[bh]]
             out_specs = [own_rows, own_state]
-            out_refs = [tokens(v_ref), dh_ref.at[bh]]
+            out_refs = [tokens(dr_ref), dh_ref.at[bh]]
             cols_bc = functools.partial(_cols_bc, rows=N)
+            sq = (C, C)
 
-            def step(_, x_s, t_s, ec_s, w_s, a_s, v_s, *slots):
+            def masked_scores(scores, g_t, g_s, r_t, r_s):
+                """``QXᵀ ⊙ D`` from the ``[t, s]`` products: ``e^{g_t − g_s}`` on ``s ≤ t`` within a segment."""
+                t_ids = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+                s_ids = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+                keep = (s_ids <= t_ids) & (lax.broadcast_in_dim(r_t, sq, [0]) == lax.broadcast_in_dim(r_s, sq, [1]))
+                expo = lax.broadcast_in_dim(g_t, sq, [0]) - lax.broadcast_in_dim(g_s, sq, [1])
+                # select, not multiply: a masked exponent is never exponentiated, a masked entry exactly zero
+                return jnp.where(keep, scores * jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
+
+            def step(_, x_s, t_s, ec_s, w_s, a_s, *slots):
                 *slots, dr_s, dh_s, dSt = slots
+                v_s = None if with_v else slots.pop(0)
                 st = dSt.astype(dtype)
+                a_cols = cols_bc(_load(a_s, COLS))
                 if with_q:
-                    q_s, do_s, c_s = slots
-                    cdo = (cols_bc(_load(c_s, COLS)) * _load_transposed(do_s)).astype(dtype)  # (c ⊙ dO)ᵀ
+                    q_s, do_s, c_s, *slots = slots
+                    do_t = _load_transposed(do_s)  # dOᵀ [N, C]
+                    cdo = (cols_bc(_load(c_s, COLS)) * do_t).astype(dtype)  # (c ⊙ dO)ᵀ
                     xds, q_term = _products((st, x_s.T, (N, C)), (cdo, q_s, (N, dk)))
+                    base = a_cols * dSt + q_term
                 else:
                     (qt_s,) = slots
-                    q_term = _load_transposed(qt_s)  # before dh takes its place
+                    base = a_cols * dSt + _load_transposed(qt_s)  # before dh takes its place
                     (xds,) = _products((st, x_s.T, (N, C)))
-                v_t = _load_transposed(v_s)
                 _store_transposed(dh_s, st)
-                wx = (cols_bc(_load(w_s, COLS)) * xds).astype(dtype)
-                (bds,) = _products((wx, t_s, (N, C)))
-                dr = v_t + bds
+                wx = cols_bc(_load(w_s, COLS)) * xds
+                if with_v:
+                    g_t_s, g_s_s, r_t_s, r_s_s = slots
+                    (scores,) = _products((q_s, x_s.T, sq))
+                    scores = masked_scores(scores, _load(g_t_s, ROWS), _load(g_s_s, COLS), _load(r_t_s, ROWS),
+                                           _load(r_s_s, COLS))
+                    hi_s, lo_s = score_parts
+                    hi = scores.astype(dtype)
+                    hi_s[...] = hi
+                    lo_s[...] = (scores - hi.astype(F32)).astype(dtype)
+                    plgpu.commit_smem()
+                    do_b = do_t.astype(dtype)
+                    (dr,) = _products(((_summed_products((N, C), (do_b, hi_s), (do_b, lo_s)) + wx).astype(dtype),
+                                       t_s, (N, C)))
+                else:
+                    (bds,) = _products((wx.astype(dtype), t_s, (N, C)))
+                    dr = _load_transposed(v_s) + bds
                 _store_transposed(dr_s, dr)
                 edr = (cols_bc(_load(ec_s, COLS)) * dr).astype(dtype)
                 (upd,) = _products((edr, x_s, (N, dk)))
-                return cols_bc(_load(a_s, COLS)) * dSt + q_term - upd
+                return base - upd
 
             def compute(pipeline):
                 _carry_state(pipeline, ds_end_ref.at[bh, cols], ds_start_ref.at[bh, cols], st_s, bar)
@@ -508,23 +569,35 @@ def reverse_walk(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces=1, blo
                 max_concurrent_steps=min(depth, n), wg_axis="wg", num_compute_wgs=1, compute_context=compute)
             pipeline(*in_refs, *out_refs)
 
-        pl.run_scoped(scoped, plgpu.SMEM((N, dk), F32, transforms=_tile(F32, 32)), plgpu.Barrier(num_arrivals=1),
-                      collective_axes="wg")
+        scratch = [plgpu.SMEM((N, dk), F32, transforms=_tile(F32, 32)), plgpu.Barrier(num_arrivals=1)]
+        if with_v:
+            scratch += [plgpu.SMEM((C, C), dtype, transforms=tile)] * 2
+        pl.run_scoped(scoped, *scratch, collective_axes="wg")
 
     mesh = plgpu.Mesh(grid=(B, H), grid_names=("b", "h"), cluster=(n_blocks,), cluster_names=(CLUSTER,),
                       num_threads=2, thread_name="wg", kernel_name="falcon_delta_dstate_walk_mgpu")
     out_type = [jax.ShapeDtypeStruct((BH, dv, dk), F32)]
     if with_q:
         out_type.append(jax.ShapeDtypeStruct((BH, n * dk, dv), h_dtype))
+    if with_v:
+        out_type.append(jax.ShapeDtypeStruct(do.shape, write_dr))
     kernel = pl.kernel(body, out_type=tuple(out_type), mesh=mesh, name=mesh.kernel_name,
                        compiler_params=plgpu.CompilerParams(approx_math=True))
-    # dR (and dh) are written over V (and the q-term): refs passed to the kernel are aliased in and out of it
-    v_ref = jax.new_ref(v)
+    # dR (and dh) are written over V (and the q-term) when given: refs passed to the kernel are aliased in and
+    # out of it
     ds_end_t = jnp.swapaxes(ds_end[:, 0].astype(F32), 1, 2)
+    args = [x, tinv, ec_rows, w_rows, a_rows, ds_end_t]
+    if not with_v:
+        v_ref = jax.new_ref(v)
+        args.append(v_ref)
     if with_q:
-        ds_start_t, dh = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, q, do, c_rows)
+        args += [q, do, c_rows]
     else:
         qt_ref = jax.new_ref(q_term.reshape(BH, n * dk, dv))
-        (ds_start_t,) = kernel(x, tinv, ec_rows, w_rows, a_rows, ds_end_t, v_ref, qt_ref)
-        dh = qt_ref[...]
-    return v_ref[...], dh.reshape(BH, n, dk, dv), jnp.swapaxes(ds_start_t, 1, 2)[:, None]
+        args.append(qt_ref)
+    if with_v:
+        args += [g.astype(F32), rl.astype(F32)]
+    ds_start_t, *outs = kernel(*args)
+    dh = outs.pop(0) if with_q else qt_ref[...]
+    dr = outs.pop(0) if with_v else v_ref[...]
+    return dr, dh.reshape(BH, n, dk, dv), jnp.swapaxes(ds_start_t, 1, 2)[:, None]
