@@ -353,6 +353,9 @@ def main() -> int:
                     with_kernel_config(ours_falcon2, KernelConfig(column_solve="rows")), 5,
                     (q, k, v, beta_col, lam))
             measure("falcon-3 W=4 pallas (ours)", shape, ours_falcon3, 5, (q, k, v, beta, lam))
+            for label, cfg in extra_configs.items():  # --configs for Falcon-3 too (its op shares KernelConfig)
+                measure(label.replace("falcon-1 pallas", "falcon-3 W=4 pallas"), shape,
+                        with_kernel_config(ours_falcon3, cfg), 5, (q, k, v, beta, lam))
             for label, cfg in COLUMN_VARIANTS.items():
                 measure(label, shape, functools.partial(kernel_only, config=cfg), 5, (q, k, v, beta_col, log_decay))
         for label, kw in VARIANTS.items():

@@ -1031,6 +1031,14 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "grad_block_k=64;grad_block_k=16;grad_stages=2;grad_stages=4;grad_warps=8;grad_block_v=32;grad_block_v=128" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102)"; exit 2 ;;
+  next103)  # twenty-fourth run, fifth call: the new default grad_block_v (128 value columns for 16-bit inputs) against
+    # the old 64 at 8x2048 (Falcon-1 and Falcon-3) and 1x32768 with its memory, then the op's bf16 checks under it
+    step bench 260 python3 benchmarks/bench_regression.py --memory-shapes "1x32768x16x128" \
+      --rows "falcon-1 pallas;falcon-3 W=4" --shapes "8x2048x16x128,1x32768x16x128" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "grad_block_v=64" --out "$out/$part/bench.json"
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "long bf16,segments,bf16 grads" \
+      --out "$out/$part/check.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -772,6 +772,9 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
     assert cfg.block_v_for(4, 16) == 16 and KernelConfig(block_v=64).block_v_for(2, 32) == 32
     assert cfg.resolved(16, 128).block_v == 16 and cfg.resolved(16, 128).grad_block_v == 64
     assert KernelConfig(grad_block_v=64).resolved(1, 16).grad_block_v == 16
+    # the stored chunk gradients' value half: all of dv up to 128 for 16-bit inputs (next102), 64 for fp32
+    assert [cfg.resolved(16, dv, jnp.bfloat16).grad_block_v for dv in (64, 128, 256)] == [64, 128, 128]
+    assert cfg.resolved(16, 128, jnp.float32).grad_block_v == 64
     assert cfg.outputs_for("pallas_tpu", 16, 128) == "pallas"
     assert KernelConfig(outputs="xla").outputs_for("pallas_gpu", 16, 128) == "xla"
     assert [cfg.split_block_v_for(bh, 128) for bh in (128, 32, 16, 1)] == [64, 32, 16, 16]

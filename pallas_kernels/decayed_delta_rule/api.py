@@ -122,8 +122,11 @@ class KernelConfig:
     # 8x2048x16x128, 1.440 vs 1.496 at 2x8192, 3.340 vs 3.463 at 1x32768; next50)
     grad_stages: int = 3
     grad_block_k: int = 32  # key columns per step of the chunk gradients' key half (two-program and stored kernels)
-    # value columns per step of the stored chunk gradients' value half (None: 64 since the fifteenth run, when the
-    # value half lost its state dots; H200 bf16 whole op fwd+bwd, 64 vs 32 columns at 3 stages: 1.372 vs 1.391 ms
+    # value columns per step of the stored chunk gradients' value half (None: 128 for 16-bit inputs since the
+    # twenty-fourth run, capped at dv — H200 bf16 whole op fwd+bwd, 128 vs 64 columns: 1.064 vs 1.104 ms at
+    # 8x2048x16x128, 1.279 vs 1.336 at 2x8192, next102; 64 for fp32, not timed at 128 — and 64 since the fifteenth
+    # run before that, when the value half lost its state dots; H200 bf16 whole op fwd+bwd, 64 vs 32 columns at 3
+    # stages: 1.372 vs 1.391 ms
     # at 8x2048x16x128, 1.426 vs 1.443 at 2x8192, 3.321 vs 3.359 at 1x32768, next51; at 2 stages 1.425 / 1.464 /
     # 3.401 vs 1.464 / 1.496 / 3.463, next50.  Before that, with two state dots per block, 64 lost: next45)
     grad_block_v: int | None = None
@@ -421,8 +424,9 @@ class KernelConfig:
     def resolved(self, bh: int, dv: int, dtype=None, dk: int | None = None) -> "KernelConfig":
         """This config with ``block_v`` and ``grad_block_v`` set for ``bh`` batch·heads of ``dv`` value columns
         (inputs of ``dtype``, ``dk`` key columns)."""
+        sixteen_bit = dtype is not None and jnp.dtype(dtype).itemsize == 2
         return dataclasses.replace(self, block_v=self.block_v_for(bh, dv, dtype, dk),
-                                   grad_block_v=min(self.grad_block_v or 64, dv))
+                                   grad_block_v=min(self.grad_block_v or (128 if sixteen_bit else 64), dv))
 
     def split_block_v_for(self, bh: int, dv: int) -> int:
         """Value columns per program of the split walks for ``bh`` batch·heads (see ``split_block_v``)."""
