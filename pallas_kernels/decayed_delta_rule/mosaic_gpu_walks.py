@@ -28,8 +28,10 @@ chunk, which the tiled copies a wgmma operand needs cannot do (a copy of 8-row t
 ``key_shift`` the walk shifts a copy of the keys in XLA first (one more read and write of ``[B, L, H, dk]``).
 
 The split reverse walk of the backward (``reverse_walk``) is the same kind of kernel, walking the chunks last
-first; it writes dR and dh over V and the q-term as the Triton walk does, through refs (``jax.new_ref``) that
-``pl.kernel`` aliases in and out of the Mosaic GPU call (``plgpu.kernel`` takes no aliases).
+first; it writes dR (and dh) over V (and the q-term) as the Triton walk does, through refs (``jax.new_ref``) that
+``pl.kernel`` aliases in and out of the Mosaic GPU call (``plgpu.kernel`` takes no aliases).  It can form the
+q-term itself (the op's default since the twenty-fourth run: one more product off the chain through dS) and V too
+(opt-in, ``KernelConfig(dstate_v="walk")``: slower on the H200).
 
 Checked on the GPU only (``benchmarks/gpu_check_mosaic_walks.py``); CI cross-lowers it for CUDA and checks what
 it refuses (``tests/test_mosaic_gpu_walks.py``).
