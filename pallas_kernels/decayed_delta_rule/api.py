@@ -126,9 +126,9 @@ class KernelConfig:
     # twenty-fourth run, capped at dv — H200 bf16 whole op fwd+bwd, 128 vs 64 columns: 1.064 vs 1.104 ms at
     # 8x2048x16x128, 1.279 vs 1.336 at 2x8192, next102; 64 for fp32, not timed at 128 — and 64 since the fifteenth
     # run before that, when the value half lost its state dots; H200 bf16 whole op fwd+bwd, 64 vs 32 columns at 3
-    # stages: 1.372 vs 1.391 ms
-    # at 8x2048x16x128, 1.426 vs 1.443 at 2x8192, 3.321 vs 3.359 at 1x32768, next51; at 2 stages 1.425 / 1.464 /
-    # 3.401 vs 1.464 / 1.496 / 3.463, next50.  Before that, with two state dots per block, 64 lost: next45)
+    # stages: 1.372 vs 1.391 ms at 8x2048x16x128, 1.426 vs 1.443 at 2x8192, 3.321 vs 3.359 at 1x32768, next51; at
+    # 2 stages 1.425 / 1.464 / 3.401 vs 1.464 / 1.496 / 3.463, next50.  Before that, with two state dots per block,
+    # 64 lost: next45)
     grad_block_v: int | None = None
     # the stored chunk gradients' loops over value / key column blocks: "fori" (lax.fori_loop: an scf.for whose
     # loads Triton's pipeliner issues a block ahead with grad_stages >= 2) or "unrolled" (Python, static slices:
@@ -647,13 +647,18 @@ def _mosaic_walk_or_triton(config: KernelConfig, backend: str, interpret: bool, 
                            triton_walk, **mosaic_kw):
     """A walk with a Mosaic GPU kernel (``KernelConfig.walks``, :func:`_walks_choice`, :func:`_mosaic_or_triton`);
     the Mosaic walk is called with the Triton walk's arguments less its launch parameters, plus ``mosaic_kw``."""
-    choice = _walks_choice(config, block_v)
+    return _mosaic_or_triton(_walks_choice(config, block_v), backend, interpret,
+                             _with_triton_arguments(mosaic_walk, **mosaic_kw), triton_walk)
 
+
+def _with_triton_arguments(mosaic_walk, **mosaic_kw):
+    """``mosaic_walk`` called with a Triton walk's arguments: less its launch parameters, at the register form's
+    64 columns, plus ``mosaic_kw``."""
     def mosaic(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
         del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
         return mosaic_walk(*args, block_v=mosaic_gpu_walks.REGISTER_FORM_BLOCK_V, **mosaic_kw, **kw)
 
-    return _mosaic_or_triton(choice, backend, interpret, mosaic, triton_walk)
+    return mosaic
 
 
 def _walk(config: KernelConfig, backend: str, interpret: bool, pieces: int):
@@ -670,11 +675,7 @@ def _reverse_walk(config: KernelConfig, backend: str, interpret: bool, block_v: 
     ``state_grad_split_pass``'s call.  ``v_in_walk``: the Mosaic walk forms V (no ``prepare_vb`` ran, so no
     Triton walk can take the call; :func:`_takes_mosaic_reverse_walk` said the Mosaic one will)."""
     if v_in_walk:
-        def mosaic(*args, num_warps=None, num_stages=None, interpret=False, block_v=None, **kw):
-            del num_warps, num_stages, interpret, block_v  # the Triton walk's launch parameters
-            return mosaic_gpu_walks.reverse_walk(*args, block_v=mosaic_gpu_walks.REGISTER_FORM_BLOCK_V, **kw)
-
-        return mosaic
+        return _with_triton_arguments(mosaic_gpu_walks.reverse_walk)
     kernels = _BACKENDS[backend]
     return _mosaic_walk_or_triton(config, backend, interpret, block_v, mosaic_gpu_walks.reverse_walk,
                                   kernels.state_grad_split_pass)
