@@ -1053,6 +1053,19 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # 64 (the long shapes; the walks are latency-bound per chunk step)
     step probe 420 python3 benchmarks/probe_walk_chunk.py --out "$out/$part/probe.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106)"; exit 2 ;;
+  next107)  # twenty-fifth run, second call: the backward's walks over 128-row chunks (bwd_walk_chunks=2, T joined from
+    # the 64-row inverses, states and state gradients stored at every 64-row boundary): the op's checks through them
+    # (one piece), then the whole op at every shape against the default, with the reverse walk's stages and prepare's warps
+    step check 150 python3 benchmarks/gpu_check_regression.py --only "segments,bf16 grads,fp32 grads" \
+      --kernel-config "bwd_walk_chunks=2,target_programs=1" --out "$out/$part/check.json"
+    step bench 330 python3 benchmarks/bench_regression.py --memory-shapes "1x32768x16x128" --rows "falcon-1 pallas" \
+      --skip "$WHOLE_OP_VARIANTS" \
+      --configs "bwd_walk_chunks=2;bwd_walk_chunks=2,state_stages=2;bwd_walk_chunks=2,prepare_warps=8" \
+      --out "$out/$part/bench.json"
+    # run as a call of its own after the above (the reverse walk at 3 stages is out of shared memory)
+    step profile 120 python3 benchmarks/profile_kernels.py --shapes 1x32768x16x128,2x8192x16x128 --impls "falcon-1" \
+      --kernel-config "bwd_walk_chunks=2,state_stages=2" --top 16 --out "$out/$part/profile.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
