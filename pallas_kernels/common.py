@@ -390,11 +390,10 @@ def chunk_specs(q, dv, chunk, heads):
         state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
 
 
-def walk_layout(q, y, chunk, pieces, block_v, heads=None, state_splits=1):
+def walk_layout(q, y, chunk, pieces, block_v, heads=None):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
     walking the ``n`` chunks of one piece for ``block_v`` value columns.  The per-chunk states a walk
-    stores for the backward are in :func:`chunk_state_dtype` of q's dtype (piece states always fp32);
-    ``state_splits`` of them per chunk (a walk over double chunks storing the states of the halves).
+    stores for the backward are in :func:`chunk_state_dtype` of q's dtype (piece states always fp32).
     ``heads``: see :func:`row_block` (the gates and states are always ``[B·H, ...]``)."""
     BH, L, dk = token_dims(q, heads)
     dv = y.shape[-1]
@@ -405,11 +404,11 @@ def walk_layout(q, y, chunk, pieces, block_v, heads=None, state_splits=1):
         rows_v=row_block(heads, Lp, block_v, lambda b, p, v: (b, p, v)),
         gate=pl.BlockSpec((None, Lp), lambda b, p, v: (b, p)),
         piece_state=pl.BlockSpec((None, None, dk, block_v), lambda b, p, v: (b, p, 0, v)),
-        chunk_states=pl.BlockSpec((None, n * state_splits, dk, block_v), lambda b, p, v: (b, p, 0, v)),
+        chunk_states=pl.BlockSpec((None, n, dk, block_v), lambda b, p, v: (b, p, 0, v)),
     )
     shapes = types.SimpleNamespace(
         piece_states=jax.ShapeDtypeStruct((BH, pieces, dk, dv), jnp.float32),
-        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n * state_splits, dk, dv), chunk_state_dtype(q.dtype)),
+        chunk_states=jax.ShapeDtypeStruct((BH, pieces * n, dk, dv), chunk_state_dtype(q.dtype)),
     )
     return (BH, pieces, dv // block_v), n, specs, shapes
 

@@ -166,11 +166,6 @@ def test_forward_output_walk_scores(T, chunk, pieces, segments, block_v, fwd_sco
     (16, 2, 32, "pallas_gpu", "pallas_stored", "split", {"dstate_q": "prepare"}),
     # 64-column walks (what "auto" picks for many batch·heads), the output walk reading the scores kernel's
     (32, 1, 64, "pallas_gpu", "pallas_stored", "split", {"dv": 64, "fwd_scores": "kernel", "outputs": "pallas"}),
-    # the backward's walks over double chunks (T joined from the C-row inverses, the states and state
-    # gradients stored at every C-row boundary) for the C-row chunk gradients: with a stored B, without segments
-    (16, 1, 16, "pallas_gpu", "pallas_stored", "split", {"bwd_walk_chunks": 2}),
-    (16, 1, 32, "pallas_gpu", "pallas_stored_split", "split", {"bwd_walk_chunks": 2, "dstate_b": "stored",
-                                                               "segments": False}),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {}, marks=pytest.mark.slow),
     pytest.param(16, 1, 32, "pallas_tpu", "pallas", "pallas", {"save_tri": True}, marks=pytest.mark.slow),
 ])
@@ -268,7 +263,6 @@ def keys_one_row_later(k, first_key=None):
     (32, 1, 32, "BTHD", {"fwd_scores": "kernel", "dstate_q": "prepare", "first_key": "reset"}),
     (16, 1, 32, "BTHD", {"chunk_grads": "pallas_stored_split", "dstate_b": "stored", "segments": False}),
     (32, 1, 64, "BHTD", {"dv": 64, "fwd_scores": "kernel", "save_tri": True, "dk": 32}),
-    (16, 1, 16, "BTHD", {"bwd_walk_chunks": 2, "first_key": "reset"}),  # the backward's walks over double chunks
     # passes that take the shifted copy the op makes in XLA instead: pieces, the split forward, the fused
     # reverse walk, the formed chunk gradients, the XLA form
     (16, 2, 16, "BTHD", {}),
@@ -518,90 +512,6 @@ def test_triangular_inverse_matches_float64(elimination, group, extreme, rng):
     want = reference_inverses(x, eta, g, gp, rl, chunk=C, group=group)
     assert not extreme or np.max(np.abs(want)) > 1e3  # the case is as hard as it says
     assert rel_err(tinv, want) < 1e-5
-
-
-@pytest.mark.parametrize("layout,key_shift,extreme", [("BHTD", False, False), ("BTHD", True, False),
-                                                       ("BHTD", False, True)])
-def test_joined_inverse_matches_the_double_chunk_solve(layout, key_shift, extreme, rng):
-    """``pallas_gpu.tri_join_pass``: the inverses of chunks of 2 C = 64 rows joined from those of their 32-row
-    halves, against ``tri_inverse_pass`` solving the 64-row chunks (itself checked against float64 above) and the
-    float64 inverses; segment starts inside chunks, keys read one row back in place (BTHD) or not, poisoned
-    outputs.  ``extreme``: nearly parallel keys, η‖x‖² = 1.999, a third of the decays at the clamp."""
-    from benchmarks.gpu_check_tri_inverse import reference as reference_inverses
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
-    from pallas_kernels.decayed_delta_rule.api import _double_chunk_gates, _gates
-
-    B, H, T, C, d = 1, 2, 192, 32, 32
-    k = rng.normal(size=(B, H, T, d))
-    if extreme:
-        k = k[:, :, :1] + 0.05 * k
-    x = np.asarray(keys_one_row_later(jnp.asarray(k))) if key_shift else k  # the write features
-    norms = np.maximum(np.sum(x * x, axis=-1), 1e-3)
-    eta = (1.999 if extreme else rng.uniform(0.1, 1.9, size=(B, H, T))) / norms
-    log_gamma = (np.where(rng.uniform(size=(B, H, T)) < 0.33, np.log(1e-6), 0.0) if extreme
-                 else -rng.uniform(0.0, 0.2, size=(B, H, T)))
-    run = np.cumsum(rng.uniform(size=(B, H, T)) < 0.05, axis=-1)
-    flat = lambda a, dt=jnp.float32: jnp.asarray(a, dt).reshape(B * H, T, *a.shape[3:])  # noqa: E731
-    g, gp, rl = _gates(flat(log_gamma), flat(run, jnp.int32), C)
-    wg, wgp, wrl = _double_chunk_gates(g, gp, rl, C)
-    wg_direct, wgp_direct, wrl_direct = _gates(flat(log_gamma), flat(run, jnp.int32), 2 * C)
-    assert rel_err(wg, wg_direct) < 1e-6 and rel_err(wgp, wgp_direct) < 1e-6 and jnp.all(wrl == wrl_direct)
-    keys = jnp.swapaxes(jnp.asarray(k, jnp.float32), 1, 2) if layout == "BTHD" else flat(k)  # [B, T, H, d] in place
-    kw = dict(interpret=True, **({"heads": H} if layout == "BTHD" else {}), **({"key_shift": True} if key_shift else {}))
-    eta_f = flat(eta)
-    with poisoned_outputs():
-        halves = pallas_gpu.tri_inverse_pass(keys, eta_f, g, gp, rl, chunk=C, **kw)
-        joined = pallas_gpu.tri_join_pass(keys, eta_f, wg, wgp, wrl, halves, chunk=2 * C, **kw)
-        solved = pallas_gpu.tri_inverse_pass(keys, eta_f, wg, wgp, wrl, chunk=2 * C, **kw)
-    want = reference_inverses(np.asarray(x).reshape(B * H, T, d), np.asarray(eta).reshape(B * H, T), wg, wgp, wrl,
-                              chunk=2 * C)
-    assert not extreme or np.max(np.abs(want)) > 1e3
-    assert rel_err(joined, want) < 1e-5  # the bound tri_inverse_pass meets
-    assert rel_err(joined, solved) < 2e-5  # two fp32 solutions, each within 1e-5 of float64
-
-
-def test_double_chunk_walks_refuse_what_they_cannot_store(rng):
-    """``half_states`` needs the states written and halves of at least 16 rows; the reverse walk forms each half's
-    q-term itself (a prepared one is refused); the join needs T of the halves."""
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
-
-    x = jnp.zeros((1, 64, 16), jnp.float32)
-    y = jnp.zeros((1, 64, 16), jnp.float32)
-    g = jnp.zeros((1, 64), jnp.float32)
-    rl = g.astype(jnp.int32)
-    s0 = jnp.zeros((1, 1, 16, 16), jnp.float32)
-    t = jnp.zeros((1, 64, 32), jnp.float32)
-    walk = dict(pieces=1, block_v=16, interpret=True)
-    with pytest.raises(ValueError, match="half_states .* needs write_h=True"):
-        pallas_gpu.forward_pass(x, x, y, g, g, g, rl, t, s0, chunk=32, write_o=True, write_h=False,
-                                half_states=True, **walk)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        pallas_gpu.forward_pass(x, x, y, g, g, g, rl, t[..., :16], s0, chunk=16, write_o=False, write_h=True,
-                                half_states=True, **walk)
-    vb = (y, None, jnp.zeros((1, 2, 16, 16), jnp.float32))
-    with pytest.raises(ValueError, match="prepared q-term"):
-        pallas_gpu.state_grad_split_pass(x, x, g, g, g, rl, t, y, s0, chunk=32, write_dh=True, vb=vb, b_from_t=True,
-                                         half_states=True, **walk)
-    with pytest.raises(ValueError, match=r"tinv the inverses of its halves"):
-        pallas_gpu.tri_join_pass(x, g, g, g, rl, t[..., :16], chunk=64, interpret=True)
-
-
-def test_double_chunk_walks_run_only_where_they_apply(rng):
-    """``bwd_walk_chunks=2`` takes the double-chunk walks (the join pass is in the backward) for one piece with T a
-    multiple of 2 C (the op pads T to a power-of-two number of chunks: any T over one chunk), and the C-row walks
-    otherwise (pieces, or a single chunk)."""
-    q, x, y, eta, log_gamma, run, s0 = (jnp.asarray(a, jnp.float32) for a in op_inputs(rng, T=64, dk=16, dv=16))
-    config = KernelConfig(block_v=16, chunk_grads="pallas_stored", state_grads="split", bwd_walk_chunks=2)
-
-    def joins(T, pieces):
-        def loss(q):
-            o, _ = decayed_delta_rule(q[..., :T, :], x[..., :T, :], y[..., :T, :], eta[..., :T], log_gamma[..., :T],
-                                      run[..., :T], s0, chunk_size=16, pieces=pieces, config=config,
-                                      implementation="pallas_gpu", interpret=True)
-            return jnp.sum(o)
-        return "falcon_delta_tri_join" in str(jax.make_jaxpr(jax.grad(loss))(q))
-
-    assert joins(64, 1) and joins(40, 1) and not joins(64, 2) and not joins(16, 1)
 
 
 def test_extreme_gates_stay_finite_and_exact(rng):
@@ -917,7 +827,6 @@ def test_walk_stages_follow_program_count():
     ({"save_tri": "yes"}, "save_tri must be True or False"), ({"dstate_b": "t"}, "dstate_b must be"),
     ({"fwd_scores": "inverse"}, "fwd_scores must be"), ({"prepare_warps": 3}, "prepare_warps must be None"),
     ({"dstate_q": "kernel"}, "dstate_q must be 'auto' or 'walk' or 'prepare'"),
-    ({"bwd_walk_chunks": 4}, "bwd_walk_chunks must be 1 or 2"),
 ])
 def test_kernel_config_refuses_unknown_pass_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):

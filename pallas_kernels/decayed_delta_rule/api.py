@@ -283,15 +283,6 @@ class KernelConfig:
     # ||x||^2); "auto" with the reverse walk too (next96) 8x2048 0.329 / 1.141 vs 0.362 / 1.221 (reverse walk
     # 141 vs 182 us), the other shapes the Triton walks; +71 MB compiled peak at 8x2048 (the shifted keys)
     walks: str = "auto"
-    # GPU, the backward's recompute and split reverse walks over chunks of 2 C rows (2) or C (1): a walk's step is
-    # latency-bound, so half the steps cost less than twice the rows per step (H200 bf16 H16 d128, each walk alone
-    # at 128 vs 64 rows, next106: reverse 0.957 vs 1.396 ms and recompute 0.463 vs 0.553 at 1x32768).  The other
-    # passes keep chunks of C: the double chunks' inverse is joined from the C-row ones (``tri_join_pass``), the
-    # walks store the states and state gradients at every C-row boundary (``half_states``) and the chunk gradients
-    # run at C as before (P and dR do not depend on the chunking).  Applies to one piece, the stored chunk
-    # gradients, the split reverse walk forming its q-term, the Triton walks (the Mosaic ones are 64-row), group 1
-    # and T a multiple of 2 C; other calls walk C-row chunks.  Default 1 until timed in the whole op.
-    bwd_walk_chunks: int = 1
     # per-column gates: value columns per program (several [C, block_v] fp32 tiles live).  TPU: Mosaic's blocks need
     # a multiple of 128 columns or all of dv, so a narrower width becomes 128 (or dv) there
     # (pallas_tpu_columns.value_block; in interpret mode too, so the tests run the widths a TPU would)
@@ -320,9 +311,6 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"KernelConfig: {name} must be {choices}, got {getattr(self, name)!r}.")
-        if self.bwd_walk_chunks not in (1, 2):
-            raise ValueError(f"KernelConfig: bwd_walk_chunks must be 1 or 2 (chunks per step of the backward's "
-                             f"walks), got {self.bwd_walk_chunks!r}.")
         for name in ("save_tri", "keys_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig: {name} must be True or False, got {getattr(self, name)!r}.")
@@ -718,54 +706,6 @@ def _stored_dr_dtype(config: KernelConfig, walk_kw: dict):
     return jnp.float32 if config.stored_dr == "fp32" else walk_kw["walk_operands"] or jnp.float32
 
 
-def _takes_double_chunk_walks(config: KernelConfig, backend: str, pieces: int, group: int, stored: bool,
-                              split_state_grads: bool, L: int, chunk: int) -> bool:
-    """Whether the backward walks chunks of 2 C rows (``KernelConfig.bwd_walk_chunks``; see there for the calls
-    that qualify)."""
-    return (config.bwd_walk_chunks == 2 and backend == "pallas_gpu" and pieces == 1 and group == 1 and stored
-            and split_state_grads and L % (2 * chunk) == 0 and chunk % 16 == 0)
-
-
-def _double_chunk_gates(g, gp, rl, chunk):
-    """The gates of chunks of 2 C rows from those of C-row chunks (``_gates``): each second half's g, gp and run
-    index counted from the double chunk's start, i.e. shifted by the first half's last row."""
-    BH, L = g.shape
-    halves = lambda a: a.reshape(BH, L // (2 * chunk), 2, chunk)  # noqa: E731
-    second = (jnp.arange(2) == 1)[None, None, :, None]
-
-    def from_start(a, of):
-        return jnp.where(second, halves(a) + halves(of)[:, :, :1, -1:], halves(a)).reshape(BH, L)
-
-    return from_start(g, g), from_start(gp, g), from_start(rl, rl)
-
-
-def _double_chunk_walks(kernels, config: KernelConfig, interpret: bool, q, x, y, eta, g, gp, rl, tinv, starts, do,
-                        ds_final, *, chunk, fwd_kw, state_kw, keys):
-    """The backward's recompute and split reverse walks over chunks of 2 C rows for the C-row chunk gradients
-    (``KernelConfig.bwd_walk_chunks=2``, one piece): T of the double chunks joined from ``tinv`` (C rows), then
-    the Triton walks storing P, dR and the states and state gradients at every C-row boundary.  Returns
-    ``(P, h, dR, dh, ds_start)`` as the C-row walks would."""
-    heads = fwd_kw.get("heads")
-    BH, _, _ = token_dims(q, heads)
-    dv = y.shape[-1]
-    wide = 2 * chunk
-    wg, wgp, wrl = _double_chunk_gates(g, gp, rl, chunk)
-    wtinv = kernels.tri_join_pass(x, eta, wg, wgp, wrl, tinv, chunk=wide, interpret=interpret, heads=heads, **keys)
-    p, h, _ = kernels.forward_pass(q, x, y, eta, wg, wgp, wrl, wtinv, starts, write_o=False, write_h=True,
-                                   write_p=True, half_states=True, **dict(fwd_kw, chunk=wide), **keys)
-    lo = state_kw["walk_operands"] or jnp.float32
-    b_from_t = config.dstate_b == "from_t"
-    v_dtype = lo if config.stored_v_for(group=1) == "input" else jnp.float32
-    vb = kernels.prepare_vb(q, x, eta, wg, wgp, wrl, wtinv, do, chunk=wide, interpret=interpret,
-                            num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
-                            v_dtype=v_dtype, with_b=not b_from_t, walk_operands=state_kw["walk_operands"], **keys)
-    walk_kw = dict(state_kw, chunk=wide, block_v=config.split_block_v_for(BH, dv), vb=vb, b_from_t=b_from_t)
-    dr, dh, ds_start = kernels.state_grad_split_pass(q, x, eta, wg, wgp, wrl, wtinv, do, ds_final[:, None],
-                                                     write_dh=True, write_dr=_stored_dr_dtype(config, walk_kw),
-                                                     half_states=True, **walk_kw, **keys)
-    return p, h, dr, dh, ds_start
-
-
 def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift, res, cts):
     kernels = _BACKENDS[backend]
     keys = {"key_shift": True} if key_shift else {}
@@ -790,58 +730,53 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, group, heads, key_shift
                                         **config.tri_kw(backend, q.dtype), **_layout_kw(heads), **keys)
     else:  # KernelConfig(save_tri=True): the forward's
         tinv = saved_tinv
-    if _takes_double_chunk_walks(config, backend, pieces, group, stored, split_state_grads, L, chunk):
-        p, h, dr, dh, ds_start = _double_chunk_walks(kernels, config, interpret, q, x, y, eta, g, gp, rl, tinv,
-                                                     starts, do, ds_final, chunk=chunk, fwd_kw=fwd_kw,
-                                                     state_kw=state_kw, keys=keys)
+    if stored:
+        p, h, _ = _walk(config, backend, interpret, pieces)(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False,
+                                                            write_h=True, write_p=True, **fwd_kw, **keys)
     else:
-        if stored:
-            p, h, _ = _walk(config, backend, interpret, pieces)(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False,
-                                                                write_h=True, write_p=True, **fwd_kw, **keys)
+        h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
+    # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
+    #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
+    if split_state_grads:  # V, B once for both walks below
+        state_grad_pass = kernels.state_grad_split_pass
+        lo = state_kw["walk_operands"] or jnp.float32
+        b_from_t = config.dstate_b == "from_t"
+        # the walk's (c ⊙ Q)ᵀ dO per chunk from prepare, in dh's buffer (KernelConfig.dstate_q; one piece only)
+        state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
+        walk_programs = BH * pieces * (dv // state_kw["block_v"])
+        v_dtype = lo if config.stored_v_for(group) == "input" else jnp.float32
+        mosaic_walk = pieces == 1 and stored and _takes_mosaic_reverse_walk(
+            config, backend, interpret, state_kw["block_v"], q, x, do, tinv, chunk=chunk, v_dtype=v_dtype,
+            write_dr=_stored_dr_dtype(config, state_kw), b_from_t=b_from_t, walk_operands=state_kw["walk_operands"])
+        q_term = config.dstate_q_for(walk_programs, mosaic_walk) == "prepare" and pieces == 1
+        v_in_walk = config.dstate_v_for(mosaic_walk, not q_term) == "walk"
+        if v_in_walk:  # the Mosaic reverse walk forms V and the q-term: no prepare pass
+            state_kw["vb"] = (None, None, None)
         else:
-            h, _ = kernels.forward_pass(q, x, y, eta, g, gp, rl, tinv, starts, write_o=False, write_h=True, **fwd_kw)
-        # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: reverse scan over pieces,
-        #    dS_end(p-1) = M_pᵀ dS_end(p) + local_p)
-        if split_state_grads:  # V, B once for both walks below
-            state_grad_pass = kernels.state_grad_split_pass
-            lo = state_kw["walk_operands"] or jnp.float32
-            b_from_t = config.dstate_b == "from_t"
-            # the walk's (c ⊙ Q)ᵀ dO per chunk from prepare, in dh's buffer (KernelConfig.dstate_q; one piece only)
-            state_kw["block_v"] = config.split_block_v_for(BH * pieces, dv)
-            walk_programs = BH * pieces * (dv // state_kw["block_v"])
-            v_dtype = lo if config.stored_v_for(group) == "input" else jnp.float32
-            mosaic_walk = pieces == 1 and stored and _takes_mosaic_reverse_walk(
-                config, backend, interpret, state_kw["block_v"], q, x, do, tinv, chunk=chunk, v_dtype=v_dtype,
-                write_dr=_stored_dr_dtype(config, state_kw), b_from_t=b_from_t, walk_operands=state_kw["walk_operands"])
-            q_term = config.dstate_q_for(walk_programs, mosaic_walk) == "prepare" and pieces == 1
-            v_in_walk = config.dstate_v_for(mosaic_walk, not q_term) == "walk"
-            if v_in_walk:  # the Mosaic reverse walk forms V and the q-term: no prepare pass
-                state_kw["vb"] = (None, None, None)
-            else:
-                state_kw["vb"] = _prepare(config, backend, interpret)(
-                    q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
-                    num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
-                    v_dtype=v_dtype, with_b=not b_from_t,
-                    q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
-                    walk_operands=state_kw["walk_operands"], **keys)
-            state_kw["b_from_t"] = b_from_t
-        else:
-            state_grad_pass = kernels.state_grad_pass
-        if pieces > 1:
-            zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
-            (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
-            ends_rev, _ = _piece_starts(jnp.swapaxes(M, -1, -2)[:, ::-1], local[:, ::-1], ds_final)
-            ds_ends = ends_rev[:, ::-1]
-        else:
-            ds_ends = ds_final[:, None]
-        if stored:
-            dr_dtype = _stored_dr_dtype(config, state_kw)
-            if split_state_grads and pieces == 1:
-                state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"], v_in_walk)
-            dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
-                                               **state_kw, **keys)
-        else:
-            dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
+            state_kw["vb"] = _prepare(config, backend, interpret)(
+                q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret,
+                num_warps=config.prepare_warps or config.state_warps, heads=heads, b_dtype=lo,
+                v_dtype=v_dtype, with_b=not b_from_t,
+                q_term_dtype=chunk_state_dtype(q.dtype) if q_term else None,
+                walk_operands=state_kw["walk_operands"], **keys)
+        state_kw["b_from_t"] = b_from_t
+    else:
+        state_grad_pass = kernels.state_grad_pass
+    if pieces > 1:
+        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+        (local,) = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, zeros, write_dh=False, **state_kw)
+        ends_rev, _ = _piece_starts(jnp.swapaxes(M, -1, -2)[:, ::-1], local[:, ::-1], ds_final)
+        ds_ends = ends_rev[:, ::-1]
+    else:
+        ds_ends = ds_final[:, None]
+    if stored:
+        dr_dtype = _stored_dr_dtype(config, state_kw)
+        if split_state_grads and pieces == 1:
+            state_grad_pass = _reverse_walk(config, backend, interpret, state_kw["block_v"], v_in_walk)
+        dr, dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, write_dr=dr_dtype,
+                                           **state_kw, **keys)
+    else:
+        dh, ds_start = state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_ends, write_dh=True, **state_kw)
     ds0 = ds_start[:, 0]
     if key_shift:  # through row 0's folded step (keys_read_in_place implies the stored chunk gradients)
         _, x0, *_ = fold  # the residuals of _fold_first_row: (s0, x0, y0, η₀, log γ₀, keep)

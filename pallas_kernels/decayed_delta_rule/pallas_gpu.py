@@ -197,25 +197,6 @@ def _tri_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, *, chunk, precisio
             t_ref[blk[i], blk[k]] = (T[i, k] if k <= i else jnp.zeros((BLOCK, BLOCK), F32)).astype(t_ref.dtype)
 
 
-def _tri_join_kernel(x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, t2_ref, *, chunk, precision, key_shift=False,
-                     key_pad=0):
-    """One double chunk's ``T₂ = (I + A)⁻¹`` from its halves' inverses ``T₁``, ``T₂₂`` (rows of ``t_ref``):
-    ``[[T₁, 0], [−T₂₂ A₂₁ T₁, T₂₂]]`` — exact for a block lower-triangular ``I + A``; ``A₂₁`` is the block
-    coupling the second half's rows to the first half's writes (``_tri_kernel``'s ``A``)."""
-    half = chunk // 2
-    x_ref = _chunk_keys(x_ref, key_shift, key_pad, chunk)
-    first, second = pl.ds(0, half), pl.ds(half, half)
-    p32 = lax.Precision.HIGHEST if precision is not None else None
-    a21 = (eta_ref[second][:, None] * dot(x_ref[second, :], x_ref[first, :].T, precision)
-           * _masks(gp_ref[second], g_ref[first], rl_ref[second], rl_ref[first], strict=None))
-    t1, t22 = t_ref[first, :].astype(F32), t_ref[second, :].astype(F32)
-    t21 = -dot(t22, dot(a21, t1, p32), p32)
-    t2_ref[first, first] = t1.astype(t2_ref.dtype)
-    t2_ref[first, second] = jnp.zeros((half, half), t2_ref.dtype)
-    t2_ref[second, first] = t21.astype(t2_ref.dtype)
-    t2_ref[second, second] = t22.astype(t2_ref.dtype)
-
-
 def _masked_scores(q, x, g, rl, precision):
     """One chunk's masked scores ``QXᵀ ⊙ D`` (``D[t, s] = e^{g_t − g_s}`` on ``s ≤ t`` within a segment), fp32."""
     return dot(q, x.T, precision) * _masks(g, g, rl, rl, strict=False)
@@ -254,29 +235,9 @@ def _chunk_rows(refs, c, chunk):
         rl_ref[start + chunk - 1]
 
 
-def _half_gates(g_ref, rl_ref, g, gp, rl, c, chunk, second):
-    """The gates of one half of chunk ``c`` (a walk over double chunks storing its halves' states), as a walk
-    over half chunks would form them: relative to the row before the second half (``second``), or of the first
-    half to its last row (not ``second``).  Rows of the other half get zero.  Returns ``(cont, cont_p, w, a)`` —
-    for the second half the decays of the state at the half's start to its rows' reads and residuals, and of
-    that state to the chunk's end; for the first half ``w`` (each row's write to the half's end) and ``a``
-    (the chunk's start state to the half's end)."""
-    half = chunk // 2
-    mid = c * chunk + half - 1  # the first half's last row
-    g_mid, rl_mid = g_ref[mid], rl_ref[mid]
-    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-    if second:
-        keep = (rows >= half) & (rl == rl_mid)
-        g_last, rl_last = g_ref[c * chunk + chunk - 1], rl_ref[c * chunk + chunk - 1]
-        a = jnp.where(rl_last == rl_mid, jnp.exp(g_last - g_mid), 0.0)
-        return jnp.where(keep, jnp.exp(g - g_mid), 0.0), jnp.where(keep, jnp.exp(gp - g_mid), 0.0), None, a
-    w = jnp.where((rows < half) & (rl == rl_mid), jnp.exp(g_mid - g), 0.0)
-    return None, None, w, jnp.where(rl_mid == 0, jnp.exp(g_mid), 0.0)
-
-
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, s0_ref, *out_refs, chunk,
                     n_chunks, write_o, write_h, precision, lo=None, write_p=False, read_scores=False, key_shift=False,
-                    key_pad=0, half_states=False):
+                    key_pad=0):
     x_ref = _keys(x_ref, key_shift, key_pad)  # one piece: the walk's rows are the sequence's
     refs = list(out_refs)
     sc_ref = refs.pop(0) if read_scores else None  # an input: every chunk's masked scores (masked_scores_pass)
@@ -291,14 +252,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
         cont, cont_p, w_last, a_last = _gates(eta, g, gp, rl, g_last, rl_last)
         x = x_ref[rows, :]
         if write_h:
-            h_ref[c * (2 if half_states else 1), :, :] = S.astype(h_ref.dtype)
+            h_ref[c, :, :] = S.astype(h_ref.dtype)
         resid = eta[:, None] * (y_ref[rows, :].astype(F32) - cont_p[:, None] * _sdot(x, S, p32, lo))
         P = _tdot(t_ref[rows, :], resid, p32)  # η ⊙ residuals of the chunk
         if write_p:
             p_ref[rows, :] = P.astype(p_ref.dtype)
-        if write_h and half_states:  # the state after the first half: off the chain to the next chunk
-            _, _, w_mid, a_mid = _half_gates(g_ref, rl_ref, g, gp, rl, c, chunk, second=False)
-            h_ref[2 * c + 1, :, :] = (a_mid * S + _sdot(x.T, w_mid[:, None] * P, p32, lo)).astype(h_ref.dtype)
         if write_o:
             q = q_ref[rows, :]
             if read_scores:
@@ -313,13 +271,12 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, t_ref, 
 
 
 def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chunk, n_chunks, write_dh, precision, lo,
-                  residual_grad, write_dr=False, q_term_ref=None, half_states=False):
+                  residual_grad, write_dr=False, q_term_ref=None):
     """The reverse walk both state-gradient kernels share: per chunk (last first) store the end-state gradient dS
     (``write_dh``), get ``dR = residual_grad(rows, q, x, do, g, rl, w, dS)`` (stored with ``write_dr``), then
     ``dS ← a dS + (c ⊙ Q)ᵀ dO − (η c⁻ ⊙ X)ᵀ dR``.  ``q_term_ref``: every chunk's ``(c ⊙ Q)ᵀ dO`` as
     :func:`prepare_vb` formed it, in the buffer dh is written to (read before it is overwritten); the walk then
-    loads neither q nor dO (``residual_grad`` must not need them).  ``half_states`` (``write_dh``, no
-    ``q_term_ref``): dh holds two entries per chunk, the gradients w.r.t. the state after each half of it."""
+    loads neither q nor dO (``residual_grad`` must not need them)."""
     refs = list(out_refs)
     dr_ref = refs.pop(0) if write_dr else None
     dh_ref = refs.pop(0) if write_dh else None
@@ -333,7 +290,7 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         if q_term_ref is not None:
             q_term = q_term_ref[c, :, :].astype(F32)  # before dh (the same buffer) is written
         if write_dh:
-            dh_ref[2 * c + 1 if half_states else c, :, :] = dS.astype(dh_ref.dtype)
+            dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         x = x_ref[rows, :]
         if q_term_ref is None:
             q, do = q_ref[rows, :], do_ref[rows, :].astype(F32)
@@ -345,10 +302,6 @@ def _reverse_walk(q_ref, x_ref, gate_refs, do_ref, ds_end_ref, out_refs, *, chun
         dR = residual_grad(rows, q, x, do, g, rl, w_last, dS)
         if write_dr:
             dr_ref[rows, :] = dR.astype(dr_ref.dtype)
-        if write_dh and half_states:  # the gradient w.r.t. the state after the first half, off the chain
-            cont2, cont_p2, _, a2 = _half_gates(gate_refs[1], gate_refs[3], g, gp, rl, c, chunk, second=True)
-            dh_ref[2 * c, :, :] = (a2 * dS + _sdot(q.T, cont2[:, None] * do, p32, lo)
-                                   - _sdot(x.T, (eta * cont_p2)[:, None] * dR, p32, lo)).astype(dh_ref.dtype)
         return a_last * dS + q_term - _sdot(x.T, (eta * cont_p)[:, None] * dR, p32, lo)
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
@@ -688,7 +641,7 @@ def _state_grad_prepare_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, t_r
 
 def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref, b_ref, do_ref, ds_end_ref, *refs,
                              chunk, n_chunks, write_dh, precision, lo=None, write_dr=False, b_from_t=False,
-                             q_term=False, key_shift=False, key_pad=0, half_states=False):
+                             q_term=False, key_shift=False, key_pad=0):
     """The split reverse walk: ``dR = V + B dS`` — three dots per chunk (the fused walk's six include
     recomputing the scores and applying Tᵀ).  ``b_from_t``: ``b_ref`` holds the chunk's T instead of B, and
     ``B dS = Tᵀ (w ⊙ X dS)`` is formed here (one more dot in the chain; a ``[C, C]`` tile read instead of
@@ -706,7 +659,7 @@ def _state_grad_split_kernel(q_ref, x_ref, eta_ref, g_ref, gp_ref, rl_ref, v_ref
 
     _reverse_walk(q_ref, _keys(x_ref, key_shift, key_pad), (eta_ref, g_ref, gp_ref, rl_ref), do_ref, ds_end_ref,
                   out_refs, chunk=chunk, n_chunks=n_chunks, write_dh=write_dh, precision=precision, lo=lo,
-                  residual_grad=residual_grad, write_dr=write_dr, q_term_ref=q_term_ref, half_states=half_states)
+                  residual_grad=residual_grad, write_dr=write_dr, q_term_ref=q_term_ref)
 
 
 def _params(interpret, num_warps, num_stages):
@@ -763,30 +716,6 @@ def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=4, num_st
     return tinv
 
 
-def tri_join_pass(x, eta, g, gp, rl, tinv, *, chunk, interpret, num_warps=4, heads=None, key_shift=False):
-    """Every double chunk's triangular inverse ``[BH, L, chunk]`` from ``tinv``, the inverses of its two halves
-    (``tri_inverse_pass`` at ``chunk // 2``, ``[BH, L, chunk // 2]``): two half-size products per double chunk
-    (:func:`_tri_join_kernel`) instead of a forward substitution over twice the rows (4.3x the half chunks'
-    solve at chunk 128 on the H200).  The gates ``g, gp, rl`` are the double chunks' (``chunk``-local); the
-    result is in ``tinv``'s dtype.  ``heads``, ``key_shift``: as :func:`tri_inverse_pass`."""
-    BH, L, dk = token_dims(x, heads)
-    half = chunk // 2
-    if chunk % 32 or L % chunk or tinv.shape != (BH, L, half):
-        raise ValueError(f"tri_join_pass: chunk must be a multiple of 32 dividing L={L} and tinv the inverses of its "
-                         f"halves [BH, L, chunk // 2] = {(BH, L, half)}; got chunk={chunk}, tinv {tinv.shape}")
-    sp = chunk_specs(x, dk, chunk, heads)
-    keys, key_kw = _key_operand(x, key_shift, interpret)
-    kernel = functools.partial(_tri_join_kernel, chunk=chunk, precision=precision_for(x.dtype), **key_kw)
-    (joined,) = call(kernel, grid=(BH, L // chunk),
-                     in_specs=[_key_spec(sp, x, key_shift, heads), sp.row, sp.row, sp.row, sp.row,
-                               pl.BlockSpec((None, chunk, half), lambda b, c: (b, c, 0))],
-                     out_specs=[sp.square], out_shape=[jax.ShapeDtypeStruct((BH, L, chunk), tinv.dtype)],
-                     args=(keys, eta, g, gp, rl, tinv),
-                     compiler_params=_params(interpret, num_warps, 1), interpret=interpret,
-                     name="falcon_delta_tri_join")
-    return joined
-
-
 def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None, dtype=F32, key_shift=False):
     """Every chunk's masked scores ``QXᵀ ⊙ D`` ``[BH, L, C]`` in ``dtype``, one program per chunk, for
     ``forward_pass(scores=...)``."""
@@ -805,7 +734,7 @@ def masked_scores_pass(q, x, g, rl, *, chunk, interpret, num_warps=4, heads=None
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
                  num_warps=4, num_stages=2, heads=None, walk_operands=None, write_p=False, scores=None,
-                 key_shift=False, half_states=False):
+                 key_shift=False):
     """Chunk walk for every (batch·head, piece, value block).
 
     ``walk_operands``: None, or a dtype the state-sized operands of the walk's dots are rounded to (see ``_sdot``).
@@ -815,13 +744,10 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     h [BH, n_chunks, dk, dv] if write_h, s_end [BH, P, dk, dv]).  ``heads=H``: q, x, y (and o) are
     ``[B, L, H, d]``, read in place.  ``scores``: every chunk's masked scores ``[BH, L, C]``
     (:func:`masked_scores_pass`), read instead of each program forming ``QXᵀ`` itself (write_o only).
-    ``half_states`` (``write_h``): h holds the state at the start of each *half* chunk ``[BH, 2 n_chunks, dk,
-    dv]`` — a walk over double chunks serving passes that work on chunks of ``chunk // 2`` rows.
     """
     _one_piece(key_shift, pieces, "forward_pass")
-    _check_half_states(half_states, chunk, write_h, "write_h", "forward_pass")
     keys, key_kw = _key_operand(x, key_shift, interpret)
-    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads, state_splits=1 + half_states)
+    grid, n, specs, shapes = walk_layout(q, y, chunk, pieces, block_v, heads=heads)
     Lp = n * chunk
     t_spec = pl.BlockSpec((None, Lp, chunk), lambda b, p, v: (b, p, 0))
     in_specs = [specs.rows_k, specs.rows_k, specs.rows_v, specs.gate, specs.gate, specs.gate, specs.gate, t_spec,
@@ -832,7 +758,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, w
     out_specs, out_shape = walk_outputs(specs, shapes, write_h, first=first)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n, write_o=write_o, write_h=write_h,
                                precision=precision_for(q.dtype), lo=walk_operands, write_p=write_p,
-                               read_scores=scores is not None, half_states=half_states, **key_kw)
+                               read_scores=scores is not None, **key_kw)
     args = (q, keys, y, eta, g, gp, rl, tinv, s0)
     args += (scores,) if scores is not None else ()
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -943,13 +869,6 @@ def split_forward(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, 
     return o, h, s_end
 
 
-def _check_half_states(half_states, chunk, write_states, flag, name):
-    if half_states and (not write_states or chunk % 32):
-        raise ValueError(f"{name}: half_states stores the states of half chunks: it needs {flag}=True and a chunk "
-                         f"that is a multiple of 32 (halves of at least 16 rows), got {flag}={write_states}, "
-                         f"chunk={chunk}")
-
-
 def _reverse_walk_outputs(q, do, specs, shapes, *, chunk, pieces, block_v, write_dh, write_dr, heads):
     """``write_dr``: None or the dtype dR is stored in, shaped like dO (the tokens' layout, so that the chunk
     gradients can write dy over it)."""
@@ -1011,27 +930,20 @@ def prepare_vb(q, x, eta, g, gp, rl, tinv, do, *, chunk, interpret, num_warps=4,
 
 def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
                           num_warps=4, num_stages=2, heads=None, walk_operands=None, vb=None, write_dr=None,
-                          b_from_t=False, key_shift=False, half_states=False):
+                          b_from_t=False, key_shift=False):
     """:func:`state_grad_pass` split as the forward is by ``split_forward``: ``V`` and ``B`` per chunk in parallel
     (:func:`prepare_vb`, or given as ``vb``), then a reverse walk of three dots per chunk; ``b_from_t``: no B
     (``vb``'s is None), the walk forms ``B dS = Tᵀ (w ⊙ X dS)`` from T.  A ``vb`` with a q-term (its third
     entry, :func:`prepare_vb` with ``q_term_dtype`` = dh's dtype): the walk adds it instead of forming
-    ``(c ⊙ Q)ᵀ dO`` and writes dh over it (one piece, ``write_dh`` only).  ``half_states`` (``write_dh``, no
-    prepared q-term): dh holds the gradients w.r.t. the state after each *half* chunk ``[BH, 2 n_chunks, dk, dv]``
-    (see :func:`forward_pass`).
+    ``(c ⊙ Q)ᵀ dO`` and writes dh over it (one piece, ``write_dh`` only).
     Same arguments and returns as :func:`state_grad_pass`."""
     dk = token_dims(q, heads)[2]
-    _check_half_states(half_states, chunk, write_dh, "write_dh", "state_grad_split_pass")
     if vb is None:
         vb = prepare_vb(q, x, eta, g, gp, rl, tinv, do, chunk=chunk, interpret=interpret, num_warps=num_warps,
                         heads=heads, b_dtype=walk_operands or F32, with_b=not b_from_t, key_shift=key_shift)
     v, b, q_term = vb
     _one_piece(key_shift, pieces, "state_grad_split_pass")
-    if half_states and q_term is not None:
-        raise ValueError("state_grad_split_pass: half_states forms the q-term of each half in the walk; pass a vb "
-                         "without a prepared q-term (prepare_vb(q_term_dtype=None))")
-    grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads,
-                                               state_splits=1 + half_states)
+    grid, n_piece, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads=heads)
     Lp = n_piece * chunk
     in_specs = [specs.rows_k, specs.rows_k, specs.gate, specs.gate, specs.gate, specs.gate,
                 specs.rows_v,
@@ -1055,7 +967,7 @@ def state_grad_split_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, piec
         args.append(q_term)
     kernel = functools.partial(_state_grad_split_kernel, chunk=chunk, n_chunks=n_piece, write_dh=write_dh,
                                precision=precision_for(q.dtype), lo=walk_operands, write_dr=write_dr is not None,
-                               b_from_t=b_from_t, q_term=q_term is not None, half_states=half_states, **key_kw)
+                               b_from_t=b_from_t, q_term=q_term is not None, **key_kw)
     return call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, args=tuple(args),
                 aliases=aliases, compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_dstate_walk")
