@@ -1053,9 +1053,10 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     # 64 (the long shapes; the walks are latency-bound per chunk step)
     step probe 420 python3 benchmarks/probe_walk_chunk.py --out "$out/$part/probe.json"
     ;;
-  next107)  # twenty-fifth run, second call: the backward's walks over 128-row chunks (bwd_walk_chunks=2, T joined from
-    # the 64-row inverses, states and state gradients stored at every 64-row boundary): the op's checks through them
-    # (one piece), then the whole op at every shape against the default, with the reverse walk's stages and prepare's warps
+  next107)  # twenty-sixth run: the backward's walks over 128-row chunks (bwd_walk_chunks=2, T joined from the 64-row
+    # inverses, states and state gradients stored at every 64-row boundary): the op's checks through them (one piece),
+    # then the whole op at every shape against the default, with the reverse walk's stages and prepare's warps.  That
+    # code lost and was reverted: it is commit 5595674 (check it out to run this part again)
     step check 150 python3 benchmarks/gpu_check_regression.py --only "segments,bf16 grads,fp32 grads" \
       --kernel-config "bwd_walk_chunks=2,target_programs=1" --out "$out/$part/check.json"
     step bench 330 python3 benchmarks/bench_regression.py --memory-shapes "1x32768x16x128" --rows "falcon-1 pallas" \
