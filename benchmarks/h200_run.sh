@@ -1074,6 +1074,26 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
       --configs "target_programs=256,outputs=pallas;target_programs=512,outputs=pallas;block_v=32,target_programs=256,outputs=pallas;block_v=64,target_programs=128,outputs=pallas;target_programs=512" \
       --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108)"; exit 2 ;;
+  next109)  # twenty-sixth run, fourth call: the Triton walks' warps and stages again at the long shapes (the step is
+    # latency-bound; 2 warps and 4 stages were last timed before the bf16 walk operands)
+    step bench 300 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
+      --shapes "1x32768x16x128,2x8192x16x128" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "fwd_warps=2;state_warps=2;fwd_stages=4;state_stages=4;fwd_warps=2,state_warps=2" \
+      --out "$out/$part/bench.json"
+    ;;
+  next110)  # twenty-sixth run, fifth call: the output walk at 4 stages against 3 (next109: 2% faster forward), repeated
+    # within the lease
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
+      --shapes "1x32768x16x128,2x8192x16x128" --skip "$WHOLE_OP_VARIANTS" \
+      --configs "fwd_stages=4;fwd_stages=3;fwd_stages=4,fwd_warps=4;fwd_stages=3,fwd_warps=4" --out "$out/$part/bench.json"
+    ;;
+  next111)  # twenty-sixth run, sixth call: the new default (4 stages for an output walk of few programs at 16 bf16
+    # columns) against the old 3 at every shape, and the op's bf16 and extreme-gate checks under it
+    step bench 200 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
+      --skip "$WHOLE_OP_VARIANTS" --configs "fwd_stages=3" --out "$out/$part/bench.json"
+    step check 250 python3 benchmarks/gpu_check_regression.py --only "long bf16,bf16 grads,extreme op" \
+      --out "$out/$part/check.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -806,9 +806,12 @@ def test_kernel_config_auto_choices_per_backend_and_shape():
 
 def test_walk_stages_follow_program_count():
     """The walks' pipelining stages: an explicit count is kept; None gives 3, except 2 for an output-writing
-    walk of more than 264 programs."""
+    walk of more than 264 programs and 4 for one of fewer with narrow tiles."""
     assert [KernelConfig.walk_stages(None, output_programs=n) for n in (1, 128, 264, 265, 512)] == [3, 3, 3, 2, 2]
+    assert [KernelConfig.walk_stages(None, output_programs=n, narrow_tiles=True) for n in (1, 128, 264, 265)] == [
+        4, 4, 4, 2]
     assert KernelConfig.walk_stages(None) == 3  # a walk that writes no outputs, however many programs
+    assert KernelConfig.walk_stages(None, narrow_tiles=True) == 3
     assert KernelConfig.walk_stages(1) == 1 and KernelConfig.walk_stages(4, output_programs=4096) == 4
 
 
@@ -857,6 +860,9 @@ def test_kernel_resources_captures_every_triton_kernel():
     # 4 batch·heads x 2 value blocks: few programs, so every walk pipelines 3 stages (KernelConfig.walk_stages)
     assert {m["num_stages"] for name in ("falcon_delta_fwd", "falcon_delta_dstate_walk")
             for m in by_name[name]} == {3}
+    # 16 value columns of bf16 tiles: the output walk pipelines 4 stages, the recompute walk (no outputs) 3
+    assert sorted(m["num_stages"] for m in lower_kernels("1x256x4x64", "block_v=16,outputs=pallas")
+                  if m["name"] == "falcon_delta_fwd") == [3, 4]
     # the V-forming prepare kernel: the state walk's warps unless prepare_warps is set
     assert {m["num_warps"] for m in by_name["falcon_delta_dstate_prepare"]} == {4}
     assert {m["num_warps"] for m in lower_kernels("1x256x4x64", "prepare_warps=8")

@@ -107,7 +107,7 @@ class KernelConfig:
     tri_elimination: str = "columns"
     fwd_warps: int = 4
     # the forward walks' (and the backward's recompute walk's) software-pipelining stages (Triton num_stages);
-    # None: 3, or 2 for an output-writing walk of many programs (``walk_stages``)
+    # None: 3, or for an output-writing walk 2 with many programs and 4 with few and narrow tiles (``walk_stages``)
     fwd_stages: int | None = None
     state_warps: int = 4
     # GPU, split state-gradient walk: warps of dstate_prepare, one program per chunk forming V (None: state_warps).
@@ -395,9 +395,13 @@ class KernelConfig:
         return "input" if group == 1 else "fp32"
 
     @staticmethod
-    def walk_stages(stages: int | None, output_programs: int = 0) -> int:
+    def walk_stages(stages: int | None, output_programs: int = 0, narrow_tiles: bool = False) -> int:
         """A walk's pipelining stages: ``stages`` if set, else 3, but 2 for a walk that writes the outputs with
-        ``output_programs`` > 264 programs (two per SM of the H200's 132; 0: a walk that writes no outputs).
+        ``output_programs`` > 264 programs (two per SM of the H200's 132; 0: a walk that writes no outputs), and
+        4 for one with fewer whose tiles are narrow (``narrow_tiles``: 16-bit inputs, dk ≤ 128, ≤ 16 value
+        columns — four stages of its tiles fit the H200's shared memory; H200 bf16 forward at 1x32768x16x128,
+        16 columns, next109/next110: 1.031-1.042 ms at 4 stages vs 1.056-1.066 at 3, the same at 2x8192's
+        32 columns, forward+backward unchanged — the recompute walk, which writes no outputs, keeps 3).
         H200 bf16 whole op (next45, next46): the fused
         forward at 8x2048x16x128 (512 programs) 0.394 ms at 2 stages vs 0.460 at 3, at 2x8192 (128) 0.524 vs
         0.449; the split forward at 1x32768 1.587 vs 1.272; forward+backward with every walk at 3 vs at 2:
@@ -405,7 +409,9 @@ class KernelConfig:
         walk at 512 programs gains from the third stage too)."""
         if stages is not None:
             return stages
-        return 2 if output_programs > FEW_OUTPUT_PROGRAMS else 3
+        if output_programs > FEW_OUTPUT_PROGRAMS:
+            return 2
+        return 4 if output_programs and narrow_tiles else 3
 
     def block_v_for(self, bh: int, dv: int, dtype=None, dk: int | None = None) -> int:
         """Value columns per program of the walks for ``bh`` batch·heads of ``dv`` columns (see ``block_v``); 64
@@ -599,7 +605,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
         output_programs = BH * pieces * (dv // config.block_v)
-        stages = config.walk_stages(config.fwd_stages, output_programs=output_programs)
+        narrow = jnp.dtype(q.dtype).itemsize == 2 and token_dims(q, heads)[2] <= 128 and config.block_v <= 16
+        stages = config.walk_stages(config.fwd_stages, output_programs=output_programs, narrow_tiles=narrow)
         walk = _walk(config, backend, interpret, pieces)
         # the Mosaic walk reads the scores (a Triton walk handed the call back reads them too)
         if config.fwd_scores_for(backend, output_programs) == "kernel" or walk is not kernels.forward_pass:
