@@ -390,6 +390,17 @@ def chunk_specs(q, dv, chunk, heads):
         state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
 
 
+def large_shared_memory() -> bool:
+    """The default device is a GPU with about 228 KB of shared memory per SM (compute capability 9.x or 10.x:
+    H100, H200, B200), where the walks' deeper pipelines fit (an A100 has 164 KB, consumer GPUs about 100)."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return False
+    major = str(getattr(device, "compute_capability", "")).split(".")[0]
+    return device.platform == "gpu" and major in ("9", "10")
+
+
 def walk_layout(q, y, chunk, pieces, block_v, heads=None):
     """Grid and block specs of the GPU chunk walks: grid (batch·head, piece, value block), each program
     walking the ``n`` chunks of one piece for ``block_v`` value columns.  The per-chunk states a walk
@@ -432,6 +443,7 @@ def interpret_tpu(interpret: bool):
 
 __all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "dot", "flatten_pad",
            "interpret_default",
-           "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for", "poisoned_outputs",
+           "kernel_operands", "large_shared_memory", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for",
+           "poisoned_outputs",
            "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",
            "token_dims", "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+from types import SimpleNamespace
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -815,6 +817,19 @@ def test_walk_stages_follow_program_count():
     assert KernelConfig.walk_stages(1) == 1 and KernelConfig.walk_stages(4, output_programs=4096) == 4
 
 
+@pytest.mark.parametrize("platform,capability,large", [("gpu", "9.0", True), ("gpu", "10.0", True),
+                                                       ("gpu", "8.0", False), ("gpu", "12.0", False),
+                                                       ("cpu", None, False)])
+def test_large_shared_memory_names_the_gpus_with_228_kb(platform, capability, large):
+    """``common.large_shared_memory``: True for a GPU of compute capability 9.x or 10.x only (the 4-stage output
+    walk of ``walk_stages`` would not fit an A100's or a consumer GPU's shared memory)."""
+    from pallas_kernels import common
+
+    device = SimpleNamespace(platform=platform, compute_capability=capability)
+    with mock.patch.object(common.jax, "devices", lambda: [device]):
+        assert common.large_shared_memory() is large
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"chunk_grads": "triton"}, "chunk_grads must be 'auto' or 'pallas' or 'xla' or 'pallas_split'"),
     ({"outputs": "XLA"}, "outputs must be"),
@@ -860,9 +875,15 @@ def test_kernel_resources_captures_every_triton_kernel():
     # 4 batch·heads x 2 value blocks: few programs, so every walk pipelines 3 stages (KernelConfig.walk_stages)
     assert {m["num_stages"] for name in ("falcon_delta_fwd", "falcon_delta_dstate_walk")
             for m in by_name[name]} == {3}
-    # 16 value columns of bf16 tiles: the output walk pipelines 4 stages, the recompute walk (no outputs) 3
-    assert sorted(m["num_stages"] for m in lower_kernels("1x256x4x64", "block_v=16,outputs=pallas")
-                  if m["name"] == "falcon_delta_fwd") == [3, 4]
+    # 16 value columns of bf16 tiles: on a GPU with ~228 KB of shared memory per SM (an H200 stood in for here) the
+    # output walk pipelines 4 stages, the recompute walk (no outputs) 3; elsewhere (an A100's 164 KB) both 3
+    def fwd_walk_stages():
+        return sorted(m["num_stages"] for m in lower_kernels("1x256x4x64", "block_v=16,outputs=pallas")
+                      if m["name"] == "falcon_delta_fwd")
+
+    assert fwd_walk_stages() == [3, 3]
+    with mock.patch("pallas_kernels.decayed_delta_rule.api.large_shared_memory", lambda: True):
+        assert fwd_walk_stages() == [3, 4]
     # the V-forming prepare kernel: the state walk's warps unless prepare_warps is set
     assert {m["num_warps"] for m in by_name["falcon_delta_dstate_prepare"]} == {4}
     assert {m["num_warps"] for m in lower_kernels("1x256x4x64", "prepare_warps=8")

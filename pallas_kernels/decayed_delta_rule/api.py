@@ -57,7 +57,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_state_dtype, flatten_pad,
-                                   interpret_default, kernel_operands, next_pow2, pieces_for, resolve_implementation,
+                                   interpret_default, kernel_operands, large_shared_memory, next_pow2, pieces_for,
+                                   resolve_implementation,
                                    reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
                                    unsupported_dims_reason)
 from pallas_kernels.common import layout_kw as _layout_kw
@@ -399,7 +400,7 @@ class KernelConfig:
         """A walk's pipelining stages: ``stages`` if set, else 3, but 2 for a walk that writes the outputs with
         ``output_programs`` > 264 programs (two per SM of the H200's 132; 0: a walk that writes no outputs), and
         4 for one with fewer whose tiles are narrow (``narrow_tiles``: 16-bit inputs, dk ≤ 128, ≤ 16 value
-        columns — four stages of its tiles fit the H200's shared memory; H200 bf16 forward at 1x32768x16x128,
+        columns, a GPU with ~228 KB of shared memory per SM — four stages of its tiles fit there; H200 bf16 forward at 1x32768x16x128,
         16 columns, next109/next110: 1.031-1.042 ms at 4 stages vs 1.056-1.066 at 3, the same at 2x8192's
         32 columns, forward+backward unchanged — the recompute walk, which writes no outputs, keeps 3).
         H200 bf16 whole op (next45, next46): the fused
@@ -605,7 +606,8 @@ def _forward(q, x, y, eta, log_gamma, run, s0, chunk, config, pieces, interpret,
         o = xla_outputs(q, x, y, eta, g, gp, rl, tinv, h, chunk=chunk, heads=heads)
     else:
         output_programs = BH * pieces * (dv // config.block_v)
-        narrow = jnp.dtype(q.dtype).itemsize == 2 and token_dims(q, heads)[2] <= 128 and config.block_v <= 16
+        narrow = (jnp.dtype(q.dtype).itemsize == 2 and token_dims(q, heads)[2] <= 128 and config.block_v <= 16
+                  and large_shared_memory())
         stages = config.walk_stages(config.fwd_stages, output_programs=output_programs, narrow_tiles=narrow)
         walk = _walk(config, backend, interpret, pieces)
         # the Mosaic walk reads the scores (a Triton walk handed the call back reads them too)
