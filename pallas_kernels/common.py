@@ -390,15 +390,20 @@ def chunk_specs(q, dv, chunk, heads):
         state=pl.BlockSpec((None, None, dk, dv), lambda b, c: (b, c, 0, 0)))
 
 
-def large_shared_memory() -> bool:
-    """The default device is a GPU with about 228 KB of shared memory per SM (compute capability 9.x or 10.x:
-    H100, H200, B200), where the walks' deeper pipelines fit (an A100 has 164 KB, consumer GPUs about 100)."""
+def default_gpu_major() -> int | None:
+    """The major compute capability of the default device if it is a GPU (9 for an H100 / H200), else None."""
     try:
         device = jax.devices()[0]
     except RuntimeError:  # pragma: no cover
-        return False
+        return None
     major = str(getattr(device, "compute_capability", "")).split(".")[0]
-    return device.platform == "gpu" and major in ("9", "10")
+    return int(major) if device.platform == "gpu" and major.isdigit() else None
+
+
+def large_shared_memory() -> bool:
+    """The default device is a GPU with about 228 KB of shared memory per SM (compute capability 9.x or 10.x:
+    H100, H200, B200), where the walks' deeper pipelines fit (an A100 has 164 KB, consumer GPUs about 100)."""
+    return default_gpu_major() in (9, 10)
 
 
 def walk_layout(q, y, chunk, pieces, block_v, heads=None):
@@ -441,8 +446,8 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "dot", "flatten_pad",
-           "interpret_default",
+__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "default_gpu_major", "dot",
+           "flatten_pad", "interpret_default",
            "kernel_operands", "large_shared_memory", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for",
            "poisoned_outputs",
            "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",

@@ -400,9 +400,10 @@ class KernelConfig:
         """A walk's pipelining stages: ``stages`` if set, else 3, but 2 for a walk that writes the outputs with
         ``output_programs`` > 264 programs (two per SM of the H200's 132; 0: a walk that writes no outputs), and
         4 for one with fewer whose tiles are narrow (``narrow_tiles``: 16-bit inputs, dk ≤ 128, ≤ 16 value
-        columns, a GPU with ~228 KB of shared memory per SM — four stages of its tiles fit there; H200 bf16 forward at 1x32768x16x128,
-        16 columns, next109/next110: 1.031-1.042 ms at 4 stages vs 1.056-1.066 at 3, the same at 2x8192's
-        32 columns, forward+backward unchanged — the recompute walk, which writes no outputs, keeps 3).
+        columns, a GPU with ~228 KB of shared memory per SM — four stages of its tiles fit there; H200 bf16
+        forward at 1x32768x16x128, 16 columns, next109/next110: 1.031-1.042 ms at 4 stages vs 1.056-1.066 at 3,
+        the same at 2x8192's 32 columns, forward+backward unchanged — the recompute walk, which writes no
+        outputs, keeps 3).
         H200 bf16 whole op (next45, next46): the fused
         forward at 8x2048x16x128 (512 programs) 0.394 ms at 2 stages vs 0.460 at 3, at 2x8192 (128) 0.524 vs
         0.449; the split forward at 1x32768 1.587 vs 1.272; forward+backward with every walk at 3 vs at 2:

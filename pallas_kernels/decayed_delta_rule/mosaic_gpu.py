@@ -43,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-from pallas_kernels.common import mosaic_gpu_call, mosaic_mma, mosaic_smem, token_dims
+from pallas_kernels.common import default_gpu_major, mosaic_gpu_call, mosaic_mma, mosaic_smem, token_dims
 
 CHUNK = 64
 F32 = jnp.float32
@@ -59,11 +59,7 @@ def on_hopper() -> bool:
     :data:`CHECKED_JAX`."""
     if plgpu is None or tuple(int(p) for p in jax.__version__.split(".")[:2]) < CHECKED_JAX:
         return False
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return False
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+    return default_gpu_major() == 9
 
 
 def unsupported_reason(q, do, chunk: int, *, v_dtype, q_term_dtype=None, with_b: bool = False) -> str | None:
