@@ -53,16 +53,91 @@ class Rule:
     gates: GateFn = dataclasses.field(compare=False)
 
 
+# Windows up to this size find their top eigenvector by Jacobi rotations written elementwise (one XLA fusion);
+# larger ones call jnp.linalg.eigh (a solver call per batch of W × W matrices).
+JACOBI_MAX_WINDOW = 8
+# cyclic sweeps: the off-diagonal mass falls quadratically once it is small, so a fixed count is exact to the
+# dtype's precision (the tests check fp32 and fp64 Grams against numpy's eigvalsh)
+JACOBI_SWEEPS = {2: 1, 3: 5, 4: 6}
+
+
+def jacobi_sweeps(n: int) -> int:
+    """Cyclic Jacobi sweeps for an ``n × n`` symmetric matrix (one rotation solves ``n = 2`` exactly)."""
+    return JACOBI_SWEEPS.get(n, 8)
+
+
+def top_eigenvector_jacobi(gram: jax.Array, sweeps: int | None = None) -> jax.Array:
+    """Unit eigenvector of the largest eigenvalue of symmetric ``[..., n, n]`` matrices: ``[..., n]``.
+
+    Cyclic Jacobi (Golub & Van Loan, Alg. 8.5.2): each rotation ``J(p, q, θ)`` zeroes ``A[p, q]`` in
+    ``Jᵀ A J`` and is accumulated into ``V``; after the sweeps ``A`` is diagonal to the dtype's precision
+    and the top eigenvector is the column of ``V`` at the largest diagonal entry.  The matrix is held as
+    ``n²`` arrays of the batch's shape, so the whole solve is elementwise arithmetic that XLA fuses into
+    one kernel — unlike a batched ``eigh``, which on a GPU is a solver call over many tiny matrices.
+    """
+    n = gram.shape[-1]
+    if gram.shape[-2] != n:
+        raise ValueError(f"gram must be square in its last two axes, got shape {gram.shape}")
+    sweeps = jacobi_sweeps(n) if sweeps is None else sweeps
+    a = [[gram[..., i, j] for j in range(n)] for i in range(n)]
+    one, zero = jnp.ones_like(a[0][0]), jnp.zeros_like(a[0][0])
+    v = [[one if i == j else zero for j in range(n)] for i in range(n)]
+
+    def sweep(_, carry):
+        a, v = [list(row) for row in carry[0]], [list(row) for row in carry[1]]
+        for p in range(n - 1):
+            for q in range(p + 1, n):
+                apq = a[p][q]
+                live = apq != 0
+                tau = (a[q][q] - a[p][p]) / (2 * jnp.where(live, apq, 1))
+                # the smaller root of t² + 2τt − 1 = 0 (|θ| ≤ π/4); a huge τ gives t → 0, no overflow to NaN
+                t = jnp.where(tau >= 0, 1.0, -1.0) / (jnp.abs(tau) + jnp.sqrt(1 + jnp.minimum(tau * tau, 1e30)))
+                t = jnp.where(live, t, 0)
+                c = jax.lax.rsqrt(1 + t * t)
+                s = t * c
+                for k in range(n):  # rows p, q of Jᵀ A
+                    a[p][k], a[q][k] = c * a[p][k] - s * a[q][k], s * a[p][k] + c * a[q][k]
+                for k in range(n):  # columns p, q of (Jᵀ A) J, and of V J
+                    a[k][p], a[k][q] = c * a[k][p] - s * a[k][q], s * a[k][p] + c * a[k][q]
+                    v[k][p], v[k][q] = c * v[k][p] - s * v[k][q], s * v[k][p] + c * v[k][q]
+                a[p][q] = a[q][p] = jnp.zeros_like(apq)
+        return a, v
+
+    # one sweep per loop step keeps the traced graph (and the compile time) at one sweep's size
+    a, v = jax.lax.fori_loop(0, sweeps, sweep, (a, v))
+    diag = jnp.stack([a[i][i] for i in range(n)], axis=-1)
+    top = jnp.argmax(diag, axis=-1)
+    vecs = jnp.stack([jnp.stack(row, axis=-1) for row in v], axis=-2)  # [..., n (component), n (eigenvector)]
+    return jnp.take_along_axis(vecs, top[..., None, None], axis=-1)[..., 0]
+
+
+def window_gram(x_win: jax.Array) -> jax.Array:
+    """``X Xᵀ`` of each window ``[..., W, dk]`` → ``[..., W, W]``, in at least fp32.
+
+    Written as a product and a sum rather than a dot: every window is a tiny ``W × W`` product, which as a
+    dot becomes a batched BLAS call over ``B·T·H`` matrices (H200, 8×2048×16×128, W = 4: 632 µs of cuBLAS
+    gemv per forward), while the elementwise form is one reduce fusion.  It is also exact fp32 on every
+    backend (an fp32 dot at default precision runs in TF32 on a GPU, which cost Falcon-3 7e-5 relative
+    error at T = 8192 on the H200)."""
+    x = x_win.astype(jnp.promote_types(x_win.dtype, jnp.float32))
+    return jnp.sum(x[..., :, None, :] * x[..., None, :, :], axis=-1)
+
+
 def _lambda_max(gram: jax.Array) -> jax.Array:
     """Largest eigenvalue of symmetric ``[..., W, W]`` matrices, with the exact gradient.
 
     The value is ``vᵀ G v`` for the top eigenvector ``v`` held constant, whose
     derivative ``vᵀ dG v`` is the eigenvalue's derivative (simple eigenvalue).
     This avoids differentiating eigenvectors, which is undefined for the
-    repeated zero eigenvalues of a partially empty window.
+    repeated zero eigenvalues of a partially empty window.  ``v`` comes from
+    :func:`top_eigenvector_jacobi` for ``W ≤ JACOBI_MAX_WINDOW``, else from
+    ``jnp.linalg.eigh``.
     """
-    _, vecs = jnp.linalg.eigh(jax.lax.stop_gradient(gram))
-    top = vecs[..., :, -1]
+    fixed = jax.lax.stop_gradient(gram)
+    if gram.shape[-1] <= JACOBI_MAX_WINDOW:
+        top = top_eigenvector_jacobi(fixed)
+    else:
+        top = jnp.linalg.eigh(fixed)[1][..., :, -1]
     return jnp.einsum("...i,...ij,...j->...", top, gram, top, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -86,12 +161,7 @@ def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, sca
     count = jnp.sum(mask, axis=-1)
     inv_count = 1.0 / jnp.maximum(count, 1.0)
     if statistic == "lambda_max":
-        xm = x_win * mask[..., None]
-        # HIGHEST: an fp32 dot at default precision runs in TF32 on a GPU (10-bit mantissa); λmax sets η for
-        # every write, and TF32 here cost Falcon-3 7e-5 relative error at T = 8192 on the H200 (fp32 XLA on
-        # CPU: 6e-7). The Grams are W × W, so the exact product costs nothing.
-        energy = _lambda_max(jnp.einsum("...ik,...jk->...ij", xm, xm,
-                                        precision=jax.lax.Precision.HIGHEST)) * inv_count
+        energy = _lambda_max(window_gram(x_win * mask[..., None])) * inv_count
     else:
         energy = jnp.sum(jnp.sum(x_win * x_win, axis=-1) * mask, axis=-1) * inv_count
     lam_eff = lam * jax.lax.stop_gradient(energy) if scale_coupled else lam

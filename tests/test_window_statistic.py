@@ -1,0 +1,94 @@
+"""Falcon-3's window statistic: the window Gram and its top eigenvalue (``rules.window_gram``,
+``rules.top_eigenvector_jacobi``, ``rules._lambda_max``) against float64 numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from falcon_jax import rules
+
+
+def _windows(rng, kind, n, batch=400, d=16):
+    """``[batch, n, d]`` window keys of one kind: the Grams a sliding window meets, easy and hard."""
+    if kind == "random":
+        return rng.normal(size=(batch, n, d)) * rng.uniform(0.1, 10, size=(batch, 1, 1))
+    if kind == "partial":  # a window cut by a segment start: zero rows, repeated zero eigenvalues
+        x = rng.normal(size=(batch, n, d))
+        x[:, : rng.integers(1, n) if n > 1 else 0] = 0
+        return x
+    if kind == "parallel":  # nearly parallel keys: one dominant eigenvalue, the rest ~1e-12 of it
+        return np.repeat(rng.normal(size=(batch, 1, d)), n, axis=1) + 1e-6 * rng.normal(size=(batch, n, d))
+    if kind == "close":  # two nearly equal top eigenvalues (orthogonal keys of close norms)
+        q, _ = np.linalg.qr(rng.normal(size=(batch, d, n)))
+        scale = np.ones(n)
+        scale[0] = 1 + 1e-7
+        return np.swapaxes(q, 1, 2) * scale[:, None]
+    if kind == "zero":  # an empty window
+        return np.zeros((batch, n, d))
+    raise ValueError(kind)
+
+
+KINDS = ("random", "partial", "parallel", "close", "zero")
+top_eigenvector = jax.jit(rules.top_eigenvector_jacobi, static_argnums=1)  # one compile per shape and dtype
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_jacobi_top_eigenvalue_matches_eigvalsh(rng, n, dtype, tol):
+    for kind in KINDS:
+        x = _windows(rng, kind, n)
+        gram = np.einsum("bik,bjk->bij", x, x)
+        ref = np.linalg.eigvalsh(gram)[:, -1]
+        v = np.asarray(top_eigenvector(jnp.asarray(gram.astype(dtype))), np.float64)
+        assert v.shape == (x.shape[0], n)
+        np.testing.assert_allclose(np.linalg.norm(v, axis=-1), 1.0, atol=10 * np.finfo(dtype).eps, err_msg=kind)
+        rayleigh = np.einsum("bi,bij,bj->b", v, gram, v)
+        scale = np.maximum(ref, np.finfo(np.float64).tiny)
+        assert np.max(np.abs(rayleigh - ref) / scale) <= tol, kind
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_jacobi_needs_its_sweeps(rng, n):
+    """The sweep count matters: a single sweep leaves general Grams' top eigenvalue off (so the test above
+    would see too few sweeps)."""
+    x = _windows(rng, "random", n)
+    gram = np.einsum("bik,bjk->bij", x, x)
+    ref = np.linalg.eigvalsh(gram)[:, -1]
+    v = np.asarray(top_eigenvector(jnp.asarray(gram), 1))
+    assert np.max(np.abs(np.einsum("bi,bij,bj->b", v, gram, v) - ref) / ref) > 1e-6
+
+
+def test_window_gram_is_exact_fp32(rng):
+    x = rng.normal(size=(3, 7, 4, 128)).astype(np.float32)
+    gram = np.asarray(rules.window_gram(jnp.asarray(x)))
+    assert gram.dtype == np.float32
+    ref = np.einsum("...ik,...jk->...ij", x.astype(np.float64), x.astype(np.float64))
+    np.testing.assert_allclose(gram, ref, rtol=2e-6, atol=1e-5)
+    bf16 = rules.window_gram(jnp.asarray(x, jnp.bfloat16))
+    assert bf16.dtype == jnp.float32  # bf16 keys: the Gram is still accumulated in fp32
+
+
+@pytest.mark.parametrize("n", [4, 9])
+def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
+    """``_lambda_max`` on either eigenvector route (Jacobi up to JACOBI_MAX_WINDOW, eigh above): the value is
+    the top eigenvalue and the gradient w.r.t. the window keys is ``2 v vᵀ X`` (simple top eigenvalue)."""
+    x = _windows(rng, "random", n, batch=50)
+    ref = np.linalg.eigvalsh(np.einsum("bik,bjk->bij", x, x))
+    vecs = np.linalg.eigh(np.einsum("bik,bjk->bij", x, x))[1][..., -1]
+
+    def energy(x):
+        return rules._lambda_max(rules.window_gram(x))
+
+    for threshold in (0, 16):  # eigh everywhere, then Jacobi everywhere
+        monkeypatch.setattr(rules, "JACOBI_MAX_WINDOW", threshold)
+        value = np.asarray(jax.jit(energy)(jnp.asarray(x)))
+        np.testing.assert_allclose(value, ref[:, -1], rtol=1e-12)
+        grad = np.asarray(jax.grad(lambda x: jnp.sum(energy(x)))(jnp.asarray(x)))
+        np.testing.assert_allclose(grad, 2 * vecs[..., :, None] * np.einsum("bj,bjk->bk", vecs, x)[:, None, :],
+                                   rtol=1e-8, atol=1e-10)
+
+
+def test_jacobi_rejects_a_non_square_gram():
+    with pytest.raises(ValueError, match="square"):
+        rules.top_eigenvector_jacobi(jnp.zeros((2, 3, 4)))
