@@ -1107,6 +1107,33 @@ print(jax.devices()[0].compute_capability, 'large_shared_memory', f())"
       --shapes "2x8192x16x128,1x32768x16x128" --skip "$WHOLE_OP_VARIANTS" \
       --configs "block_v=16;fwd_scores=walk;block_v=16,fwd_scores=walk" --out "$out/$part/bench.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113)"; exit 2 ;;
+  next114)  # twenty-seventh run, first call: Falcon-3's λmax by elementwise Jacobi rotations against eigh (the
+    # statistic alone and the whole op, W = 2, 4, 8), Falcon-3's GPU values under it, and the per-kernel split of
+    # Falcon-2 and Falcon-3 at 8x2048 (what bounds them)
+    step probe 300 python3 benchmarks/probe_lambda_max.py --shape 8x2048x16x128 --windows 2,4,8 \
+      --out "$out/$part/probe.json"
+    step check 90 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
+    step profile 180 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-2,falcon-3" \
+      --iters 5 --top 16 --out "$out/$part/profile.json"
+    ;;
+  next115)  # twenty-seventh run, second call: the window Gram as a product and a sum (rules.window_gram) instead of
+    # a batched fp32 dot (next114: 632 us of cuBLAS gemv per forward at 8x2048, W = 4); the statistic on the old
+    # dot for comparison, Falcon-3's GPU values, the per-kernel split again
+    step probe 240 python3 benchmarks/probe_lambda_max.py --shape 8x2048x16x128 --windows 2,4,8 \
+      --out "$out/$part/probe.json"
+    step probe_dot 90 python3 benchmarks/probe_lambda_max.py --shape 8x2048x16x128 --windows 2,4,8 --gram dot \
+      --skip-op --out "$out/$part/probe_dot.json"
+    step check 90 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
+    step profile 120 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-3" \
+      --iters 5 --top 16 --out "$out/$part/profile.json"
+    ;;
+  next116)  # prepared in the twenty-seventh session, not yet run: today's code with every peer in one lease (jla gated_deltanet / deltanet,
+    # fla chunk_gated_delta_rule / chunk_delta_rule), Falcon-2 and Falcon-3 (8x2048) for the ratios, peak memory at
+    # 1x32768 and 1x131072
+    step bench 540 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
+      --skip "row-by-row,$WHOLE_OP_VARIANTS" --out "$out/$part/bench.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113|next114|next115|next116)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

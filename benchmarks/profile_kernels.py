@@ -1,9 +1,10 @@
-"""Per-kernel GPU time of Falcon-1 (ours) and the peers, from CUPTI through torch.profiler (run on the H200).
+"""Per-kernel GPU time of Falcon-1, 2, 3 (ours) and the peers, from CUPTI through torch.profiler (run on the H200).
 
     python benchmarks/profile_kernels.py [--shapes 8x2048x16x128,1x32768x16x128] [--out profile.json]
 
 The whole-op timings (bench_regression.py) say how far apart the implementations are; this says where:
 every CUDA kernel launched during ``--iters`` calls — ours through ``falcon(variant="1", impl="pallas")``
+(and Falcon-2 with per-column gains, Falcon-3 with W = 4, as ``bench_regression.py`` times them)
 (gates and layout in XLA fusions, the Pallas kernels by name), the op alone in place, jax-linear-attention
 0.1.0 ``gated_deltanet`` and fla 0.6.0 ``chunk_delta_rule`` — with its calls and microseconds per
 iteration.  CUPTI records every kernel of the process, so the JAX programs' kernels are seen by torch's
@@ -20,9 +21,10 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.bench_regression import (fla_delta_rule_calls, fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs,
-                                         ours_falcon)
+                                         ours_falcon, ours_falcon2, ours_falcon3)
 from benchmarks.common import parse_shape, parsed_kernel_config, time_jax, time_torch, write_json
 from falcon_jax.forms import chunk_pallas
 
@@ -95,7 +97,10 @@ def main() -> int:
         label = "x".join(map(str, shape))
         B, T, H, D = shape
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
+        beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # as bench_regression's Falcon-2 row
         for impl, op, a in (("falcon-1 pallas (ours)", ours_falcon, (q, k, v, beta, lam)),
+                            ("falcon-2 per-column pallas (ours)", ours_falcon2, (q, k, v, beta_col, lam)),
+                            ("falcon-3 W=4 pallas (ours)", ours_falcon3, (q, k, v, beta, lam)),
                             ("op alone, BTHD in place (ours)", kernel_only_in_place, (q, k, v, beta, log_decay)),
                             ("jla 0.1.0 gated_deltanet", jla_op("gated_deltanet"), (q, k, v, beta, log_decay))):
             if not want(impl):
