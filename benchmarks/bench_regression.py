@@ -76,6 +76,12 @@ def falcon1_programs(shape_text: str, config_text: str = ""):
     return fwd, both, (q, k, v, beta, lam)
 
 
+def per_column_gains(beta, dv):
+    """Falcon-2's per-column gains ``[B, T, H, dv]`` from scalar ones: β scaled by 0.9…1.1 across the columns,
+    so that the gains differ per column."""
+    return beta[..., None] * jnp.linspace(0.9, 1.1, dv, dtype=beta.dtype)
+
+
 def ours_falcon2(q, k, v, beta, lam):
     """Falcon-2 with per-column gains (β [B, T, H, D]: the per-column kernel)."""
     return falcon(q, k, v, beta, lam, variant="2", impl="pallas")
@@ -347,7 +353,7 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 record_error(f"fla {shape}", e)
         if shape == (SMOKE_SHAPES if args.smoke else SHAPES)[0]:  # Falcon-2 (per-column gains): 8x2048 only
-            beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # gains differ per column
+            beta_col = per_column_gains(beta, D)
             measure("falcon-2 per-column pallas (ours)", shape, ours_falcon2, 5, (q, k, v, beta_col, lam))
             measure("falcon-2 per-column pallas (ours), row-by-row solve", shape,
                     with_kernel_config(ours_falcon2, KernelConfig(column_solve="rows")), 5,

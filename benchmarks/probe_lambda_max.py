@@ -15,6 +15,7 @@ and a sum); ``--gram dot`` times the statistic alone on the batched fp32 dot ``f
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -27,18 +28,15 @@ from benchmarks.common import parse_shape, print_table, time_jax, write_json
 from falcon_jax import falcon, rules
 
 
-def energy(x_win):
-    """λmax of each window's Gram, as falcon_gates forms it (``rules.window_gram``, or with ``--gram dot`` the
-    full-precision batched dot it used before)."""
-    if GRAM == "dot":
+def energy(x_win, gram_kind="elementwise"):
+    """λmax of each window's Gram, as falcon_gates forms it (``rules.window_gram``, or with ``gram_kind="dot"``
+    the full-precision batched dot it used before)."""
+    if gram_kind == "dot":
         x = x_win.astype(jnp.float32)
         gram = jnp.einsum("...ik,...jk->...ij", x, x, precision=jax.lax.Precision.HIGHEST)
     else:
         gram = rules.window_gram(x_win)
     return rules._lambda_max(gram)
-
-
-GRAM = "elementwise"
 
 
 def with_method(method, fn):
@@ -62,8 +60,7 @@ def main() -> int:
                         help="the statistic alone on rules.window_gram (falcon_gates' Gram) or on a batched dot")
     parser.add_argument("--out", default="probe_lambda_max.json")
     args = parser.parse_args()
-    global GRAM
-    GRAM = args.gram
+    statistic = functools.partial(energy, gram_kind=args.gram)
     B, T, H, D = parse_shape(args.shape)
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shape": args.shape, "gram": args.gram,
                "rows": []}
@@ -72,8 +69,8 @@ def main() -> int:
         x_win = jax.random.normal(jax.random.key(W), (B, T, H, W, D)).astype(jnp.bfloat16)
         values = {}
         for method in ("eigh", "jacobi"):
-            f = jax.jit(with_method(method, energy))
-            fb = jax.jit(with_method(method, jax.grad(lambda x: jnp.sum(energy(x)))))
+            f = jax.jit(with_method(method, statistic))
+            fb = jax.jit(with_method(method, jax.grad(lambda x: jnp.sum(statistic(x)))))
             t0 = time.time()
             values[method] = np.asarray(f(x_win))
             compile_s = time.time() - t0

@@ -21,10 +21,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.bench_regression import (fla_delta_rule_calls, fwd_and_bwd, jla_op, kernel_only_in_place, make_inputs,
-                                         ours_falcon, ours_falcon2, ours_falcon3)
+                                         ours_falcon, ours_falcon2, ours_falcon3, per_column_gains)
 from benchmarks.common import parse_shape, parsed_kernel_config, time_jax, time_torch, write_json
 from falcon_jax.forms import chunk_pallas
 
@@ -97,7 +96,7 @@ def main() -> int:
         label = "x".join(map(str, shape))
         B, T, H, D = shape
         q, k, v, beta, lam, log_decay = make_inputs(*shape)
-        beta_col = beta[..., None] * jnp.linspace(0.9, 1.1, D, dtype=beta.dtype)  # as bench_regression's Falcon-2 row
+        beta_col = per_column_gains(beta, D)
         for impl, op, a in (("falcon-1 pallas (ours)", ours_falcon, (q, k, v, beta, lam)),
                             ("falcon-2 per-column pallas (ours)", ours_falcon2, (q, k, v, beta_col, lam)),
                             ("falcon-3 W=4 pallas (ours)", ours_falcon3, (q, k, v, beta, lam)),

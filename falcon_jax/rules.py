@@ -53,7 +53,7 @@ class Rule:
     gates: GateFn = dataclasses.field(compare=False)
 
 
-# Windows up to this size find their top eigenvector by Jacobi rotations written elementwise (one XLA fusion);
+# Windows up to this size find their top eigenvector by Jacobi rotations written elementwise (fused per sweep);
 # larger ones call jnp.linalg.eigh (a solver call per batch of W × W matrices).
 JACOBI_MAX_WINDOW = 8
 # cyclic sweeps: the off-diagonal mass falls quadratically once it is small, so a fixed count is exact to the
@@ -72,8 +72,8 @@ def top_eigenvector_jacobi(gram: jax.Array, sweeps: int | None = None) -> jax.Ar
     Cyclic Jacobi (Golub & Van Loan, Alg. 8.5.2): each rotation ``J(p, q, θ)`` zeroes ``A[p, q]`` in
     ``Jᵀ A J`` and is accumulated into ``V``; after the sweeps ``A`` is diagonal to the dtype's precision
     and the top eigenvector is the column of ``V`` at the largest diagonal entry.  The matrix is held as
-    ``n²`` arrays of the batch's shape, so the whole solve is elementwise arithmetic that XLA fuses into
-    one kernel — unlike a batched ``eigh``, which on a GPU is a solver call over many tiny matrices.
+    ``n²`` arrays of the batch's shape, so each sweep is elementwise arithmetic that XLA fuses into one
+    kernel — unlike a batched ``eigh``, which on a GPU is a solver call over many tiny matrices.
     """
     n = gram.shape[-1]
     if gram.shape[-2] != n:
@@ -100,7 +100,7 @@ def top_eigenvector_jacobi(gram: jax.Array, sweeps: int | None = None) -> jax.Ar
                 for k in range(n):  # columns p, q of (Jᵀ A) J, and of V J
                     a[k][p], a[k][q] = c * a[k][p] - s * a[k][q], s * a[k][p] + c * a[k][q]
                     v[k][p], v[k][q] = c * v[k][p] - s * v[k][q], s * v[k][p] + c * v[k][q]
-                a[p][q] = a[q][p] = jnp.zeros_like(apq)
+                a[p][q] = a[q][p] = zero
         return a, v
 
     # one sweep per loop step keeps the traced graph (and the compile time) at one sweep's size
