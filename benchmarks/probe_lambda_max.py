@@ -3,7 +3,7 @@
     python benchmarks/probe_lambda_max.py [--shape 8x2048x16x128] [--windows 2,4,8] [--out probe.json]
 
 ``falcon_gates`` takes Falcon-3's energy as the top eigenvalue of each step's ``W × W`` window Gram
-(``rules._lambda_max``).  Its eigenvector came from a batched ``eigh`` (on a GPU a solver call over
+(``rules.window_lambda_max``).  Its eigenvector came from a batched ``eigh`` (on a GPU a solver call over
 ``B·T·H`` tiny matrices); ``rules.top_eigenvector_jacobi`` does it with Jacobi rotations that XLA fuses.
 This times, for both: the statistic alone (forward, and forward+backward w.r.t. the window's keys), and the
 whole Falcon-3 op (``falcon(variant="3", window=W, impl="pallas")``, bf16 q/k/v) — and checks the two
@@ -32,11 +32,9 @@ def energy(x_win, gram_kind="elementwise"):
     """λmax of each window's Gram, as falcon_gates forms it (``rules.window_gram``, or with ``gram_kind="dot"``
     the full-precision batched dot it used before)."""
     if gram_kind == "dot":
-        x = x_win.astype(jnp.float32)
-        gram = jnp.einsum("...ik,...jk->...ij", x, x, precision=jax.lax.Precision.HIGHEST)
-    else:
-        gram = rules.window_gram(x_win)
-    return rules._lambda_max(gram)
+        return rules.window_lambda_max(x_win, gram_fn=lambda x: jnp.einsum("...ik,...jk->...ij", x, x,
+                                                                            precision=jax.lax.Precision.HIGHEST))
+    return rules.window_lambda_max(x_win)
 
 
 def with_method(method, fn):

@@ -1,5 +1,5 @@
 """Falcon-3's window statistic: the window Gram and its top eigenvalue (``rules.window_gram``,
-``rules.top_eigenvector_jacobi``, ``rules._lambda_max``) against float64 numpy."""
+``rules.top_eigenvector_jacobi``, ``rules.window_lambda_max``) against float64 numpy."""
 
 import jax
 import jax.numpy as jnp
@@ -59,26 +59,28 @@ def test_jacobi_needs_its_sweeps(rng, n):
     assert np.max(np.abs(np.einsum("bi,bij,bj->b", v, gram, v) - ref) / ref) > 1e-6
 
 
-def test_window_gram_is_exact_fp32(rng):
-    x = rng.normal(size=(3, 7, 4, 128)).astype(np.float32)
+@pytest.mark.parametrize("n", [1, 3, 4, 7])
+def test_window_gram_is_exact_fp32(rng, n):
+    x = rng.normal(size=(3, 7, n, 128)).astype(np.float32)
     gram = np.asarray(rules.window_gram(jnp.asarray(x)))
-    assert gram.dtype == np.float32
+    assert gram.dtype == np.float32 and gram.shape == (3, 7, n, n)
     ref = np.einsum("...ik,...jk->...ij", x.astype(np.float64), x.astype(np.float64))
     np.testing.assert_allclose(gram, ref, rtol=2e-6, atol=1e-5)
+    np.testing.assert_array_equal(gram, np.swapaxes(gram, -1, -2))  # mirrored from the pairs i <= j
     bf16 = rules.window_gram(jnp.asarray(x, jnp.bfloat16))
     assert bf16.dtype == jnp.float32  # bf16 keys: the Gram is still accumulated in fp32
 
 
 @pytest.mark.parametrize("n", [4, 9])
 def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
-    """``_lambda_max`` on either eigenvector route (Jacobi up to JACOBI_MAX_WINDOW, eigh above): the value is
+    """``window_lambda_max`` on either eigenvector route (Jacobi up to JACOBI_MAX_WINDOW, eigh above): the value is
     the top eigenvalue and the gradient w.r.t. the window keys is ``2 v vᵀ X`` (simple top eigenvalue)."""
     x = _windows(rng, "random", n, batch=50)
     ref = np.linalg.eigvalsh(np.einsum("bik,bjk->bij", x, x))
     vecs = np.linalg.eigh(np.einsum("bik,bjk->bij", x, x))[1][..., -1]
 
     def energy(x):
-        return rules._lambda_max(rules.window_gram(x))
+        return rules.window_lambda_max(x)
 
     for threshold in (0, 16):  # eigh everywhere, then Jacobi everywhere
         monkeypatch.setattr(rules, "JACOBI_MAX_WINDOW", threshold)
@@ -87,6 +89,34 @@ def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
         grad = np.asarray(jax.grad(lambda x: jnp.sum(energy(x)))(jnp.asarray(x)))
         np.testing.assert_allclose(grad, 2 * vecs[..., :, None] * np.einsum("bj,bjk->bk", vecs, x)[:, None, :],
                                    rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 4e-6)])
+def test_window_lambda_max_matches_eigvalsh(rng, n, dtype, tol):
+    """``‖Xᵀv‖²`` on every kind of window (cut by a segment, empty, nearly parallel, nearly equal top
+    eigenvalues) against float64 eigvalsh; the gradient is finite everywhere and zero for an empty window."""
+    energy = jax.jit(rules.window_lambda_max)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(rules.window_lambda_max(x))))
+    for kind in KINDS:
+        x = _windows(rng, kind, n, batch=100)
+        ref = np.linalg.eigvalsh(np.einsum("bik,bjk->bij", x, x))[:, -1]
+        value = np.asarray(energy(jnp.asarray(x.astype(dtype))), np.float64)
+        scale = np.maximum(ref, np.finfo(np.float64).tiny)
+        assert np.max(np.abs(value - ref) / scale) <= tol, kind
+        g = np.asarray(grad(jnp.asarray(x.astype(dtype))))
+        assert np.all(np.isfinite(g)), kind
+        if kind == "zero":
+            assert not np.any(g), kind
+
+
+def test_window_lambda_max_of_bf16_keys_is_fp32(rng):
+    x = rng.normal(size=(5, 4, 64))
+    value = rules.window_lambda_max(jnp.asarray(x, jnp.bfloat16))
+    assert value.dtype == jnp.float32
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)  # the rounded keys, exactly
+    ref = np.linalg.eigvalsh(np.einsum("bik,bjk->bij", x16, x16))[:, -1]
+    np.testing.assert_allclose(np.asarray(value), ref, rtol=4e-6)
 
 
 def test_jacobi_rejects_a_non_square_gram():
