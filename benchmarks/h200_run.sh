@@ -1143,6 +1143,26 @@ print(jax.devices()[0].compute_capability, 'large_shared_memory', f())"
     step profile 120 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-3" \
       --iters 5 --top 16 --out "$out/$part/profile.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113|next114|next115|next116|next117)"; exit 2 ;;
+  next118)  # twenty-eighth run, second call: next117 with the full W x W window Gram back (the pairs i <= j made the
+    # forward slower) and the gradient through u = Xᵀv kept; the check gets the cold machine's compile time
+    step check 180 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
+    step probe 240 python3 benchmarks/probe_lambda_max.py --shape 8x2048x16x128 --windows 2,4,8 \
+      --out "$out/$part/probe.json"
+    step profile 120 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-3" \
+      --iters 5 --top 16 --out "$out/$part/profile.json"
+    ;;
+  next119)  # twenty-eighth run, third call: the value vᵀGv from the Gram again (next118's ‖Xᵀv‖² cost the forward a
+    # second pass over the windows), the gradient 2 v uᵀ by a custom VJP; then next116's table (every peer in one
+    # lease, Falcon-2/3, memory at 1x32768 and 1x131072), the statistic and Falcon-3's split, its GPU values
+    step bench 330 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
+      --rows "falcon-1 pallas;jla 0.1.0;fla 0.6.0;falcon-2 per-column pallas (ours);falcon-3 W=4;jla gated" \
+      --skip "row-by-row,$WHOLE_OP_VARIANTS" --out "$out/$part/bench.json"
+    step probe 110 python3 benchmarks/probe_lambda_max.py --shape 8x2048x16x128 --windows 2,4 \
+      --out "$out/$part/probe.json"
+    step profile 60 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-3" \
+      --iters 5 --top 16 --out "$out/$part/profile.json"
+    step check 90 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113|next114|next115|next116|next117|next118|next119)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"

@@ -27,7 +27,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 VARIANTS = ("1", "2", "3", "1A", "2A", "3A")
 REGRESSION_VARIANTS = ("1", "2", "3")
@@ -115,30 +114,48 @@ def top_eigenvector_jacobi(gram: jax.Array, sweeps: int | None = None) -> jax.Ar
 def window_gram(x_win: jax.Array) -> jax.Array:
     """``X Xᵀ`` of each window ``[..., W, dk]`` → ``[..., W, W]``, in at least fp32.
 
-    Written as products and a sum rather than a dot: every window is a tiny ``W × W`` product, which as a
+    Written as a product and a sum rather than a dot: every window is a tiny ``W × W`` product, which as a
     dot becomes a batched BLAS call over ``B·T·H`` matrices (H200, 8×2048×16×128, W = 4: 632 µs of cuBLAS
-    gemv per forward), while the elementwise form is one reduce fusion.  Only the ``W(W+1)/2`` pairs
-    ``i ≤ j`` are reduced (10 of 16 row pairs at W = 4) and mirrored.  It is also exact fp32 on every
+    gemv per forward), while the elementwise form is one reduce fusion.  It is also exact fp32 on every
     backend (an fp32 dot at default precision runs in TF32 on a GPU, which cost Falcon-3 7e-5 relative
-    error at T = 8192 on the H200)."""
-    n = x_win.shape[-2]
+    error at T = 8192 on the H200).  All ``W²`` row pairs are reduced: reducing only the pairs ``i ≤ j``
+    and mirroring them made the whole Falcon-3 op slower on the H200 (W = 4 forward 2.514 vs 2.310 ms;
+    docs/kernels.md, twenty-eighth run)."""
     x = x_win.astype(jnp.promote_types(x_win.dtype, jnp.float32))
-    rows, cols = np.triu_indices(n)
-    pairs = jnp.sum(x[..., rows, :] * x[..., cols, :], axis=-1)  # [..., W(W+1)/2]
-    index = np.zeros((n, n), np.int32)
-    index[rows, cols] = index[cols, rows] = np.arange(rows.size)
-    return pairs[..., index]
+    return jnp.sum(x[..., :, None, :] * x[..., None, :, :], axis=-1)
+
+
+@jax.custom_vjp
+def _rayleigh_quotient(x: jax.Array, gram: jax.Array, top: jax.Array) -> jax.Array:
+    """``vᵀ G v`` for ``G = X Xᵀ`` (``x`` ``[..., W, dk]``, ``gram`` ``[..., W, W]``, ``top`` ``v`` ``[..., W]``)
+    from the Gram already formed; differentiated w.r.t. ``x`` only, as ``‖Xᵀv‖²`` with ``v`` held."""
+    return jnp.sum(top[..., :, None] * gram * top[..., None, :], axis=(-2, -1))
+
+
+def _rayleigh_quotient_fwd(x, gram, top):
+    return _rayleigh_quotient(x, gram, top), (x, top)
+
+
+def _rayleigh_quotient_bwd(residuals, g):
+    x, top = residuals
+    u = jnp.sum(top[..., :, None] * x, axis=-2)  # Xᵀv, [..., dk]
+    dx = (2 * g)[..., None, None] * top[..., :, None] * u[..., None, :]
+    return dx, jnp.zeros(top.shape + top.shape[-1:], g.dtype), jnp.zeros_like(top)
+
+
+_rayleigh_quotient.defvjp(_rayleigh_quotient_fwd, _rayleigh_quotient_bwd)
 
 
 def window_lambda_max(x_win: jax.Array, gram_fn: Callable[[jax.Array], jax.Array] = window_gram) -> jax.Array:
     """Largest eigenvalue of each window's Gram ``X Xᵀ`` (``x_win`` ``[..., W, dk]`` → ``[...]``), in at
     least fp32, with the exact gradient.
 
-    With ``v`` the top unit eigenvector of the Gram, ``λ = vᵀ X Xᵀ v = ‖Xᵀ v‖²``.  ``v`` is held constant
-    (its derivative does not move a simple eigenvalue), so the value is formed as ``‖u‖²`` with
-    ``u = Xᵀ v`` and the gradient is ``dX = 2 v uᵀ`` — a ``[W, dk]`` product instead of the Gram's
-    ``[W, W, dk]``.  Holding ``v`` also avoids differentiating eigenvectors, which is undefined for the
-    repeated zero eigenvalues of a partially empty window.  ``v`` comes from
+    With ``v`` the top unit eigenvector of the Gram, ``λ = vᵀ X Xᵀ v = ‖Xᵀ v‖²``.  The value is ``vᵀ G v``
+    from the Gram the eigenvector came from; ``v`` is held constant (its derivative does not move a simple
+    eigenvalue), so the gradient is ``dX = 2 v uᵀ`` with ``u = Xᵀ v`` — a ``[W, dk]`` product, where
+    differentiating through the Gram builds a ``[W, W, dk]`` one (1,001 µs of Falcon-3's backward on the
+    H200 at 8×2048, W = 4).  Holding ``v`` also avoids differentiating eigenvectors, which is undefined for
+    the repeated zero eigenvalues of a partially empty window.  ``v`` comes from
     :func:`top_eigenvector_jacobi` for ``W ≤ JACOBI_MAX_WINDOW``, else from ``jnp.linalg.eigh``.
     ``gram_fn`` forms the Gram (the benchmarks pass a batched dot to compare).
     """
@@ -148,8 +165,7 @@ def window_lambda_max(x_win: jax.Array, gram_fn: Callable[[jax.Array], jax.Array
         top = top_eigenvector_jacobi(gram)
     else:
         top = jnp.linalg.eigh(gram)[1][..., :, -1]
-    u = jnp.sum(jax.lax.stop_gradient(top)[..., :, None] * x, axis=-2)  # [..., dk]
-    return jnp.sum(u * u, axis=-1)
+    return _rayleigh_quotient(x, gram, jax.lax.stop_gradient(top))
 
 
 def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, scale_coupled: bool,
