@@ -59,8 +59,10 @@
 #   bash benchmarks/h200_run.sh next12      # the split walks and two-program chunk gradients: checked, timed at every
 #                                           # shape; the per-column kernel's (Falcon-2) warps and columns
 #
-# Peers (jax-linear-attention, fla) are optional: wheels in .whl/ are installed to /tmp/site first
-# when present.  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
+# Peers (jax-linear-attention, fla) are optional: wheels in .whl/ (ignored by git) are installed to /tmp/site first
+# when present.  Get them on a machine with PyPI and carry .whl/ to the GPU machine:
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl jax-linear-attention==0.1.0 \
+#     flash-linear-attention==0.6.0 fla-core==0.6.0 equinox jaxtyping wadler-lindig einops  Logs and JSON go to $OUT (default benchmarks/results/latest) and are packed into
 # $OUT/<part>.tar.gz; every script writes its JSON as it goes, so a cut-off step keeps its results.
 set -u
 part=${1:?usage: h200_run.sh checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43}
@@ -1127,7 +1129,8 @@ print(jax.devices()[0].compute_capability, 'large_shared_memory', f())"
     step profile 120 python3 benchmarks/profile_kernels.py --shapes 8x2048x16x128 --impls "falcon-3" \
       --iters 5 --top 16 --out "$out/$part/profile.json"
     ;;
-  next116)  # prepared in the twenty-seventh session, not yet run: today's code with every peer in one lease (jla gated_deltanet / deltanet,
+  next116)  # prepared in the twenty-seventh session, run in the twenty-eighth (after next119, with the wheels in .whl/):
+    # today's code with every peer in one lease (jla gated_deltanet / deltanet,
     # fla chunk_gated_delta_rule / chunk_delta_rule), Falcon-2 and Falcon-3 (8x2048) for the ratios, peak memory at
     # 1x32768 and 1x131072
     step bench 540 python3 benchmarks/bench_regression.py --memory-shapes 1x32768x16x128,1x131072x16x128 \
