@@ -1166,6 +1166,11 @@ print(jax.devices()[0].compute_capability, 'large_shared_memory', f())"
       --iters 5 --top 16 --out "$out/$part/profile.json"
     step check 90 python3 benchmarks/gpu_check_regression.py --only "falcon-3 values" --out "$out/$part/check.json"
     ;;
-  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113|next114|next115|next116|next117|next118|next119)"; exit 2 ;;
+  next120)  # twenty-eighth run, last call (~4 minutes of device time left): Falcon-1's checks on today's code before
+    # issue #4 is closed: fp32 values at T = 8192, T = 65536 finite, extreme gates, bf16 gradients
+    step check 140 python3 benchmarks/gpu_check_regression.py --only "fp32 values,long bf16,extreme op,bf16 grads" \
+      --out "$out/$part/check.json"
+    ;;
+  *) echo "unknown part $part (checks|bench|all|split|next|next2|next3|next4|next5|next6|next7|next8|next9|next10|next11|next12|next13|next14|next15|next16|next17|next18|next19|next20|next21|next22|next23|next24|next25|next26|next27|next28|next29|next30|next31|next32|next33|next34|next35|next36|next37|next38|next39|next40|next41|next42|next43|next44|next45|next46|next47|next48|next49|next50|next51|next52|next53|next54|next55|next56|next57|next58|next59|next60|next61|next62|next63|next64|next65|next66|next67|next68|next69|next70|next71|next72|next73|next74|next75|next76|next77|next78|next79|next80|next81|next82|next83|next84|next85|next86|next87|next88|next89|next90|next91|next92|next93|next94|next95|next96|next97|next98|next99|next100|next101|next102|next103|next104|next105|next106|next107|next108|next109|next110|next111|next112|next113|next114|next115|next116|next117|next118|next119|next120)"; exit 2 ;;
 esac
 tar czf "$out/$part.tar.gz" -C "$out" "$part" && echo "packed $out/$part.tar.gz"
