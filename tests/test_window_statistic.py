@@ -82,7 +82,8 @@ def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
     def energy(x):
         return rules.window_lambda_max(x)
 
-    for threshold in (0, 16):  # eigh everywhere, then Jacobi everywhere
+    # eigh, then Jacobi where the library would take it (a 9 × 9 Jacobi only costs compile time: n = 9 uses eigh)
+    for threshold in (0, 16) if n <= rules.JACOBI_MAX_WINDOW else (0,):
         monkeypatch.setattr(rules, "JACOBI_MAX_WINDOW", threshold)
         value = np.asarray(jax.jit(energy)(jnp.asarray(x)))
         np.testing.assert_allclose(value, ref[:, -1], rtol=1e-12)
@@ -91,7 +92,7 @@ def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
                                    rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 3, 4])  # the Jacobi route's n = 8 is checked above, on the eigenvector alone
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 4e-6)])
 def test_window_lambda_max_matches_eigvalsh(rng, n, dtype, tol):
     """``‖Xᵀv‖²`` on every kind of window (cut by a segment, empty, nearly parallel, nearly equal top
