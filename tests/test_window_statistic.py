@@ -68,7 +68,7 @@ def test_window_gram_is_exact_fp32(rng, n):
     assert gram.dtype == np.float32 and gram.shape == (3, 7, n, n)
     ref = np.einsum("...ik,...jk->...ij", x.astype(np.float64), x.astype(np.float64))
     np.testing.assert_allclose(gram, ref, rtol=2e-6, atol=1e-5)
-    np.testing.assert_array_equal(gram, np.swapaxes(gram, -1, -2))  # mirrored from the pairs i <= j
+    np.testing.assert_array_equal(gram, np.swapaxes(gram, -1, -2))  # x_i·x_j and x_j·x_i: the same products
     bf16 = rules.window_gram(jnp.asarray(x, jnp.bfloat16))
     assert bf16.dtype == jnp.float32  # bf16 keys: the Gram is still accumulated in fp32
 
@@ -81,13 +81,24 @@ def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
     ref = np.linalg.eigvalsh(np.einsum("bik,bjk->bij", x, x))
     vecs = np.linalg.eigh(np.einsum("bik,bjk->bij", x, x))[1][..., -1]
 
-    def energy(x):
-        return rules.window_lambda_max(x)
+    jacobi_calls = []
 
+    def counted_jacobi(*args):
+        jacobi_calls.append(args)
+        return top_eigenvector_jacobi(*args)
+
+    top_eigenvector_jacobi = rules.top_eigenvector_jacobi
+    monkeypatch.setattr(rules, "top_eigenvector_jacobi", counted_jacobi)
     # eigh, then Jacobi where the library would take it (a 9 × 9 Jacobi only costs compile time: n = 9 uses eigh)
     for threshold in (0, 16) if n <= rules.JACOBI_MAX_WINDOW else (0,):
         monkeypatch.setattr(rules, "JACOBI_MAX_WINDOW", threshold)
+        jacobi_calls.clear()
+
+        def energy(x):  # a new function per threshold: jax.jit caches traces by function, across jit wrappers
+            return rules.window_lambda_max(x)
+
         value = np.asarray(jax.jit(energy)(jnp.asarray(x)))
+        assert bool(jacobi_calls) == (threshold >= n)  # the route under test is the one traced
         np.testing.assert_allclose(value, ref[:, -1], rtol=1e-12)
         grad = np.asarray(jax.grad(lambda x: jnp.sum(energy(x)))(jnp.asarray(x)))
         np.testing.assert_allclose(grad, 2 * vecs[..., :, None] * np.einsum("bj,bjk->bk", vecs, x)[:, None, :],
@@ -97,7 +108,7 @@ def test_lambda_max_value_and_gradient(rng, n, monkeypatch):
 @pytest.mark.parametrize("n", [1, 3, 4])  # the Jacobi route's n = 8 is checked above, on the eigenvector alone
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 4e-6)])
 def test_window_lambda_max_matches_eigvalsh(rng, n, dtype, tol):
-    """``‖Xᵀv‖²`` on every kind of window (cut by a segment, empty, nearly parallel, nearly equal top
+    """λmax on every kind of window (cut by a segment, empty, nearly parallel, nearly equal top
     eigenvalues) against float64 eigvalsh; the gradient is finite everywhere and zero for an empty window."""
     energy = jax.jit(rules.window_lambda_max)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(rules.window_lambda_max(x))))
