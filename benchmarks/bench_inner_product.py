@@ -25,9 +25,9 @@ from benchmarks.common import (add_row_filter, compiled_memory, copy_bandwidth_g
                                print_table, row_filter, time_jax, time_torch, with_kernel_config, write_json)
 from falcon_jax import falcon
 from falcon_jax.forms import chunk_pallas
-from pallas_kernels.decayed_attention import decayed_attention
-from pallas_kernels.decayed_attention.api import KernelConfig
-from pallas_kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig  # the per-column kernel's
+from falcon_jax.kernels.decayed_attention import decayed_attention
+from falcon_jax.kernels.decayed_attention.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig  # the per-column kernel's
 
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128), (8, 2048, 16, 64)]
 MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]

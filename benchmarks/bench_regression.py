@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from benchmarks.common import (add_row_filter, compiled_memory, kernel_config, parse_shape, parsed_kernel_config,
                                print_table, row_filter, time_jax, time_torch, with_kernel_config, write_json)
 from falcon_jax import falcon
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule
-from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig
 
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
 MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]

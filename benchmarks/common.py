@@ -163,7 +163,7 @@ def kernel_config(text: str, config_class=None):
     ``"tri_dtype=input,save_tri=True"``; an unknown name or value is an error naming it."""
     import dataclasses
 
-    from pallas_kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig
+    from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig as RegressionConfig
 
     config_class = config_class or RegressionConfig
     if not text.strip():

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import parsed_kernel_config, rel_err, selected_groups, write_json  # noqa: E402
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
-from pallas_kernels.decayed_attention.api import KernelConfig  # noqa: E402
+from falcon_jax.kernels.decayed_attention.api import KernelConfig  # noqa: E402
 
 
 def inputs(rng, B, T, H, d, dtype):

@@ -26,8 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import rel_err, time_jax, write_json  # noqa: E402
-from pallas_kernels.decayed_attention import decayed_attention  # noqa: E402
-from pallas_kernels.decayed_attention.reference import decayed_attention_reference  # noqa: E402
+from falcon_jax.kernels.decayed_attention import decayed_attention  # noqa: E402
+from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference  # noqa: E402
 
 
 def inputs(seed, B, H, T, dk, dv, dtype, segments):

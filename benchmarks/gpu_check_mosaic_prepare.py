@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, rel_err, time_jax, values_then_timing
-from pallas_kernels.decayed_delta_rule import mosaic_gpu, pallas_gpu
+from falcon_jax.kernels.decayed_delta_rule import mosaic_gpu, pallas_gpu
 
 C = 64
 BF = jnp.bfloat16

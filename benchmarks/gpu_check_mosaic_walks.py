@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import finish_checks, print_table, rel_err, time_jax, write_json
-from pallas_kernels.decayed_delta_rule import mosaic_gpu_walks, pallas_gpu
-from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule import mosaic_gpu_walks, pallas_gpu
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig
 
 C = 64
 BF = jnp.bfloat16

@@ -41,8 +41,8 @@ from benchmarks.common import (finish_checks, parsed_kernel_config, rel_err, sel
                                with_kernel_config, write_json)
 from falcon_jax import falcon  # noqa: E402
 from falcon_jax.forms import chunk_pallas  # noqa: E402
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
-from pallas_kernels.decayed_delta_rule.api import KernelConfig  # noqa: E402
+from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule  # noqa: E402
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig  # noqa: E402
 
 
 def inputs(rng, B, T, H, d, dtype):

@@ -100,17 +100,17 @@ def run_op_case(case: str) -> str:
 
 def run_lm_case(case: str) -> str:
     import falcon_jax
-    import train.trainer
-    from train.cli import main
+    import falcon_jax.train.trainer
+    from falcon_jax.train.cli import main
 
     # the modules by name: the package attribute `falcon_jax.falcon` is the function, not its module
     falcon_module, model_module = sys.modules["falcon_jax.falcon"], sys.modules["falcon_jax.nn.model"]
     if case == "lm-no-context":
-        train.trainer.kernel_sharding = lambda *a, **k: contextlib.nullcontext()
+        falcon_jax.train.trainer.kernel_sharding = lambda *a, **k: contextlib.nullcontext()
     else:  # the trainer enters the context; the GPU gate is lifted so the case runs what it names
         import falcon_jax.sharding
         entered = falcon_jax.sharding.kernel_sharding
-        train.trainer.kernel_sharding = lambda *a, **k: entered(*a, **k, allow_gpu=True)
+        falcon_jax.train.trainer.kernel_sharding = lambda *a, **k: entered(*a, **k, allow_gpu=True)
     if case == "lm-constrain-only":
         falcon_module.per_shard = lambda fn, **kw: fn
     elif case == "lm-shard_map-only":

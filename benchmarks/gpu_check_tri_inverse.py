@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, rel_err, time_jax, values_then_timing
-from pallas_kernels.decayed_delta_rule import pallas_gpu
-from pallas_kernels.decayed_delta_rule.api import _gates
+from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
+from falcon_jax.kernels.decayed_delta_rule.api import _gates
 
 C = 64
 BASELINE = "rows, 1 warp"

@@ -1098,7 +1098,7 @@ forward walk,pieces,walks 8,walks 1,walks 3,BTHD,0.1.0 deltanet,falcon-2,falcon-
     ;;
   next112)  # twenty-sixth run, seventh call: the 4-stage rule gated on the GPU's shared memory (common.large_shared_memory)
     # still picks 4 stages on the H200: the helper's answer, then 1x32768 default vs fwd_stages=3
-    step helper 30 python3 -c "import jax; from pallas_kernels.common import large_shared_memory as f; \
+    step helper 30 python3 -c "import jax; from falcon_jax.kernels.common import large_shared_memory as f; \
 print(jax.devices()[0].compute_capability, 'large_shared_memory', f())"
     step bench 120 python3 benchmarks/bench_regression.py --memory-shapes "" --rows "falcon-1 pallas" \
       --shapes "1x32768x16x128" --skip "$WHOLE_OP_VARIANTS" --configs "fwd_stages=3" --out "$out/$part/bench.json"

@@ -65,9 +65,9 @@ def lower_kernels(shape_text: str, config_text: str, op: str = "delta", shifted_
     import jax.numpy as jnp
 
     from benchmarks.common import kernel_config, parse_shape
-    from pallas_kernels.decayed_attention.api import KernelConfig as AttentionConfig
-    from pallas_kernels.decayed_attention.api import decayed_attention
-    from pallas_kernels.decayed_delta_rule.api import decayed_delta_rule
+    from falcon_jax.kernels.decayed_attention.api import KernelConfig as AttentionConfig
+    from falcon_jax.kernels.decayed_attention.api import decayed_attention
+    from falcon_jax.kernels.decayed_delta_rule.api import decayed_delta_rule
 
     if op not in ("delta", "attention"):
         raise ValueError(f"op must be 'delta' or 'attention', got {op!r}")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import parse_shape, print_table, rel_err, time_jax, write_json
-from pallas_kernels.decayed_delta_rule import pallas_gpu
+from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
 
 BF = jnp.bfloat16
 F32 = jnp.float32

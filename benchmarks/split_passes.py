@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, time_jax, write_json
-from pallas_kernels.common import chunk_local, pieces_for
-from pallas_kernels.decayed_attention import api as attn_api
-from pallas_kernels.decayed_attention import pallas_gpu as attn_gpu
-from pallas_kernels.decayed_delta_rule import api as delta_api
-from pallas_kernels.decayed_delta_rule import pallas_gpu as delta_gpu
-from pallas_kernels.decayed_delta_rule import xla as delta_xla
+from falcon_jax.kernels.common import chunk_local, pieces_for
+from falcon_jax.kernels.decayed_attention import api as attn_api
+from falcon_jax.kernels.decayed_attention import pallas_gpu as attn_gpu
+from falcon_jax.kernels.decayed_delta_rule import api as delta_api
+from falcon_jax.kernels.decayed_delta_rule import pallas_gpu as delta_gpu
+from falcon_jax.kernels.decayed_delta_rule import xla as delta_xla
 
 
 def inputs(BH, T, d, dtype, seed=0):

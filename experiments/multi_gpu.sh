@@ -11,7 +11,7 @@
 #   g1        1 GPU, one process
 #   g2-fsdp   2 GPUs, one process, mesh data=1 x fsdp=2 (parameters and optimizer state sharded)
 #   g2-data   2 GPUs, one process, mesh data=2 (pure data parallelism)
-#   g2-proc   2 GPUs, two processes through jax.distributed (python -m train.launch), mesh data=2
+#   g2-proc   2 GPUs, two processes through jax.distributed (python -m falcon_jax.train.launch), mesh data=2
 #   g2to1     g2-fsdp's checkpoint of step RESUME_FROM restored on 1 GPU (orbax reshards) and continued
 # (g2to1 runs before g2-data and g2-proc, so a cut-off call still has the restore), then
 # experiments/multi_gpu_summary.py prints the table for docs/results.md and writes JSON.
@@ -57,12 +57,12 @@ filter() { grep -v -E "slow_operation_alarm|Constant folding|The operation took|
 # g2-fsdp at 110 s while it wrote its step-200 checkpoint, and g2to1 at 70 s after step 150)
 if wanted g1; then
   echo "== g1: 1 GPU"
-  timeout 140 "${one[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=1 \
+  timeout 140 "${one[@]}" python3 -m falcon_jax.train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=1 \
     --run-dir $runs/g1 2>&1 | filter "$out/g1.log"
 fi
 if wanted g2-fsdp; then
   echo "== g2-fsdp: 2 GPUs, data=1 x fsdp=2"
-  timeout 150 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=2 \
+  timeout 150 "${two[@]}" python3 -m falcon_jax.train "${common[@]}" --set mesh.data=1 --set mesh.fsdp=2 \
     --run-dir $runs/g2-fsdp 2>&1 | filter "$out/g2-fsdp.log"
 fi
 if wanted g2to1; then
@@ -71,17 +71,17 @@ if wanted g2to1; then
   for s in $(ls $runs/g2to1/checkpoints); do  # later steps (and unfinished saves: not a step number) go
     if ! [[ $s =~ ^[0-9]+$ ]] || [ "$s" -gt "$RESUME_FROM" ]; then rm -rf "$runs/g2to1/checkpoints/$s"; fi
   done
-  timeout 100 "${one[@]}" python3 -m train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
+  timeout 100 "${one[@]}" python3 -m falcon_jax.train --run-dir $runs/g2to1 --resume --set mesh.data=1 --set mesh.fsdp=1 \
     2>&1 | filter "$out/g2to1.log"
 fi
 if wanted g2-data; then
   echo "== g2-data: 2 GPUs, one process, data=2"
-  timeout 130 "${two[@]}" python3 -m train "${common[@]}" --set mesh.data=2 --set mesh.fsdp=1 \
+  timeout 130 "${two[@]}" python3 -m falcon_jax.train "${common[@]}" --set mesh.data=2 --set mesh.fsdp=1 \
     --run-dir $runs/g2-data 2>&1 | filter "$out/g2-data.log"
 fi
 if wanted g2-proc; then
   echo "== g2-proc: 2 processes x 1 GPU, data=2"
-  timeout 130 "${two[@]}" python3 -m train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" \
+  timeout 130 "${two[@]}" python3 -m falcon_jax.train.launch --processes 2 "${per_process[@]}" -- "${common[@]}" \
     --set mesh.data=2 --set mesh.fsdp=1 --run-dir $runs/g2-proc 2>&1 | filter "$out/g2-proc.log"
 fi
 python3 experiments/multi_gpu_summary.py $runs --resume-from "$RESUME_FROM" --out "$out/multi_gpu.json" \

@@ -13,7 +13,7 @@ common=(--preset lm-130m --set 'data.paths=["data/python-docs.jsonl"]' --set dat
 for mesh in "data=2 fsdp=1" "data=1 fsdp=2"; do
   set -- $mesh; name="probe-${1/=/}-${2/=/}"
   echo "== $name ($(date +%T))"
-  timeout -s ABRT "$limit" python3 -X faulthandler -m train "${common[@]}" --set mesh.$1 --set mesh.$2 \
+  timeout -s ABRT "$limit" python3 -X faulthandler -m falcon_jax.train "${common[@]}" --set mesh.$1 --set mesh.$2 \
     --run-dir runs/$name > "$out/$name.log" 2>&1
   echo "rc $? ($(date +%T))"; grep -E "^step|Error|XLA compilation of .* in [0-9]{2,}" "$out/$name.log" | cut -c1-300 | head -20
 done

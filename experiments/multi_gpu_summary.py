@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.trainer import metric_records, read_metrics  # noqa: E402
+from falcon_jax.train.trainer import metric_records, read_metrics  # noqa: E402
 
 RUNS = {"g1": "1 GPU", "g2-fsdp": "2 GPUs, 1 process, data=1 x fsdp=2", "g2-data": "2 GPUs, 1 process, data=2",
         "g2-proc": "2 GPUs, 2 processes (jax.distributed), data=2", "g2to1": "g2-fsdp restored on 1 GPU"}

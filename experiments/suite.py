@@ -6,7 +6,7 @@
     python experiments/suite.py addition-m --only transformer-s0 falcon-1A.3-s0 --lanes 2 --deadline-min 9
     python experiments/suite.py addition --list          # the runs and their flags
 
-Every run is ``python -m train`` in ``runs/exp/<suite>/<name>`` with the suite's settings (below).
+Every run is ``python -m falcon_jax.train`` in ``runs/exp/<suite>/<name>`` with the suite's settings (below).
 A run that already finished (its metrics hold the final evaluation) is skipped; one that has
 checkpoints is resumed, so a suite cut off by ``--deadline-min`` (GPU leases are short)
 continues where it stopped when called again on the same machine.  ``--lanes`` runs that many

@@ -175,7 +175,7 @@ def bf16_gradient_errors(q, k, v, beta, lam, ct, **falcon_kw):
     import jax.numpy as jnp
 
     from falcon_jax import falcon
-    from pallas_kernels.common import poisoned_outputs
+    from falcon_jax.kernels.common import poisoned_outputs
 
     bf = [jnp.asarray(a).astype(jnp.bfloat16) for a in (q, k, v)]
 
@@ -202,7 +202,7 @@ def assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rn
     import jax.numpy as jnp
 
     from falcon_jax import falcon
-    from pallas_kernels.common import poisoned_outputs
+    from falcon_jax.kernels.common import poisoned_outputs
 
     _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
     run = jax.jit(lambda *a, impl: falcon(*a[:5], impl=impl, initial_state=a[5], **kw), static_argnames="impl")
@@ -238,7 +238,7 @@ def run_on_simulated_devices(script: str, devices: int, *args: str, timeout: int
     import subprocess
     import sys
 
-    from train.launch import simulated_cpu_env
+    from falcon_jax.train.launch import simulated_cpu_env
 
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                           env=simulated_cpu_env(dict(os.environ), devices), timeout=timeout)

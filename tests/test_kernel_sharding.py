@@ -145,10 +145,10 @@ FSDP_SCRIPT = textwrap.dedent(r"""
     from flax import nnx
     from falcon_jax.nn import FalconLM, state_shardings
     from falcon_jax.sharding import kernel_sharding
-    from train.config import build_config
-    from train.mesh import make_mesh, put_batch
-    from train.optim import make_optimizer
-    from train.trainer import make_train_step, place_like_params
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.mesh import make_mesh, put_batch
+    from falcon_jax.train.optim import make_optimizer
+    from falcon_jax.train.trainer import make_train_step, place_like_params
 
     B, T = 4, 16
     cfg = build_config(preset="lm-tiny", overrides=["model.d_model=32", "model.n_layers=2", "model.n_heads=2",

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decayed_attention import decayed_attention
-from pallas_kernels.decayed_attention import mosaic_gpu
-from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+from falcon_jax.kernels.decayed_attention import decayed_attention
+from falcon_jax.kernels.decayed_attention import mosaic_gpu
+from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
 from tests.helpers import mosaic_lowering_available
 
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu
-from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig
 from tests.helpers import mosaic_lowering_available
 
 needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
@@ -158,7 +158,7 @@ def test_gpu_check_reference_matches_the_triton_pass(key_shift, in_place):
 
     from benchmarks.common import rel_err
     from benchmarks.gpu_check_mosaic_prepare import as_head_major, make_case, reference
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
+    from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
 
     B, L, H, d = 2, 192, 2, 64
     q, k, do, g, rl, tinv = make_case(np.random.default_rng(1), B, L, H, d, segments=True)
@@ -274,7 +274,7 @@ def test_chunk_grads_gpu_check_reference_matches_the_triton_pass(key_shift, in_p
 
     from benchmarks.common import rel_err
     from benchmarks.gpu_check_mosaic_chunk_grads import head_major64, make_case, reference
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
+    from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
 
     H = 2
     heads = H if in_place else None
@@ -294,7 +294,7 @@ def test_chunk_grads_gpu_check_reference_matches_the_triton_pass(key_shift, in_p
 def test_chunk_grads_lower_through_pallas_call_without_mpmd_map(monkeypatch):
     """jax without ``mpmd_map`` (``common.mosaic_gpu_call``'s other path, ``pallas_call`` on GMEM operands) lowers
     the same results and aliases."""
-    from pallas_kernels import common
+    from falcon_jax.kernels import common
 
     monkeypatch.setattr(common, "_mpmd_map", lambda: None)
     args = _grad_args(1, 128, 2, 64, 64)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu_walks, pallas_gpu
-from pallas_kernels.decayed_delta_rule.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule, mosaic_gpu_walks, pallas_gpu
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig
 from tests.helpers import mosaic_lowering_available
 
 needs_lowering = pytest.mark.skipif(not mosaic_lowering_available(),
@@ -239,7 +239,7 @@ def test_gpu_check_reference_matches_the_triton_walk(in_place):
 def test_auto_takes_the_mosaic_walks_on_hopper_for_64_columns(monkeypatch):
     """On a Hopper GPU "auto" takes the Mosaic walks where the Triton walks would take 64 value columns (where
     they measured faster on the H200) and keeps the Triton walks at 16 and 32."""
-    from pallas_kernels.decayed_delta_rule import mosaic_gpu
+    from falcon_jax.kernels.decayed_delta_rule import mosaic_gpu
 
     monkeypatch.setattr(mosaic_gpu, "on_hopper", lambda: True)
     for block_v, mosaic in ((64, True), (32, False), (16, False)):

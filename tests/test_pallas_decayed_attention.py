@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from falcon_jax import decayed_linear_attention, falcon
-from pallas_kernels.decayed_attention import decayed_attention
-from pallas_kernels.decayed_attention.api import KernelConfig
-from pallas_kernels.decayed_attention.pallas_gpu import poisoned_outputs
-from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+from falcon_jax.kernels.decayed_attention import decayed_attention
+from falcon_jax.kernels.decayed_attention.api import KernelConfig
+from falcon_jax.kernels.decayed_attention.pallas_gpu import poisoned_outputs
+from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
 from tests.helpers import assert_pallas_matches_xla_chunk_form, bf16_gradient_errors, time_major
 
 FP32_TOL = 2e-5

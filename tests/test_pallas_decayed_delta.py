@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from falcon_jax import deltanet, falcon, gated_deltanet
-from pallas_kernels.common import poisoned_outputs, transpose_gates
-from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
-from pallas_kernels.decayed_delta_rule.api import KernelConfig
-from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
+from falcon_jax.kernels.common import poisoned_outputs, transpose_gates
+from falcon_jax.kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
+from falcon_jax.kernels.decayed_delta_rule.api import KernelConfig
+from falcon_jax.kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference, windowed_delta_rule_reference)
 from tests.helpers import assert_pallas_matches_xla_chunk_form, bf16_gradient_errors, time_major
 
@@ -200,8 +200,8 @@ def test_piece_maps_match_reference(pieces, block_v, segments, dtype, rng):
     (a segment start inside the piece resets the carried state, M = 0: its run index counted from the token
     before); dk = dv = 32, two map and two value blocks at 16 columns; poisoned outputs.  bf16: the kernels' inputs and
     the walk's dots in bf16, bounded by the same scans of the bf16-rounded inputs."""
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
-    from pallas_kernels.decayed_delta_rule.api import _gates
+    from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
+    from falcon_jax.kernels.decayed_delta_rule.api import _gates
 
     T, chunk, dk, dv = 128, 16, 32, 32
     # slow decay, small steps: a piece's transition stays far from zero (M's entries up to ~1)
@@ -240,7 +240,7 @@ def test_piece_maps_match_reference(pieces, block_v, segments, dtype, rng):
 
 
 def test_piece_maps_refuse_a_block_that_splits_the_keys(rng):
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
+    from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
 
     x = jnp.zeros((1, 64, 16), jnp.float32)
     u = jnp.zeros((1, 64, 64), jnp.float32)
@@ -339,7 +339,7 @@ def test_first_key_needs_shifted_keys_and_its_shape(rng):
 def test_keys_read_in_place_only_where_every_pass_can():
     """``keys_read_in_place``: the GPU defaults with one piece and the fused output walk; not with pieces, the split
     forward, the fused reverse walk, the formed chunk gradients, on the TPU or with ``keys_in_place=False``."""
-    from pallas_kernels.decayed_delta_rule.api import keys_read_in_place
+    from falcon_jax.kernels.decayed_delta_rule.api import keys_read_in_place
 
     fused = KernelConfig(outputs="pallas").resolved(4, 32)
     assert keys_read_in_place(fused, "pallas_gpu", 4, 32, 1)
@@ -495,8 +495,8 @@ def test_triangular_inverse_matches_float64(elimination, group, extreme, rng):
     chunks; poisoned outputs.  ``extreme``: nearly parallel keys with
     η‖x‖² = 1.999 and a third of the decays at the clamp (T's entries reach ~1e5)."""
     from benchmarks.gpu_check_tri_inverse import reference as reference_inverses
-    from pallas_kernels.decayed_delta_rule import pallas_gpu
-    from pallas_kernels.decayed_delta_rule.api import _gates
+    from falcon_jax.kernels.decayed_delta_rule import pallas_gpu
+    from falcon_jax.kernels.decayed_delta_rule.api import _gates
 
     BH, T, C, d = 2, 192, 64, 32
     x = rng.normal(size=(BH, T, d))
@@ -612,7 +612,7 @@ def test_falcon1_state_gradients_through_the_folded_first_step(in_place, rng, mo
 def test_falcon_hands_the_kernel_config_to_the_op(window, monkeypatch, rng):
     """``chunk_pallas.KERNEL_CONFIG`` reaches the regression op from ``falcon(impl="pallas")`` (the benchmarks time
     opt-in choices through the whole op with it); None leaves the op's defaults; the outputs do not change."""
-    import pallas_kernels.decayed_delta_rule as ops
+    import falcon_jax.kernels.decayed_delta_rule as ops
     from falcon_jax.forms import chunk_pallas
 
     op_name = "decayed_delta_rule" if window == 1 else "windowed_delta_rule"
@@ -823,7 +823,7 @@ def test_walk_stages_follow_program_count():
 def test_large_shared_memory_names_the_gpus_with_228_kb(platform, capability, large):
     """``common.large_shared_memory``: True for a GPU of compute capability 9.x or 10.x only (the 4-stage output
     walk of ``walk_stages`` would not fit an A100's or a consumer GPU's shared memory)."""
-    from pallas_kernels import common
+    from falcon_jax.kernels import common
 
     device = SimpleNamespace(platform=platform, compute_capability=capability)
     with mock.patch.object(common.jax, "devices", lambda: [device]):
@@ -882,7 +882,7 @@ def test_kernel_resources_captures_every_triton_kernel():
                       if m["name"] == "falcon_delta_fwd")
 
     assert fwd_walk_stages() == [3, 3]
-    with mock.patch("pallas_kernels.decayed_delta_rule.api.large_shared_memory", lambda: True):
+    with mock.patch("falcon_jax.kernels.decayed_delta_rule.api.large_shared_memory", lambda: True):
         assert fwd_walk_stages() == [3, 4]
     # the V-forming prepare kernel: the state walk's warps unless prepare_warps is set
     assert {m["num_warps"] for m in by_name["falcon_delta_dstate_prepare"]} == {4}
@@ -1431,7 +1431,7 @@ COLUMN_RULES = {"delta": (kernel, reference, decayed_delta_rule_reference),
 def test_per_column_tpu_value_block():
     """Mosaic's block rule: a value block of a multiple of 128 columns dividing dv, or all of dv; the GPU's
     narrower default (32) becomes 128 (or dv)."""
-    from pallas_kernels.decayed_delta_rule.pallas_tpu_columns import value_block
+    from falcon_jax.kernels.decayed_delta_rule.pallas_tpu_columns import value_block
 
     assert [value_block(bv, dv) for bv, dv in [(32, 128), (32, 256), (128, 256), (256, 256), (16, 32), (32, 32),
                                                 (64, 64), (512, 256), (128, 384)]] == [128, 128, 128, 256, 32, 32,

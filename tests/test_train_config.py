@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from train import cli
-from train.config import ConfigError, build_config
+from falcon_jax.train import cli
+from falcon_jax.train.config import ConfigError, build_config
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
         "data.train_max_width=3", "train.batch_size=8", "train.plots=false"]
@@ -53,7 +53,7 @@ def test_print_config_applies_sources_in_order(tmp_path, capsys):
 
 
 def test_every_preset_builds_a_valid_model_config():
-    from train.config import PRESETS
+    from falcon_jax.train.config import PRESETS
     for name in PRESETS:
         cfg = build_config(preset=name)
         cfg.lm_config(vocab_size=259)
@@ -66,7 +66,7 @@ def test_decay_mask_skips_norms_vectors_and_embedding():
     from flax import nnx
 
     from falcon_jax.nn import FalconLM, LMConfig
-    from train.optim import decay_mask
+    from falcon_jax.train.optim import decay_mask
 
     model = FalconLM(LMConfig.preset("mamba2-tiny"), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -88,10 +88,10 @@ def test_gradient_accumulation_matches_one_big_batch():
     from flax import nnx
 
     from falcon_jax.nn import FalconLM
-    from train.data import AdditionData
-    from train.mesh import make_mesh, put_batch
-    from train.optim import make_optimizer
-    from train.trainer import make_train_step
+    from falcon_jax.train.data import AdditionData
+    from falcon_jax.train.mesh import make_mesh, put_batch
+    from falcon_jax.train.optim import make_optimizer
+    from falcon_jax.train.trainer import make_train_step
 
     cfg = build_config(preset="addition-tiny", overrides=TINY)
     lm = cfg.lm_config(vocab_size=16)

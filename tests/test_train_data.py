@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from train import data as D
+from falcon_jax.train import data as D
 
 
 def _num(digits) -> int:
@@ -93,7 +93,7 @@ def test_packed_rows_do_not_leak_across_segments():
     from flax import nnx
 
     from falcon_jax.nn import FalconLM, LMConfig
-    from train.evaluate import loss_terms as loss_terms_eager
+    from falcon_jax.train.evaluate import loss_terms as loss_terms_eager
 
     cfg = LMConfig.preset("falcon-1A.3-tiny", vocab_size=32, chunk_size=8, dtype="float32", param_dtype="float32")
     model = FalconLM(cfg, rngs=nnx.Rngs(0))

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from train import data as D
+from falcon_jax.train import data as D
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -89,8 +89,8 @@ def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.image as mpimg
 
-    from train.config import build_config
-    from train.report import make_plots
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.report import make_plots
 
     cfg = build_config(preset="addition-tiny")
     with open(tmp_path / "metrics.jsonl", "w") as f:
@@ -123,10 +123,10 @@ def test_bf16_compute_with_fp32_master_params_overfits_a_batch():
     from flax import nnx
 
     from falcon_jax.nn import FalconLM
-    from train.config import build_config
-    from train.mesh import make_mesh, put_batch
-    from train.optim import make_optimizer
-    from train.trainer import make_train_step
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.mesh import make_mesh, put_batch
+    from falcon_jax.train.optim import make_optimizer
+    from falcon_jax.train.trainer import make_train_step
 
     cfg = build_config(preset="addition-tiny", overrides=[
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
@@ -159,8 +159,8 @@ def test_text_run_through_grain_with_bpe_and_plots(tmp_path):
     """End to end on a local corpus: BPE, Grain-loaded packed windows, validation, loss.png."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("matplotlib")
-    from train.config import build_config
-    from train.trainer import read_metrics, run
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.trainer import read_metrics, run
 
     with open(tmp_path / "c.jsonl", "w") as f:
         for t in TEXTS:

@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from train import data as D
-from train.config import ConfigError
-from train.loader import BuiltinLoader, GrainLoader, make_loader
+from falcon_jax.train import data as D
+from falcon_jax.train.config import ConfigError
+from falcon_jax.train.loader import BuiltinLoader, GrainLoader, make_loader
 
 pytest.importorskip("grain")
 
@@ -165,7 +165,7 @@ def test_loader_errors_name_the_setting_and_the_fix(monkeypatch):
 def test_put_batch_places_a_host_shard():
     import jax
 
-    from train.mesh import MeshError, host_shard, make_mesh, put_batch
+    from falcon_jax.train.mesh import MeshError, host_shard, make_mesh, put_batch
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     assert host_shard(mesh, 8, 2) == (0, 1)  # one process holds every row

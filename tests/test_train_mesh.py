@@ -5,15 +5,15 @@ import textwrap
 import pytest
 
 from tests.helpers import run_on_simulated_devices
-from train.mesh import MeshError, resolve_axes
+from falcon_jax.train.mesh import MeshError, resolve_axes
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, sys
     import jax, numpy as np
     assert jax.device_count() == 8, jax.device_count()
-    from train.config import build_config
-    from train.mesh import make_mesh, check_batch, put_batch, MeshError
-    from train.trainer import run, read_metrics
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.mesh import make_mesh, check_batch, put_batch, MeshError
+    from falcon_jax.train.trainer import run, read_metrics
 
     out = {}
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": -1})
@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent(r"""
         cfg = build_config(preset="addition-tiny", overrides=tiny + axes + [f"train.run_dir={sys.argv[1]}/{name}"])
         if name.startswith("one"):
             # a 1-device mesh on an 8-device host: restrict via the mesh itself
-            import train.trainer as T
+            import falcon_jax.train.trainer as T
             orig = T.make_mesh
             T.make_mesh = lambda c: orig(c, jax.devices()[:1])
             run(cfg, log=lambda *a: None)

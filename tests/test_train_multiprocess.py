@@ -1,5 +1,5 @@
 """The multi-process (multi-host) path on CPU: two processes joined by ``jax.distributed``
-(``python -m train.launch``, gloo collectives) train on a 2 x 2 mesh of simulated devices and
+(``python -m falcon_jax.train.launch``, gloo collectives) train on a 2 x 2 mesh of simulated devices and
 checkpoint; the checkpoint is restored on ONE process with a different device count and mesh
 (orbax reshards), and the resumed steps reproduce the two-process run's losses."""
 import json
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from train.mesh import MeshError, maybe_initialize_distributed
+from falcon_jax.train.mesh import MeshError, maybe_initialize_distributed
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
         "data.train_max_width=3", "data.eval_widths=[2]", "data.eval_examples=8", "data.greedy_widths=[2]",
@@ -42,7 +42,7 @@ def _env(**extra):
 
 def test_two_processes_train_then_restore_on_one_device(tmp_path):
     a, b = str(tmp_path / "two-proc"), str(tmp_path / "resumed")
-    cmd = [sys.executable, "-m", "train.launch", "--processes", "2", "--cpu-devices", "2", "--",
+    cmd = [sys.executable, "-m", "falcon_jax.train.launch", "--processes", "2", "--cpu-devices", "2", "--",
            "--preset", "addition-tiny", *_sets(TINY + ["mesh.data=2", "mesh.fsdp=2"]), "--run-dir", a]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -82,7 +82,7 @@ def test_coordinator_without_process_count_is_a_clear_error(monkeypatch):
 
 
 def test_launcher_argument_errors():
-    from train.launch import main
+    from falcon_jax.train.launch import main
     for argv in (["--processes", "0", "--", "--preset", "addition-tiny"],
                  ["--processes", "2"],
                  ["--processes", "2", "--gpus-per-process", "1", "--cpu-devices", "2", "--", "--preset", "x"]):

@@ -1,3 +1,3 @@
-from train.cli import main
+from falcon_jax.train.cli import main
 
 raise SystemExit(main())

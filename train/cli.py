@@ -1,4 +1,4 @@
-"""``falcon-train`` / ``python -m train``: the command line.
+"""``falcon-train`` / ``python -m falcon_jax.train``: the command line.
 
     falcon-train --preset addition-tiny
     falcon-train --preset lm-tiny --model gated_deltanet --set train.steps=100
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from train.config import PRESETS, ConfigError, TrainConfig, build_config
+from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from train.mesh import MeshError
-    from train.trainer import RunDirError, run
+    from falcon_jax.train.mesh import MeshError
+    from falcon_jax.train.trainer import RunDirError, run
     try:
         run(cfg, resume=args.resume)
     except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:

@@ -28,7 +28,7 @@ class DataConfig:
     eval widths split into in-distribution and longer-than-trained by the training range).
     ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens.
     ``loader``: "grain" (Grain pipeline, per-host rows, iterator state in checkpoints) or
-    "builtin" (index-based; every host builds the global batch); see :mod:`train.loader`."""
+    "builtin" (index-based; every host builds the global batch); see :mod:`falcon_jax.train.loader`."""
 
     kind: str = "addition"
     seed: int = 0

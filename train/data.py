@@ -1,6 +1,6 @@
 """Data for the trainer: the addition task (SPEC §6), local text corpora, packing, loaders.
 
-Two loaders feed the training loop (``data.loader``, see :mod:`train.loader`):
+Two loaders feed the training loop (``data.loader``, see :mod:`falcon_jax.train.loader`):
 
 * ``"grain"`` (default): a Grain ``MapDataset`` over a *row stream* -- row ``g`` of the training
   stream is a pure function of ``(seed, g)`` (:meth:`AdditionData.rows`; for text, Grain's lazy

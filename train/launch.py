@@ -3,10 +3,10 @@
 One process can already drive every GPU of a host; this launcher is for running the
 multi-process (multi-host) path on one machine: each process gets ``JAX_COORDINATOR_ADDRESS``
 (process 0 on localhost), ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` and its own devices, loads
-only its slice of every batch (see :func:`train.mesh.host_shard`) and process 0 writes the logs::
+only its slice of every batch (see :func:`falcon_jax.train.mesh.host_shard`) and process 0 writes the logs::
 
-    python -m train.launch --processes 2 --gpus-per-process 1 -- --preset lm-130m --set ...
-    python -m train.launch --processes 2 --cpu-devices 2 -- --preset addition-tiny   # CPU only
+    python -m falcon_jax.train.launch --processes 2 --gpus-per-process 1 -- --preset lm-130m --set ...
+    python -m falcon_jax.train.launch --processes 2 --cpu-devices 2 -- --preset addition-tiny   # CPU only
 
 On several hosts use the cluster's own launcher (SLURM, Open MPI) or set the three variables
 on each host yourself; ``falcon-train`` is the same command everywhere.
@@ -44,7 +44,7 @@ def process_env(rank: int, n: int, port: int, gpus_per_process: int | None, cpu_
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m falcon_jax.train.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, required=True, help="number of processes to start (>= 1)")
     p.add_argument("--gpus-per-process", type=int, default=None,
                    help="GPUs each process drives (process i gets GPUs i*K .. i*K+K-1)")

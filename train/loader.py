@@ -7,7 +7,7 @@ checkpoint's ``meta`` item and restored on ``--resume``).
 ``grain`` -- a ``grain.MapDataset`` pipeline::
 
     row indices (addition: 0, 1, 2, ...; text: window starts, shuffled lazily per epoch, repeated)
-      -> [s::k]             this host's rows (s, k from train.mesh.host_shard)
+      -> [s::k]             this host's rows (s, k from falcon_jax.train.mesh.host_shard)
       -> batch(B / k)       one host batch = the host's rows of one global batch
       -> map(rows)          vectorised: AdditionData.rows / TextData.windows
       -> to_iter_dataset    read-ahead in ``data.grain_threads`` threads (0 = in the caller)
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.config import ConfigError
-from train.data import AdditionData, TextData, _mix64
+from falcon_jax.train.config import ConfigError
+from falcon_jax.train.data import AdditionData, TextData, _mix64
 
 LOADERS = ("grain", "builtin")
 _ADDITION_ROWS = 1 << 62  # the addition row stream is endless; Grain needs a length

@@ -1,6 +1,6 @@
 """Device mesh, multi-host start-up and batch placement.
 
-The mesh has the axes ``("data", "fsdp", "tensor")`` (sizes from :class:`train.config.MeshConfig`,
+The mesh has the axes ``("data", "fsdp", "tensor")`` (sizes from :class:`falcon_jax.train.config.MeshConfig`,
 one of them may be -1 = whatever is left).  Parameters are placed by their logical axes through
 :func:`falcon_jax.nn.state_shardings` (FSDP over the model width, tensor parallelism over heads /
 MLP hidden / vocabulary); a batch ``[B, T]`` is split over ``data`` x ``fsdp`` on B.
@@ -43,7 +43,7 @@ def maybe_initialize_distributed(mode: str = "auto") -> bool:
     whether it initialised.
 
     SLURM, Open MPI and TPU pods describe the cluster themselves.  A plain launcher (or
-    ``python -m train.launch``) sets ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0),
+    ``python -m falcon_jax.train.launch``) sets ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0),
     ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, optionally ``JAX_LOCAL_DEVICE_IDS`` (GPU
     indices this process drives).  On CPU, cross-process collectives go through gloo."""
     if mode not in ("auto", "on", "off"):

@@ -14,7 +14,7 @@ def make_plots(run_dir: str, cfg) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "[plots] matplotlib is not installed; skipping PNGs (pip install matplotlib)."
-    from train.trainer import read_metrics
+    from falcon_jax.train.trainer import read_metrics
 
     train, evals = read_metrics(run_dir)
     if train:

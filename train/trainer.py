@@ -8,7 +8,7 @@ One optimizer step (``train_step``, jit-compiled, params and optimizer state don
 
 Params are stored in ``param_dtype`` (fp32 master copy); the model computes in ``dtype``
 (bf16 on GPU presets), so the casts happen inside the layers.  Batches come from
-:mod:`train.loader` (Grain by default), whose state is saved with every checkpoint.
+:mod:`falcon_jax.train.loader` (Grain by default), whose state is saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from falcon_jax.nn import FalconLM, param_counts, state_shardings
 from falcon_jax.sharding import kernel_sharding
-from train import evaluate as ev
-from train.checkpoint import Checkpointer
-from train.config import ConfigError, TrainConfig
-from train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
-from train.loader import make_loader
-from train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
+from falcon_jax.train import evaluate as ev
+from falcon_jax.train.checkpoint import Checkpointer
+from falcon_jax.train.config import ConfigError, TrainConfig
+from falcon_jax.train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
+from falcon_jax.train.loader import make_loader
+from falcon_jax.train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
                         replicate)
-from train.optim import make_optimizer
+from falcon_jax.train.optim import make_optimizer
 
 
 class RunDirError(RuntimeError):
@@ -352,7 +352,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     if is_main:
         print_summary(cfg, last_eval, say)
         if cfg.train.plots:
-            from train.report import make_plots
+            from falcon_jax.train.report import make_plots
             note = make_plots(run_dir, cfg)
             if note:
                 say(note)

@@ -1,7 +1,7 @@
 """Chunk form through the Pallas kernels (``impl="pallas"``).
 
 Falcon-1, Falcon-2 and DeltaNet go through the regression op
-``pallas_kernels.decayed_delta_rule``::
+``falcon_jax.kernels.decayed_delta_rule``::
 
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
 
@@ -9,7 +9,7 @@ Falcon-1, Falcon-2 and DeltaNet go through the regression op
 place of the scalar products; the op's per-column kernel, GPU or TPU.)
 
 Falcon-3 (window W > 1) goes through the op's windowed form
-``pallas_kernels.decayed_delta_rule.windowed_delta_rule``::
+``falcon_jax.kernels.decayed_delta_rule.windowed_delta_rule``::
 
     S_t = e^{a_t} S_{t-1} + Σ_{i<W} w_{t,i} x_{t,i} (y_{t,i} − S_{t-1}ᵀ x_{t,i})ᵀ
 
@@ -23,7 +23,7 @@ query q_t (the op is called with the queries shifted one step left).
 
 The inner-product rules with scalar gates — Falcon-1A, Falcon-3A (and
 2A with one gain per head) and decayed linear attention — through one kernel
-op, ``pallas_kernels.decayed_attention``::
+op, ``falcon_jax.kernels.decayed_attention``::
 
     S_p = e^{a_p} S_{p-1} + x_p y'_pᵀ,   o_p = S_pᵀ q_p      (per position p)
 
@@ -42,7 +42,7 @@ Read-before-write reads step t−1's state with query q_t (the kernel is called
 with the queries shifted one step left; step 0 reads the initial state in XLA).
 
 Falcon-2A with per-column gains goes through the per-column kernel without the
-residual, ``pallas_kernels.decayed_delta_rule.decayed_attention_per_column``
+residual, ``falcon_jax.kernels.decayed_delta_rule.decayed_attention_per_column``
 (``s_{t,c} = e^{a_{t,c}} s_{t-1,c} + η_{t,c} y_{t,c} x_t``), mapped exactly like
 Falcon-2 (the same write stream, query shift and step-0 read), GPU or TPU.
 
@@ -65,9 +65,9 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
     """None if the kernels serve this call, else the reason."""
     if dk is not None and dtype is not None:
         if rule.regression:
-            from pallas_kernels.decayed_delta_rule.api import unsupported_reason
+            from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason
         else:
-            from pallas_kernels.decayed_attention.api import unsupported_reason
+            from falcon_jax.kernels.decayed_attention.api import unsupported_reason
 
         probe = jnp.zeros((0, dk), dtype)
         reason = unsupported_reason(probe, jnp.zeros((0, dv), dtype), chunk_size, interpret)
@@ -77,7 +77,7 @@ def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=Non
     if per_column and rule.window > 1:
         return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
     if rule.regression and rule.window > 1:
-        from pallas_kernels.decayed_delta_rule.api import windowed_unsupported_reason
+        from falcon_jax.kernels.decayed_delta_rule.api import windowed_unsupported_reason
 
         probe = jnp.zeros((0, dk or 16), dtype or jnp.float32)
         reason = windowed_unsupported_reason(rule.window, probe, jnp.zeros((0, dv), probe.dtype), chunk_size,
@@ -97,10 +97,10 @@ PREFER_TIME_MAJOR = True
 
 
 # The regression kernels' launch parameters and pass choices for ``falcon(impl="pallas")``
-# (``pallas_kernels.decayed_delta_rule.KernelConfig``); None: the op's defaults.  Read while tracing, so set it
+# (``falcon_jax.kernels.decayed_delta_rule.KernelConfig``); None: the op's defaults.  Read while tracing, so set it
 # before ``jit`` traces: the benchmarks and the H200 checks time and check opt-in choices through the whole op.
 KERNEL_CONFIG = None
-# the same for the inner-product kernels (``pallas_kernels.decayed_attention.KernelConfig``)
+# the same for the inner-product kernels (``falcon_jax.kernels.decayed_attention.KernelConfig``)
 ATTENTION_KERNEL_CONFIG = None
 
 
@@ -122,7 +122,7 @@ def _at_time(a, t, axis):
 
 def _shift_queries(q, axis):
     """``out[t] = q[t + 1]`` (zero at the end): step t's state read with the query of step t+1."""
-    from pallas_kernels.common import shift_time
+    from falcon_jax.kernels.common import shift_time
 
     return shift_time(q, -1, axis)
 
@@ -145,8 +145,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     are ``[B, T, H, ...]`` instead of ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the
     GPU kernels read and write in place.
     """
-    from pallas_kernels.common import shift_time
-    from pallas_kernels.decayed_attention import decayed_attention
+    from falcon_jax.kernels.common import shift_time
+    from falcon_jax.kernels.decayed_attention import decayed_attention
 
     reason = supports(rule, inputs, v.shape[-1], chunk_size=chunk_size)
     if reason is not None:
@@ -206,7 +206,7 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
     """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
     gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form.  Falcon-2A
     (per-column, no residual) through the same mapping to the per-column kernel without the residual."""
-    from pallas_kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
+    from falcon_jax.kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 
     ax = 1 if time_major else 2
     kd = kernel_dtype or q.dtype

@@ -1,5 +1,5 @@
 """Decayed attention with scalar gates: the chunk kernel behind Falcon-1A and decayed linear attention."""
 
-from pallas_kernels.decayed_attention.api import decayed_attention
+from falcon_jax.kernels.decayed_attention.api import decayed_attention
 
 __all__ = ["decayed_attention"]

@@ -18,14 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import chunk_local as _prepare
-from pallas_kernels.common import next_pow2 as _next_pow2
-from pallas_kernels.common import pieces_for as _pieces
-from pallas_kernels.common import (GRAD_LOOPS, check_layout, interpret_default, kernel_operands as _kernel_operands,
+from falcon_jax.kernels.common import chunk_local as _prepare
+from falcon_jax.kernels.common import next_pow2 as _next_pow2
+from falcon_jax.kernels.common import pieces_for as _pieces
+from falcon_jax.kernels.common import (GRAD_LOOPS, check_layout, interpret_default, kernel_operands as _kernel_operands,
                                    layout_kw as _layout_kw, resolve_implementation, reverse_chunk_cumsum,
                                    swap_time_heads, token_dims, unsupported_dims_reason)
-from pallas_kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
-from pallas_kernels.decayed_attention.reference import decayed_attention_reference
+from falcon_jax.kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
+from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "xla")
 _BACKENDS = {"pallas_gpu": pallas_gpu, "mosaic_gpu": mosaic_gpu, "pallas_tpu": pallas_tpu}

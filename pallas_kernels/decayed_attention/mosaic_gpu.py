@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import mosaic_mma, mosaic_smem
-from pallas_kernels.decayed_attention import pallas_gpu as _triton
+from falcon_jax.kernels.common import mosaic_mma, mosaic_smem
+from falcon_jax.kernels.decayed_attention import pallas_gpu as _triton
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -27,16 +27,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call as _call
-from pallas_kernels.common import chunk_specs as _chunk_specs
-from pallas_kernels.common import column_block, column_loop
-from pallas_kernels.common import dot as _dot
-from pallas_kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
-from pallas_kernels.common import precision_for as _precision
-from pallas_kernels.common import token_dims as _token_dims
-from pallas_kernels.common import triton_params as _params
-from pallas_kernels.common import walk_layout as _walk_layout
-from pallas_kernels.common import walk_outputs as _walk_outputs
+from falcon_jax.kernels.common import call as _call
+from falcon_jax.kernels.common import chunk_specs as _chunk_specs
+from falcon_jax.kernels.common import column_block, column_loop
+from falcon_jax.kernels.common import dot as _dot
+from falcon_jax.kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
+from falcon_jax.kernels.common import precision_for as _precision
+from falcon_jax.kernels.common import token_dims as _token_dims
+from falcon_jax.kernels.common import triton_params as _params
+from falcon_jax.kernels.common import walk_layout as _walk_layout
+from falcon_jax.kernels.common import walk_outputs as _walk_outputs
 
 
 def _chunk_masks(g, rl, chunk):

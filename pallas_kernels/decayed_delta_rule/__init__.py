@@ -2,6 +2,6 @@
 virtual writes, the windowed form behind Falcon-3); its per-column kernel without the residual serves the
 inner-product rule with per-column gates (Falcon-2A, ``decayed_attention_per_column``)."""
 
-from pallas_kernels.decayed_delta_rule.api import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
+from falcon_jax.kernels.decayed_delta_rule.api import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
 
 __all__ = ["decayed_attention_per_column", "decayed_delta_rule", "windowed_delta_rule"]

@@ -56,17 +56,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_state_dtype, flatten_pad,
+from falcon_jax.kernels.common import (GRAD_LOOPS, check_layout, chunk_local, chunk_state_dtype, flatten_pad,
                                    interpret_default, kernel_operands, large_shared_memory, next_pow2, pieces_for,
                                    resolve_implementation,
                                    reverse_chunk_cumsum, shift_time, swap_time_heads, token_dims,
                                    unsupported_dims_reason)
-from pallas_kernels.common import layout_kw as _layout_kw
-from pallas_kernels.decayed_delta_rule import (mosaic_gpu, mosaic_gpu_walks, pallas_gpu, pallas_gpu_columns,
+from falcon_jax.kernels.common import layout_kw as _layout_kw
+from falcon_jax.kernels.decayed_delta_rule import (mosaic_gpu, mosaic_gpu_walks, pallas_gpu, pallas_gpu_columns,
                                                pallas_tpu, pallas_tpu_columns)
-from pallas_kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
-from pallas_kernels.decayed_delta_rule.xla import outputs as xla_outputs
-from pallas_kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
+from falcon_jax.kernels.decayed_delta_rule.xla import chunk_grads as xla_chunk_grads
+from falcon_jax.kernels.decayed_delta_rule.xla import outputs as xla_outputs
+from falcon_jax.kernels.decayed_delta_rule.reference import (decayed_attention_per_column_reference,
                                                          decayed_delta_rule_reference)
 
 IMPLEMENTATIONS = ("auto", "pallas_gpu", "pallas_tpu", "xla")
@@ -1052,7 +1052,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     Returns:
       ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    from pallas_kernels.decayed_delta_rule.reference import windowed_delta_rule_reference
+    from falcon_jax.kernels.decayed_delta_rule.reference import windowed_delta_rule_reference
 
     implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "xla":

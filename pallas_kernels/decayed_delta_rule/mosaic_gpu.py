@@ -43,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-from pallas_kernels.common import default_gpu_major, mosaic_gpu_call, mosaic_mma, mosaic_smem, token_dims
+from falcon_jax.kernels.common import default_gpu_major, mosaic_gpu_call, mosaic_mma, mosaic_smem, token_dims
 
 CHUNK = 64
 F32 = jnp.float32

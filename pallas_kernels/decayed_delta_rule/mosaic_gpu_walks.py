@@ -51,9 +51,9 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-from pallas_kernels.common import chunk_state_dtype, shift_time, token_dims
-from pallas_kernels.decayed_delta_rule.mosaic_gpu import CHUNK, _load
-from pallas_kernels.decayed_delta_rule.pallas_gpu import _gates
+from falcon_jax.kernels.common import chunk_state_dtype, shift_time, token_dims
+from falcon_jax.kernels.decayed_delta_rule.mosaic_gpu import CHUNK, _load
+from falcon_jax.kernels.decayed_delta_rule.pallas_gpu import _gates
 
 F32 = jnp.float32
 CLUSTER = "cluster"

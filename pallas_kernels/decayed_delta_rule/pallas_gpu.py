@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (call, chunk_specs, column_block, column_loop, dot, pltriton, precision_for,
+from falcon_jax.kernels.common import (call, chunk_specs, column_block, column_loop, dot, pltriton, precision_for,
                                    row_block, token_dims, triton_params, walk_layout, walk_outputs)
 
 BLOCK = 16  # rows of a diagonal block of the triangular inverse (Triton's smallest dot tile)

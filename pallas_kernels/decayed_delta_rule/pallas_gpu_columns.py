@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call, dot, precision_for, triton_params
+from falcon_jax.kernels.common import call, dot, precision_for, triton_params
 
 F32 = jnp.float32
 

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import interpret_tpu
+from falcon_jax.kernels.common import interpret_tpu
 
 F32 = jnp.float32
 NN = (((1,), (0,)), ((), ()))  # a @ b

@@ -60,8 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import interpret_tpu
-from pallas_kernels.decayed_delta_rule.pallas_tpu import NT, TN, _mm
+from falcon_jax.kernels.common import interpret_tpu
+from falcon_jax.kernels.decayed_delta_rule.pallas_tpu import NT, TN, _mm
 
 F32 = jnp.float32
 LANES = 128

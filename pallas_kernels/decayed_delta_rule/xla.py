@@ -22,9 +22,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import precision_for
-from pallas_kernels.decayed_delta_rule.pallas_gpu import _gates as _kernel_gates
-from pallas_kernels.decayed_delta_rule.pallas_gpu import _masks
+from falcon_jax.kernels.common import precision_for
+from falcon_jax.kernels.decayed_delta_rule.pallas_gpu import _gates as _kernel_gates
+from falcon_jax.kernels.decayed_delta_rule.pallas_gpu import _masks
 
 F32 = jnp.float32
 
