@@ -20,7 +20,7 @@
 
 All read after write: ``o_t = scale · S_tᵀ q_t``.  Each takes the same
 ``form``, ``chunk_size``, ``initial_state``, ``return_final_state``,
-``segment_ids`` and ``impl`` arguments as :func:`falcon_jax.falcon`; a
+``segment_ids``, ``impl`` and ``kernel_config`` arguments as :func:`falcon_jax.falcon`; a
 length-1 call with ``initial_state`` is a decode step.
 """
 
@@ -32,7 +32,7 @@ from falcon_jax.rules import baseline_rule
 
 
 def _run(name, q, k, v, inputs, *, form, chunk_size, scale, initial_state, return_final_state,
-         segment_ids, impl):
+         segment_ids, impl, kernel_config):
     val.check_options(form=form, alignment="same_step", timing="raw", step="direct", impl=impl, eps=0.0,
                       eps_gamma=0.5, scale=scale)
     if form == "chunk":
@@ -43,11 +43,12 @@ def _run(name, q, k, v, inputs, *, form, chunk_size, scale, initial_state, retur
     val.check_segment_ids(segment_ids, B, T)
     return run_rule(baseline_rule(name), q, k, v, inputs, form=form, chunk_size=chunk_size, scale=scale,
                     initial_state=initial_state, segment_ids=segment_ids, impl=impl,
-                    return_final_state=return_final_state)
+                    kernel_config=kernel_config, return_final_state=return_final_state)
 
 
 def decayed_linear_attention(q, k, v, log_decay, beta=None, *, form="chunk", chunk_size=64, scale=1.0,
-                             initial_state=None, return_final_state=False, segment_ids=None, impl="auto"):
+                             initial_state=None, return_final_state=False, segment_ids=None, impl="auto",
+                             kernel_config=None):
     """RetNet / Mamba-2 style: ``S_t = exp(log_decay_t) S_{t-1} + β_t k_t v_tᵀ``.
 
     q, k ``[B,T,H,dk]``; v ``[B,T,H,dv]``; log_decay ``[B,T,H]`` (≤ 0 for decay);
@@ -56,20 +57,20 @@ def decayed_linear_attention(q, k, v, log_decay, beta=None, *, form="chunk", chu
     inputs = {"log_decay": log_decay} if beta is None else {"log_decay": log_decay, "beta": beta}
     return _run("linear_attention", q, k, v, inputs, form=form, chunk_size=chunk_size, scale=scale,
                 initial_state=initial_state, return_final_state=return_final_state,
-                segment_ids=segment_ids, impl=impl)
+                segment_ids=segment_ids, impl=impl, kernel_config=kernel_config)
 
 
 def deltanet(q, k, v, beta, *, form="chunk", chunk_size=64, scale=1.0, initial_state=None,
-             return_final_state=False, segment_ids=None, impl="auto"):
+             return_final_state=False, segment_ids=None, impl="auto", kernel_config=None):
     """DeltaNet: ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``; beta ``[B,T,H]``."""
     return _run("deltanet", q, k, v, {"beta": beta}, form=form, chunk_size=chunk_size, scale=scale,
                 initial_state=initial_state, return_final_state=return_final_state,
-                segment_ids=segment_ids, impl=impl)
+                segment_ids=segment_ids, impl=impl, kernel_config=kernel_config)
 
 
 def gated_deltanet(q, k, v, beta, log_decay, *, form="chunk", chunk_size=64, scale=1.0, initial_state=None,
-                   return_final_state=False, segment_ids=None, impl="auto"):
+                   return_final_state=False, segment_ids=None, impl="auto", kernel_config=None):
     """Gated DeltaNet: ``S_t = γ_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``, ``γ_t = exp(log_decay_t)``."""
     return _run("gated_deltanet", q, k, v, {"beta": beta, "log_decay": log_decay}, form=form,
                 chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_final_state=return_final_state, segment_ids=segment_ids, impl=impl)
+                return_final_state=return_final_state, segment_ids=segment_ids, impl=impl, kernel_config=kernel_config)

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax import validation as val
+from falcon_jax.kernels import implementation
 from falcon_jax.forms.chunk import chunk
-from falcon_jax.forms.chunk_pallas import chunk_pallas
+from falcon_jax.forms.chunk_pallas import KERNEL_CONFIGS, chunk_pallas, kernel_op_name, time_major_served
 from falcon_jax.forms.chunk_pallas import supports as pallas_unsupported
-from falcon_jax.forms.chunk_pallas import time_major_served
 from falcon_jax.forms.parallel import parallel
 from falcon_jax.forms.recurrent import recurrent
 from falcon_jax.forms.recurrent import step as recurrent_step
@@ -40,29 +40,29 @@ def _heads_first(a):
 _warned: set[str] = set()
 
 
-def _use_pallas(impl: str, rule: Rule, inputs: dict, dk: int, dv: int, dtype, chunk_size: int) -> bool:
-    """``"pallas"``: the kernels or an error; ``"auto"``: the kernels on GPU/TPU when they serve the call,
-    else XLA (warning once per reason); ``"xla"``: never."""
-    if impl == "xla":
-        return False
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    reason = pallas_unsupported(rule, inputs, dv, dk, dtype, interpret=not on_accelerator, chunk_size=chunk_size)
-    if impl == "pallas":
+def select_kernel(impl, rule: Rule, inputs: dict, dk: int, dv: int, dtype, chunk_size: int) -> str:
+    """The implementation of the chunk form: ``impl``'s first candidate that serves the call
+    (:mod:`falcon_jax.kernels.implementation`; "xla" is the XLA chunk form).  Under ``"auto"`` on an accelerator,
+    falling back to XLA because the kernels declined warns once per reason."""
+    reasons = []
+
+    def decline(name):
+        reason = None if name == "xla" else pallas_unsupported(rule, inputs, name, dv, dk, dtype, chunk_size)
         if reason is not None:
-            raise NotImplementedError(f"impl='pallas': {reason}; use impl='auto' or 'xla'.")
-        return True
-    if not on_accelerator:
-        return False
-    if reason is not None:
+            reasons.append(reason)
+        return reason
+
+    name = implementation.select("falcon", impl, decline, argname="impl")
+    if name == "xla" and impl == "auto" and jax.default_backend() in ("gpu", "tpu") and reasons:
+        reason = reasons[-1]
         if reason not in _warned:
             _warned.add(reason)
-            warnings.warn(f"falcon: {reason}; using the XLA chunk form.", stacklevel=3)
-        return False
-    return True
+            warnings.warn(f"falcon: {reason}; using the XLA chunk form.", stacklevel=4)
+    return name
 
 
 def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, scale,
-             initial_state: FalconState | None, segment_ids, impl: str, return_final_state: bool):
+             initial_state: FalconState | None, segment_ids, impl, kernel_config, return_final_state: bool):
     """Shared driver of ``falcon`` and the baselines (arguments already validated).
 
     q,k [B,T,H,dk]; v [B,T,H,dv]; inputs {name: [B,T,H] or [B,T,H,dv]}.
@@ -78,15 +78,17 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
         val.check_state(initial_state, B, H, dk, dv, tail)
         state = cast_state(initial_state, cdt)
     resets = segment_starts(segment_ids, B, T)
-    # (supports() looks only at the inputs' ranks and the head dims, so either layout of inputs serves)
-    pallas = form == "chunk" and _use_pallas(impl, rule, inputs, dk, dv, out_dtype, chunk_size)
+    kernel = select_kernel(impl, rule, inputs, dk, dv, out_dtype, chunk_size) if form == "chunk" else "xla"
+    if kernel_config is not None:
+        val.check_kernel_config(kernel_config, KERNEL_CONFIGS[kernel_op_name(rule, inputs)])
 
     def kernels(time_major: bool):
         """The Pallas chunk form; under kernel_sharding(mesh) each device runs it on its own rows and heads."""
-        fn = functools.partial(chunk_pallas, rule, chunk_size=chunk_size, kernel_dtype=out_dtype, time_major=time_major)
+        fn = functools.partial(chunk_pallas, rule, chunk_size=chunk_size, implementation=kernel,
+                               kernel_config=kernel_config, kernel_dtype=out_dtype, time_major=time_major)
         return per_shard(fn, batch=B, heads=H, head_dim=2 if time_major else 1)
 
-    if pallas and time_major_served(rule, inputs):
+    if kernel != "xla" and time_major_served(rule, inputs):
         # the kernels read and write the model's [B, T, H, ...] layout in place: no transposed copies
         o, final = kernels(time_major=True)(*(a.astype(cdt) for a in (q, k, v)),
                                             {name: a.astype(cdt) for name, a in inputs.items()}, resets, state)
@@ -97,7 +99,7 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
             o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
         elif form == "parallel":
             o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
-        elif pallas:
+        elif kernel != "xla":
             o, final = kernels(time_major=False)(qh, kh, vh, inputs_h, resets, state)
         else:
             o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
@@ -108,7 +110,7 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
 
 def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64, alignment="shifted",
            timing="raw", step="normalized", scale_coupled=False, eps=1e-6, eps_gamma=1e-6, scale=1.0,
-           initial_state=None, return_final_state=False, segment_ids=None, impl="auto"):
+           initial_state=None, return_final_state=False, segment_ids=None, impl="auto", kernel_config=None):
     """Falcon fast-weight attention, one of six rules, in one of three equivalent forms.
 
     Per head, with the prefix-aligned write pair ``x_t = k_{t-1}, y_t = v_t``
@@ -140,9 +142,13 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
       initial_state: a :class:`FalconState` to continue from (fed to the first segment).
       return_final_state: also return the state after the last position.
       segment_ids: ``[B, T]`` ints for packed sequences; the state resets where the id changes.
-      impl: implementation of the chunk form: "xla" (plain XLA), "pallas" (the Pallas kernels; on CPU
-        they run in interpret mode; raises NotImplementedError for rules without a kernel) or "auto"
-        (the kernels on GPU/TPU where they exist, else XLA with a one-time warning).
+      impl: implementation of the chunk form (:mod:`falcon_jax.kernels.implementation`): "auto" (the kernels
+        of this machine's accelerator where they serve the call, else XLA, warning once per reason), "xla" (the
+        XLA chunk form), "mosaic_gpu", "triton" or "mosaic_tpu" (those Pallas kernels, or an error saying why
+        not; off their accelerator they run in interpret mode), or a sequence of these tried in order.
+      kernel_config: launch parameters of the kernel op that serves the rule (a ``KernelConfig`` of
+        ``falcon_jax.kernels.decayed_attention`` for 1A/3A, ``decayed_delta_rule`` for 1/3, ``per_column`` for
+        per-column 2/2A); None: the op's tuned values.
 
     Returns:
       ``out [B, T, H, dv]`` in the inputs' dtype, or ``(out, FalconState)``.
@@ -163,7 +169,7 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
                        scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))
     return run_rule(rule, q, k, v, {"beta": beta, "lam": lam}, form=form, chunk_size=chunk_size,
                     scale=scale, initial_state=initial_state, segment_ids=segment_ids, impl=impl,
-                    return_final_state=return_final_state)
+                    kernel_config=kernel_config, return_final_state=return_final_state)
 
 
 def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, alignment="shifted",

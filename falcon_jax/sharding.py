@@ -16,15 +16,14 @@ back to the un-wrapped path (correct, but the kernel runs replicated) with a one
 Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 
-**Per-shard kernels not on GPUs (yet).** With jax 0.11.2 on two H200s, XLA's GPU compiler
-crashed (SIGSEGV while compiling) on every program that put the Falcon Pallas kernels inside
-``shard_map`` (one ``falcon(..., impl="pallas")`` forward+backward, also with the sequence in one
-piece, and the LM training step), while a one-line Pallas kernel and the XLA chunk form inside
-``shard_map`` compiled, and so did the LM step with the activation constraints alone
-(``benchmarks/gpu_check_sharding.py``).  So on a mesh of GPU devices the context keeps the
-constraints (``shard_kernels=False``: the FSDP step no longer gathers activations) and leaves the
-kernels to the partitioner (correct; each device runs them on the whole batch), with a one-time
-warning.  ``allow_gpu=True`` applies the per-shard kernels anyway.
+**No zero-size array crosses the shard_map.**  XLA's GPU compiler (jax 0.11.2, its Shardy partitioner)
+dies with SIGSEGV on a ``shard_map`` that takes a zero-size operand — a pure-XLA one too — and the
+Falcon state of every rule but 3 and 3A has zero-length tails (``[B, H, 0, d]``), as do some residuals
+its backward saves.  So :func:`per_shard` passes no zero-size input or output through the boundary
+(it makes them again on the other side) and differentiates the shard itself: a ``custom_vjp`` whose
+forward returns the shard's residuals stacked along a new leading axis over the mesh axes in use
+(each device gets its own back), the zero-size ones left out (docs/kernels.md, "Per-shard kernels";
+``tests/test_gpu_sharding.py`` compiles it for 2-GPU meshes on one GPU).
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from falcon_jax.state import FalconState
@@ -46,7 +47,6 @@ class KernelSharding:
     mesh: Mesh
     batch_axes: tuple[str, ...]  # mesh axes that split the batch (only those of size > 1)
     head_axis: str | None  # mesh axis that splits the heads (None: heads whole on every device)
-    shard_kernels: bool = True  # False: only the activation constraints (GPU meshes, see the module docstring)
 
     @property
     def batch_shards(self) -> int:
@@ -57,6 +57,11 @@ class KernelSharding:
         return self.mesh.shape[self.head_axis] if self.head_axis else 1
 
     @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """Every mesh axis the kernels' operands are split over."""
+        return (*self.batch_axes, *([self.head_axis] if self.head_axis else []))
+
+    @property
     def batch_entry(self):
         """The batch axes as one ``PartitionSpec`` entry: a name, a tuple of names, or None."""
         return self.batch_axes[0] if len(self.batch_axes) == 1 else (self.batch_axes or None)
@@ -64,21 +69,13 @@ class KernelSharding:
 
 _CURRENT: contextvars.ContextVar[KernelSharding | None] = contextvars.ContextVar("falcon_kernel_sharding",
                                                                                default=None)
-_warned: set = set()  # warnings given once: (shape key) tuples and "gpu"
-
-
-def mesh_platforms(mesh: Mesh) -> set[str]:
-    """The platforms of the mesh's devices ("cpu", "gpu", "tpu")."""
-    return {d.platform for d in mesh.devices.flat}
+_warned: set = set()  # warnings given once: (shape key) tuples
 
 
 @contextlib.contextmanager
-def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor", *,
-                    allow_gpu: bool = False):
+def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor"):
     """Within this block, ``falcon``'s Pallas kernel path runs per shard of ``mesh``: batch
-    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring).  On a
-    mesh of GPU devices only the activation constraints apply, with a one-time warning, unless
-    ``allow_gpu`` (XLA's GPU compiler crashed on the per-shard kernels with jax 0.11.2)."""
+    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
@@ -88,17 +85,7 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
     if not any(a in mesh.shape for a in named):
         raise ValueError(f"kernel_sharding: none of the axes {named} is in the mesh "
                          f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch and heads.")
-    shard_kernels = True
-    if (batch or head) and "gpu" in mesh_platforms(mesh) and not allow_gpu:
-        if "gpu" not in _warned:
-            _warned.add("gpu")
-            warnings.warn("kernel_sharding: per-shard kernels not applied on GPU devices (XLA's GPU compiler "
-                          "crashed compiling the Falcon Pallas kernels inside shard_map with jax 0.11.2); the "
-                          "activations are still pinned to the batch axes, and the kernels run where the "
-                          "partitioner puts them (correct; on the whole batch). Pass allow_gpu=True to try it.",
-                          stacklevel=3)
-        shard_kernels = False
-    token = _CURRENT.set(KernelSharding(mesh, batch, head, shard_kernels) if (batch or head) else None)
+    token = _CURRENT.set(KernelSharding(mesh, batch, head) if (batch or head) else None)
     try:
         yield
     finally:
@@ -140,7 +127,7 @@ def per_shard(fn, *, batch: int, heads: int, head_dim: int):
     ``[B, H, T, d]``); inputs share it, ``resets`` is ``[B, T]``, the state's fields are
     ``[B, H, ...]`` (``has_key``, ``tail_valid``: ``[B, ...]``)."""
     ks = current()
-    if ks is None or not ks.shard_kernels:
+    if ks is None:
         return fn
     if batch % ks.batch_shards or heads % ks.head_shards:
         key = (batch, heads, ks.batch_shards, ks.head_shards)
@@ -158,8 +145,145 @@ def per_shard(fn, *, batch: int, heads: int, head_dim: int):
 
     def wrapped(q, k, v, inputs, resets, state):
         in_specs = (tok, tok, tok, {name: tok for name in inputs}, P(b), state_spec)
-        # check_vma off: pallas_call has no replication rule, and nothing here is replicated
-        return jax.shard_map(fn, mesh=ks.mesh, in_specs=in_specs, out_specs=(tok, state_spec),
-                             check_vma=False)(q, k, v, inputs, resets, state)
+        return shard_map_nonempty(fn, ks.mesh, in_specs, (tok, state_spec), ks.shard_axes)(
+            q, k, v, inputs, resets, state)
 
     return wrapped
+
+
+def _leaf_specs(specs, tree) -> list:
+    """One PartitionSpec per leaf of ``tree``, from ``specs`` (a prefix of it, as shard_map's specs)."""
+    out = []
+    jax.tree_util.tree_map(lambda spec, sub: out.extend([spec] * len(jax.tree_util.tree_leaves(sub))), specs, tree,
+                           is_leaf=lambda x: isinstance(x, P))
+    return out
+
+
+def _local_shape(shape, spec: P, mesh: Mesh) -> tuple:
+    """The per-device shape of a global ``shape`` split by ``spec`` over ``mesh``."""
+    local = list(shape)
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        local[dim] //= math.prod(mesh.shape[n] for n in names)
+    return tuple(local)
+
+
+def _empty(a) -> bool:
+    return math.prod(a.shape) == 0
+
+
+def _inexact(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.inexact)
+
+
+def _zero_cotangent(aval):
+    """A zero cotangent for an output of ``aval`` (float0 for integer and bool outputs)."""
+    if _inexact(aval):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def shard_map_nonempty(fn, mesh: Mesh, in_specs, out_specs, stack_axes: tuple[str, ...]):
+    """``jax.shard_map(fn, mesh, in_specs, out_specs)`` (replication unchecked) through which no zero-size array
+    passes: zero-size inputs and outputs are made again on the far side, and the shard's own ``jax.vjp`` gives
+    the backward (a ``custom_vjp``), its residuals passed per device — stacked along a new leading axis split over
+    ``stack_axes`` (the mesh axes the specs split) — without the zero-size ones.  See the module docstring."""
+    stacked = P(stack_axes if len(stack_axes) > 1 else stack_axes[0])
+
+    def call(*args):
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        specs = _leaf_specs(in_specs, args)
+        keep = [i for i, a in enumerate(leaves) if not _empty(a)]
+        local_empty = {i: jax.ShapeDtypeStruct(_local_shape(a.shape, specs[i], mesh), a.dtype)
+                       for i, a in enumerate(leaves) if _empty(a)}
+
+        def local_args(kept):
+            full = [None] * len(leaves)
+            for i, a in zip(keep, kept):
+                full[i] = a
+            for i, sds in local_empty.items():
+                full[i] = jnp.zeros(sds.shape, sds.dtype)
+            return jax.tree_util.tree_unflatten(treedef, full)
+
+        # the shard's outputs and residuals, traced once on the local shapes for their structure
+        local_avals = [jax.ShapeDtypeStruct(_local_shape(leaves[i].shape, specs[i], mesh), leaves[i].dtype)
+                       for i in keep]
+        structure = {}
+
+        def shard_forward(*kept):
+            out, vjp = jax.vjp(lambda *a: fn(*a), *local_args(kept))
+            out_leaves, structure["out"] = jax.tree_util.tree_flatten(out)
+            res_leaves, structure["res"] = jax.tree_util.tree_flatten(vjp)
+            return out_leaves, res_leaves
+
+        out_avals, res_avals = jax.eval_shape(shard_forward, *local_avals)
+        out_specs_flat = _leaf_specs(out_specs, jax.tree_util.tree_unflatten(structure["out"], out_avals))
+        out_keep = [i for i, a in enumerate(out_avals) if not _empty(a)]
+        res_keep = [i for i, a in enumerate(res_avals) if not _empty(a)]
+
+        def fill(kept_values, keep_idx, avals):
+            full = [jnp.zeros(a.shape, a.dtype) for a in avals]
+            for i, a in zip(keep_idx, kept_values):
+                full[i] = a
+            return full
+
+        def global_zeros(local_aval, spec):  # a zero-size output made again outside
+            shape = list(local_aval.shape)
+            for dim, entry in enumerate(spec):
+                names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                shape[dim] *= math.prod(mesh.shape[n] for n in names)
+            return jnp.zeros(shape, local_aval.dtype)
+
+        def smap(body, body_in_specs, body_out_specs):
+            return jax.shard_map(body, mesh=mesh, in_specs=tuple(body_in_specs), out_specs=tuple(body_out_specs),
+                                 check_vma=False)
+
+        def forward_outputs(kept, with_residuals):
+            def body(*kept_local):
+                out_leaves, res_leaves = shard_forward(*kept_local)
+                outs = [out_leaves[i] for i in out_keep]
+                res = [res_leaves[i][None] for i in res_keep] if with_residuals else []
+                return (*outs, *res)
+
+            n_res = len(res_keep) if with_residuals else 0
+            return smap(body, [specs[i] for i in keep], [out_specs_flat[i] for i in out_keep] + [stacked] * n_res)(
+                *kept)
+
+        def outputs_tree(values):
+            full = [global_zeros(out_avals[i], out_specs_flat[i]) for i in range(len(out_avals))]
+            for i, a in zip(out_keep, values):
+                full[i] = a
+            return jax.tree_util.tree_unflatten(structure["out"], full)
+
+        @jax.custom_vjp
+        def sharded(*kept):
+            return forward_outputs(kept, with_residuals=False)
+
+        def sharded_fwd(*kept):
+            results = forward_outputs(kept, with_residuals=True)
+            return results[:len(out_keep)], results[len(out_keep):]
+
+        def sharded_bwd(residuals, cts):
+            floats = [i for i, a in zip(keep, local_avals) if _inexact(a)]  # inputs with a cotangent
+            ct_keep = [i for i in out_keep if _inexact(out_avals[i])]  # outputs with one
+            cts = [ct for i, ct in zip(out_keep, cts) if _inexact(out_avals[i])]
+
+            def body(*local):
+                res_local, ct_local = local[:len(res_keep)], local[len(res_keep):]
+                vjp = jax.tree_util.tree_unflatten(structure["res"], fill([r[0] for r in res_local], res_keep,
+                                                                          res_avals))
+                ct_full = [_zero_cotangent(a) for a in out_avals]
+                for i, ct in zip(ct_keep, ct_local):
+                    ct_full[i] = ct
+                grads = jax.tree_util.tree_leaves(vjp(jax.tree_util.tree_unflatten(structure["out"], ct_full)))
+                return tuple(grads[i] for i in floats)
+
+            grads = smap(body, [stacked] * len(res_keep) + [out_specs_flat[i] for i in ct_keep],
+                         [specs[i] for i in floats])(*residuals, *cts)
+            by_leaf = dict(zip(floats, grads))
+            return tuple(by_leaf.get(i) for i in keep)
+
+        sharded.defvjp(sharded_fwd, sharded_bwd)
+        return outputs_tree(sharded(*[leaves[i] for i in keep]))
+
+    return call

@@ -16,7 +16,7 @@ FORMS = ("recurrent", "parallel", "chunk")
 ALIGNMENTS = ("shifted", "same_step")
 TIMINGS = ("raw", "rbw")
 STEPS = ("normalized", "direct")
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla")  # falcon_jax.kernels.implementation
 
 
 def _choice(name: str, value, choices) -> None:
@@ -46,7 +46,11 @@ def check_options(*, form, alignment, timing, step, impl, eps, eps_gamma, scale)
     _choice("alignment", alignment, ALIGNMENTS)
     _choice("timing", timing, TIMINGS)
     _choice("step", step, STEPS)
-    _choice("impl", impl, IMPLS)
+    if isinstance(impl, str) or not isinstance(impl, (list, tuple)):
+        _choice("impl", impl, IMPLS)
+    elif not impl or any(not isinstance(i, str) or i not in IMPLS[1:] for i in impl):
+        raise ValueError(f"`impl` as a sequence lists implementations to try in order, each one of "
+                         f"{', '.join(repr(c) for c in IMPLS[1:])}; got {impl!r}.")
     if not np.isscalar(eps) or not eps >= 0:
         raise ValueError(f"`eps` must be a float >= 0; got {eps!r}.")
     if not np.isscalar(eps_gamma) or not 0 < eps_gamma < 1:
@@ -124,3 +128,10 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
             hint = (" (the window tail length is window-1 for variants 3/3A and 0 otherwise: make the state "
                     "with the same variant and window)") if field.startswith("tail") else ""
             raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need {shape}{hint}.")
+
+
+def check_kernel_config(config, expected: type) -> None:
+    """``falcon(kernel_config=...)`` must be the ``KernelConfig`` of the kernel op that serves the rule."""
+    if not isinstance(config, expected):
+        raise TypeError(f"`kernel_config` must be a {expected.__module__}.{expected.__qualname__} for this rule (the "
+                        f"launch parameters of the kernel op that serves it); got {type(config).__name__}.")

@@ -27,22 +27,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def resolve_implementation(implementation: str, choices: tuple[str, ...]) -> str:
-    """Check ``implementation`` against an op's ``choices``; ``"auto"`` becomes the kernel of this
-    machine's accelerator (``"pallas_gpu"`` / ``"pallas_tpu"``), else ``"xla"``."""
-    if implementation not in choices:
-        raise ValueError(f"`implementation` must be one of {choices}; got {implementation!r}.")
-    if implementation == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
-    return implementation
-
-
-def interpret_default(implementation: str, interpret: bool | None) -> bool:
-    """A kernel off its own accelerator runs in interpret mode unless ``interpret`` says otherwise."""
-    native = {"pallas_gpu": "gpu", "mosaic_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == jax.default_backend()
-    return (not native) if interpret is None else interpret
-
-
 LAYOUTS = ("BHTD", "BTHD")  # the ops' token layouts: [B, H, T, d] or the model's [B, T, H, d]
 
 
@@ -111,7 +95,7 @@ def _gate_transpose_fwd(a, interpret):
 
 def _gate_transpose_bwd(interpret, _, ct):
     # a kernel again: with swap_time_heads XLA fused the transpose into the gates' elementwise backward (the
-    # β / λ / ‖x‖² chain of Falcon-1), one 271 µs fusion at 1x32768 on the H200 (twelfth run, next32)
+    # β / λ / ‖x‖² chain of Falcon-1), one 271 µs fusion at 1x32768 on the H200
     return (_gate_transpose_call(ct, interpret, heads_first=False),)
 
 
@@ -124,8 +108,8 @@ def transpose_gates(a, *, interpret: bool):
     Why a kernel: a custom call's operand keeps XLA's row-major layout, so whatever produces the gates should
     write them time-major.  With ``jnp.swapaxes`` XLA's layout assignment folds the transpose into the producer
     instead, and for Falcon-1 that producer is the ‖x‖² reduction over ``[1, 32768, 16, 128]``: it then wrote
-    its output time-minor, one 271 µs fusion on the H200 (eleventh run, ``benchmarks/profile_kernels.py``; a
-    ``lax.optimization_barrier`` did not stop it; the kernel took the forward's fusion to 70 µs, twelfth run).
+    its output time-minor, one 271 µs fusion on the H200 (a ``lax.optimization_barrier`` did not stop it; the
+    kernel took the forward's fusion to 70 µs).
     Differentiable: the cotangent goes back through the same kernel with the blocks swapped.
     """
     if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -265,25 +249,9 @@ def unsupported_dims_reason(dk: int, dv: int, chunk_size: int, dtype, interpret:
     return None
 
 
-GRAD_LOOPS = ("unrolled", "fori")
-
-
 def column_block(j, width):
     """``pl.ds`` of column block ``j``: static for a Python int, else a traced start aligned to ``width``."""
     return pl.ds(j * width if isinstance(j, int) else pl.multiple_of(j * width, width), width)
-
-
-def column_loop(n, body, carry, loops):
-    """``carry = body(j, carry)`` for j < n: unrolled in Python (``"unrolled"``: static slices, straight-line
-    code) or a ``lax.fori_loop`` (``"fori"``: an ``scf.for`` in the Triton IR, whose loads Triton's pipeliner
-    can issue a block ahead when the kernel runs with ``num_stages`` ≥ 2)."""
-    if loops not in GRAD_LOOPS:
-        raise ValueError(f"loops must be one of {GRAD_LOOPS}, got {loops!r}")
-    if loops == "fori":
-        return lax.fori_loop(0, n, body, carry)
-    for j in range(n):
-        carry = body(j, carry)
-    return carry
 
 
 def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
@@ -400,10 +368,17 @@ def default_gpu_major() -> int | None:
     return int(major) if device.platform == "gpu" and major.isdigit() else None
 
 
-def large_shared_memory() -> bool:
-    """The default device is a GPU with about 228 KB of shared memory per SM (compute capability 9.x or 10.x:
-    H100, H200, B200), where the walks' deeper pipelines fit (an A100 has 164 KB, consumer GPUs about 100)."""
-    return default_gpu_major() in (9, 10)
+# the jax the Mosaic GPU kernels were checked and timed on (the H200's 0.11.2); older ones lower them (CI
+# cross-lowers them on 0.10.2) but never ran them
+MOSAIC_GPU_CHECKED_JAX = (0, 11)
+
+
+def on_hopper() -> bool:
+    """The default device is an sm_90 GPU (H100 / H200), and this jax has Pallas Mosaic GPU and is at least
+    :data:`MOSAIC_GPU_CHECKED_JAX`: where the Mosaic GPU passes run."""
+    if plgpu is None or tuple(int(p) for p in jax.__version__.split(".")[:2]) < MOSAIC_GPU_CHECKED_JAX:
+        return False
+    return default_gpu_major() == 9
 
 
 def walk_layout(q, y, chunk, pieces, block_v, heads=None):
@@ -446,9 +421,8 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "default_gpu_major", "dot",
-           "flatten_pad", "interpret_default",
-           "kernel_operands", "large_shared_memory", "layout_kw", "LAYOUTS", "next_pow2", "pad_time", "pieces_for",
-           "poisoned_outputs",
-           "precision_for", "resolve_implementation", "reverse_chunk_cumsum", "row_block", "swap_time_heads",
-           "token_dims", "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]
+__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "column_block",
+           "default_gpu_major", "dot", "flatten_pad", "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2",
+           "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for", "reverse_chunk_cumsum",
+           "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
+           "unsupported_dims_reason", "walk_layout"]

@@ -1,15 +1,14 @@
-"""Chunk form through the Pallas kernels (``impl="pallas"``).
+"""Chunk form through the Pallas kernels (``falcon(impl=...)`` any of ``"mosaic_gpu"``, ``"triton"``,
+``"mosaic_tpu"``; :mod:`falcon_jax.kernels.implementation`).
 
-Falcon-1, Falcon-2 and DeltaNet go through the regression op
-``falcon_jax.kernels.decayed_delta_rule``::
+Falcon-1 and DeltaNet go through the regression op ``falcon_jax.kernels.decayed_delta_rule``::
 
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
 
-(Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in
-place of the scalar products; the op's per-column kernel, GPU or TPU.)
+(Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in place of the scalar
+products: ``falcon_jax.kernels.per_column.decayed_delta_rule_per_column``.)
 
-Falcon-3 (window W > 1) goes through the op's windowed form
-``falcon_jax.kernels.decayed_delta_rule.windowed_delta_rule``::
+Falcon-3 (window W > 1) goes through the windowed op ``falcon_jax.kernels.windowed_delta_rule``::
 
     S_t = e^{a_t} S_{t-1} + Σ_{i<W} w_{t,i} x_{t,i} (y_{t,i} − S_{t-1}ᵀ x_{t,i})ᵀ
 
@@ -42,12 +41,12 @@ Read-before-write reads step t−1's state with query q_t (the kernel is called
 with the queries shifted one step left; step 0 reads the initial state in XLA).
 
 Falcon-2A with per-column gains goes through the per-column kernel without the
-residual, ``falcon_jax.kernels.decayed_delta_rule.decayed_attention_per_column``
+residual, ``falcon_jax.kernels.per_column.decayed_attention_per_column``
 (``s_{t,c} = e^{a_{t,c}} s_{t-1,c} + η_{t,c} y_{t,c} x_t``), mapped exactly like
 Falcon-2 (the same write stream, query shift and step-0 read), GPU or TPU.
 
-Everything else raises ``NotImplementedError`` with the reason;
-``impl="auto"`` then falls back to the XLA chunk form.
+Everything else declines with the reason (:func:`supports`); ``impl="auto"`` then falls back to the
+XLA chunk form.
 """
 
 from __future__ import annotations
@@ -56,60 +55,62 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.forms.stream import final_state, per_position, write_stream
+from falcon_jax.kernels import decayed_attention as attention_op
+from falcon_jax.kernels import decayed_delta_rule as delta_rule_op
+from falcon_jax.kernels import per_column as per_column_op
+from falcon_jax.kernels import windowed_delta_rule as windowed_op
+from falcon_jax.kernels.common import shift_time
+from falcon_jax.kernels.decayed_attention.api import unsupported_reason as attention_reason
+from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason as delta_rule_reason
+from falcon_jax.kernels.per_column.api import unsupported_reason as per_column_reason
+from falcon_jax.kernels.windowed_delta_rule.api import unsupported_reason as windowed_reason
 from falcon_jax.rules import Rule
 from falcon_jax.state import FalconState
 
 
-def supports(rule: Rule, inputs: dict, dv: int, dk: int | None = None, dtype=None,
-             interpret: bool = False, chunk_size: int = 64) -> str | None:
-    """None if the kernels serve this call, else the reason."""
-    if dk is not None and dtype is not None:
-        if rule.regression:
-            from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason
-        else:
-            from falcon_jax.kernels.decayed_attention.api import unsupported_reason
+def _per_column(inputs: dict) -> bool:
+    return any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
 
-        probe = jnp.zeros((0, dk), dtype)
-        reason = unsupported_reason(probe, jnp.zeros((0, dv), dtype), chunk_size, interpret)
-        if reason is not None:
-            return f"{rule.name}: {reason}"
-    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
-    if per_column and rule.window > 1:
-        return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
-    if rule.regression and rule.window > 1:
-        from falcon_jax.kernels.decayed_delta_rule.api import windowed_unsupported_reason
 
-        probe = jnp.zeros((0, dk or 16), dtype or jnp.float32)
-        reason = windowed_unsupported_reason(rule.window, probe, jnp.zeros((0, dv), probe.dtype), chunk_size,
-                                             interpret)
-        if reason is not None:
-            return f"{rule.name}: {reason}"
+def kernel_op_name(rule: Rule, inputs: dict) -> str:
+    """The kernel op that serves this rule: "decayed_attention", "decayed_delta_rule", "windowed_delta_rule" or
+    "per_column" (its :class:`KernelConfig` is the one ``falcon(kernel_config=...)`` takes)."""
+    if _per_column(inputs):
+        return "per_column"
+    if rule.regression:
+        return "windowed_delta_rule" if rule.window > 1 else "decayed_delta_rule"
+    return "decayed_attention"
+
+
+KERNEL_CONFIGS = {"decayed_attention": attention_op.KernelConfig, "decayed_delta_rule": delta_rule_op.KernelConfig,
+                  "windowed_delta_rule": delta_rule_op.KernelConfig, "per_column": per_column_op.KernelConfig}
+
+
+def supports(rule: Rule, inputs: dict, implementation: str, dv: int, dk: int, dtype, chunk_size: int = 64,
+             interpret: bool | None = None) -> str | None:
+    """None if kernel ``implementation`` serves this call, else the reason."""
+    q, y = jax.ShapeDtypeStruct((0, dk), dtype), jax.ShapeDtypeStruct((0, dv), dtype)
     if rule.regression and rule.decay_before_residual:
         return f"{rule.name}: no Pallas kernel for the residual on the decayed state (Gated DeltaNet) yet"
-    return None
-
-
-# Whether ``falcon(impl="pallas")`` hands the kernels the model's [B, T, H, ...] arrays in place (True) or
-# transposes them to [B, H, T, ...] first (False).  In place saves the transposes (0.12 of 0.43 ms forward at
-# 8x2048x16x128 on the H200) but makes the kernels' row loads strided; the benchmark times both
-# (benchmarks/bench_inner_product.py, "head-major" rows) until the H200 has said which is faster.
-PREFER_TIME_MAJOR = True
-
-
-# The regression kernels' launch parameters and pass choices for ``falcon(impl="pallas")``
-# (``falcon_jax.kernels.decayed_delta_rule.KernelConfig``); None: the op's defaults.  Read while tracing, so set it
-# before ``jit`` traces: the benchmarks and the H200 checks time and check opt-in choices through the whole op.
-KERNEL_CONFIG = None
-# the same for the inner-product kernels (``falcon_jax.kernels.decayed_attention.KernelConfig``)
-ATTENTION_KERNEL_CONFIG = None
+    op = kernel_op_name(rule, inputs)
+    if op == "per_column" and rule.window > 1:
+        return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
+    if op == "per_column":
+        reason = per_column_reason(implementation, q, y, chunk_size, interpret)
+    elif op == "windowed_delta_rule":
+        reason = windowed_reason(implementation, rule.window, q, y, chunk_size, interpret)
+    elif op == "decayed_delta_rule":
+        reason = delta_rule_reason(implementation, q, y, chunk_size, interpret)
+    else:
+        reason = attention_reason(implementation, q, y, chunk_size, interpret)
+    return None if reason is None else f"{rule.name}: {reason}"
 
 
 def time_major_served(rule: Rule, inputs: dict) -> bool:
-    """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the kernels
-    read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's
-    virtual rows are built head-major), unless ``PREFER_TIME_MAJOR`` is off."""
-    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
-    return PREFER_TIME_MAJOR and not per_column and not (rule.regression and rule.window > 1)
+    """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the GPU kernels
+    read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's virtual rows
+    are built head-major)."""
+    return not _per_column(inputs) and not (rule.regression and rule.window > 1)
 
 
 def _time_slice(a, start, stop, axis):
@@ -122,8 +123,6 @@ def _at_time(a, t, axis):
 
 def _shift_queries(q, axis):
     """``out[t] = q[t + 1]`` (zero at the end): step t's state read with the query of step t+1."""
-    from falcon_jax.kernels.common import shift_time
-
     return shift_time(q, -1, axis)
 
 
@@ -137,25 +136,20 @@ def _read_before_write(o, q, S0, resets, axis):
 
 
 def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
-                 kernel_dtype=None, time_major: bool = False):
+                 implementation: str, kernel_config=None, kernel_dtype=None, time_major: bool = False):
     """Same arguments and result as :func:`falcon_jax.forms.chunk.chunk`.
 
-    ``kernel_dtype``: dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16);
-    gates, decays, coefficients and states stay fp32.  ``time_major``: q, k, v, inputs and the output
-    are ``[B, T, H, ...]`` instead of ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the
-    GPU kernels read and write in place.
+    ``implementation``: "mosaic_gpu", "triton" or "mosaic_tpu" (the caller checked :func:`supports`).
+    ``kernel_config``: the op's ``KernelConfig`` (:func:`kernel_op_name`; None: tuned).  ``kernel_dtype``:
+    dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients and
+    states stay fp32.  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
+    ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the GPU kernels read and write in place.
     """
-    from falcon_jax.kernels.common import shift_time
-    from falcon_jax.kernels.decayed_attention import decayed_attention
-
-    reason = supports(rule, inputs, v.shape[-1], chunk_size=chunk_size)
-    if reason is not None:
-        raise NotImplementedError(reason)
     if time_major and not time_major_served(rule, inputs):
         raise ValueError(f"{rule.name}: time_major=True is served only where time_major_served() says so")
-    per_column = any(a is not None and getattr(a, "ndim", 0) == 4 for a in inputs.values())
-    if rule.regression or per_column:
-        return _regression(rule, q, k, v, inputs, resets, state, chunk_size=chunk_size, kernel_dtype=kernel_dtype,
+    op_kw = dict(chunk_size=chunk_size, implementation=implementation, config=kernel_config)
+    if rule.regression or _per_column(inputs):
+        return _regression(rule, q, k, v, inputs, resets, state, op_kw=op_kw, kernel_dtype=kernel_dtype,
                            time_major=time_major)
     ax = 1 if time_major else 2  # the time axis of the token arrays
     T = q.shape[ax]
@@ -184,10 +178,9 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     # kernel position t is step t; read-before-write reads step t's state with the query of step t+1
     # (step t+1's read of S_t), and step 0's read of the initial state is added below
     q_step = q if rule.timing == "raw" else _shift_queries(q, ax)
-    o, S = decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
-                             jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
-                             chunk_size=chunk_size, implementation=_implementation(),
-                             layout="BTHD" if time_major else "BHTD", config=ATTENTION_KERNEL_CONFIG)
+    o, S = attention_op.decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
+                                          jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
+                                          layout="BTHD" if time_major else "BHTD", **op_kw)
     o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
@@ -201,13 +194,11 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)
 
 
-def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int,
-                kernel_dtype=None, time_major: bool = False):
-    """Falcon-1 / Falcon-2 / DeltaNet (window 1, residual on the undecayed state) through the op; per-column
-    gates (``G = dv``) go to its per-column kernel; Falcon-3 (window > 1) to its windowed form.  Falcon-2A
-    (per-column, no residual) through the same mapping to the per-column kernel without the residual."""
-    from falcon_jax.kernels.decayed_delta_rule import decayed_attention_per_column, decayed_delta_rule, windowed_delta_rule
-
+def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, op_kw: dict, kernel_dtype=None,
+                time_major: bool = False):
+    """Falcon-1 / DeltaNet (window 1, residual on the undecayed state) through the decayed delta rule; per-column
+    gates (``G = dv``: Falcon-2, and Falcon-2A without the residual) through the per-column op; Falcon-3
+    (window > 1) through the windowed op."""
     ax = 1 if time_major else 2
     kd = kernel_dtype or q.dtype
     stream = write_stream(rule, k, v, inputs, resets, state, time_axis=ax)
@@ -218,28 +209,24 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
     # raw: step t reads S_t; rbw: step t reads S_{t-1}, the op's position t-1 read with query q_t
     q_read = q if rule.timing == "raw" else _shift_queries(q, ax)
     if rule.window > 1:  # w [B,H,T,W,1]: step t writes ext pairs t..t+W-1 (its window, oldest first)
-        o, S = windowed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
-                                   stream.w[..., 0], lg, run, state.S, chunk_size=chunk_size,
-                                   implementation=_implementation(), config=KERNEL_CONFIG)
+        o, S = windowed_op.windowed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
+                                               stream.w[..., 0], lg, run, state.S, **op_kw)
     elif rule.regression and rule.alignment == "shifted" and eta.ndim == 3:
         # Falcon-1: the op reads the keys one row back (x_t = k_{t−1}) in place, so no shifted copy of k is
         # made; step 0's write feature is the carried key (zero without one or at a segment start)
         first_key = jax.lax.index_in_dim(stream.x_ext, 0, axis=ax, keepdims=False)
-        o, S = decayed_delta_rule(q_read.astype(kd), k.astype(kd), v.astype(kd), eta, lg, run, state.S,
-                                  chunk_size=chunk_size, implementation=_implementation(), config=KERNEL_CONFIG,
-                                  shifted_keys=True, first_key=first_key,
-                                  **({"layout": "BTHD"} if time_major else {}))
-    else:
-        op = decayed_delta_rule if rule.regression else decayed_attention_per_column
-        layout = {"layout": "BTHD"} if time_major else {}
-        o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S,
-                  chunk_size=chunk_size, implementation=_implementation(), config=KERNEL_CONFIG, **layout)
+        o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), k.astype(kd), v.astype(kd), eta, lg, run, state.S,
+                                                shifted_keys=True, first_key=first_key,
+                                                layout="BTHD" if time_major else "BHTD", **op_kw)
+    elif eta.ndim == 4:  # per-column gates ([B, H, T, dv]; never time-major)
+        op = per_column_op.decayed_delta_rule_per_column if rule.regression else per_column_op.decayed_attention_per_column
+        o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S, **op_kw)
+    else:  # DeltaNet and the same-step ablation of Falcon-1
+        o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
+                                                eta, lg, run, state.S, layout="BTHD" if time_major else "BHTD",
+                                                **op_kw)
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)
     return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)
 
-
-def _implementation() -> str:
-    """The kernel of this machine's accelerator; on CPU the GPU kernel in interpret mode."""
-    return "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"

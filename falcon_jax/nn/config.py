@@ -177,7 +177,7 @@ class LMConfig:
         _choice("alignment", self.alignment, ("shifted", "same_step"))
         _choice("timing", self.timing, ("raw", "rbw"))
         _choice("form", self.form, ("recurrent", "parallel", "chunk"))
-        _choice("impl", self.impl, ("auto", "xla", "pallas"))
+        _choice("impl", self.impl, ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla"))
         _choice("attn_impl", self.attn_impl, ("auto", "xla", "cudnn"))
         if not self.lam_max > 0:
             raise ValueError(f"LMConfig.lam_max={self.lam_max!r} must be > 0.")

@@ -1,13 +1,14 @@
-"""Public entry: ``decayed_attention(..., implementation=...)`` with a hand-written backward.
+"""``decayed_attention``: chunked decayed linear attention with scalar gates, with a hand-written backward.
 
-    S_t = [same segment] · e^{a_t} S_{t-1} + x_t y_tᵀ,   o_t = S_tᵀ q_t       (reference.py)
+    S_t = [same segment] · e^{a_t} S_{t-1} + x_t y_tᵀ,   o_t = S_tᵀ q_t       (:mod:`.reference`)
 
-Implementations: ``"pallas_gpu"`` (Triton lowering), ``"mosaic_gpu"`` (Hopper forward with
-wgmma + TMA, backward = the Triton one; bf16/fp16 only), ``"pallas_tpu"``
-(Mosaic TPU lowering) — on a machine without that accelerator each runs in
-its interpret mode —, ``"xla"`` (the plain-JAX reference, O(T²)) and
-``"auto"`` (the kernel of the machine's accelerator, else the reference).  A request the GPU kernel cannot
-serve raises ``NotImplementedError`` with the reason, so callers can fall back.
+Forward: one walk over the chunks per (batch·head, piece, value block) carrying the fp32 state
+(:mod:`.triton`, :mod:`.mosaic_tpu`).  When batch·heads leave the GPU idle the sequence is cut into pieces: a
+first walk gives each piece's end state from zero, a short scan over pieces (XLA) their true initial states (a
+piece's map is a scalar decay and an offset), and the output walk runs from those (exact).  Backward
+(``jax.custom_vjp``): the chunk start states recomputed, a reverse walk for the state gradients (pieces
+likewise), then one program per chunk for dq, dx, dy and the log-decay gradient.  No Mosaic GPU kernel:
+``"mosaic_gpu"`` declines and ``"auto"`` takes Triton on a GPU.
 """
 
 from __future__ import annotations
@@ -18,53 +19,47 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from falcon_jax.kernels.common import chunk_local as _prepare
-from falcon_jax.kernels.common import next_pow2 as _next_pow2
-from falcon_jax.kernels.common import pieces_for as _pieces
-from falcon_jax.kernels.common import (GRAD_LOOPS, check_layout, interpret_default, kernel_operands as _kernel_operands,
-                                   layout_kw as _layout_kw, resolve_implementation, reverse_chunk_cumsum,
-                                   swap_time_heads, token_dims, unsupported_dims_reason)
-from falcon_jax.kernels.decayed_attention import mosaic_gpu, pallas_gpu, pallas_tpu
+from falcon_jax.kernels import implementation as impl
+from falcon_jax.kernels.common import (check_layout, chunk_local, kernel_operands, next_pow2, pieces_for,
+                                       reverse_chunk_cumsum, swap_time_heads, token_dims, unsupported_dims_reason)
+from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
+from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
 from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
 
-IMPLEMENTATIONS = ("auto", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "xla")
-_BACKENDS = {"pallas_gpu": pallas_gpu, "mosaic_gpu": mosaic_gpu, "pallas_tpu": pallas_tpu}
+_KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 
-def unsupported_reason(q, y, chunk_size: int, interpret: bool = False) -> str | None:
-    return unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype, interpret)
+def unsupported_reason(name: str, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
+    """Why implementation ``name`` declines a call (None: it serves it): every Triton dot dimension (dk, dv, the
+    chunk) must be a power of two ≥ 16."""
+    if name == "xla":
+        return None
+    if name == "mosaic_gpu":
+        return "no Mosaic GPU kernel for decayed_attention; 'triton' serves the GPU"
+    reason = impl.accelerator_reason(name, interpret)
+    if reason is None:
+        reason = unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype,
+                                         impl.interpret_mode(name, interpret))
+    return reason
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of the GPU kernels (tuned on the H200: benchmarks/bench_inner_product.py --tune)."""
+class _Static:
+    chunk: int
+    config: KernelConfig
+    pieces: int
+    interpret: bool
+    implementation: str
+    heads: int | None
 
-    block_v: int = 64  # value columns per program of the state walks
-    fwd_warps: int = 4
-    fwd_stages: int = 3
-    state_warps: int = 4
-    grad_warps: int = 4
-    grad_stages: int = 1
-    # cut the sequence into pieces until this many programs run; 128 measured fastest on the H200
-    # (kernel only, bf16: 8x2048x16x128 fwd+bwd 1.010 ms vs 1.316 at 264; 1x32768x16x128 2.361 vs 2.574)
-    target_programs: int = 128
-    mosaic_target_ctas: int = 132  # mosaic_gpu: one CTA per SM (≈210 KiB of SMEM each), one wave
-    # the chunk gradients' loop over value blocks: "unrolled" (Python, static slices) or "fori" (lax.fori_loop,
-    # which Triton's pipeliner prefetches with grad_stages >= 2).  The default is the code next39 timed (whole op
-    # bf16 fwd+bwd 0.935 / 1.127 / 2.127 ms at 8x2048 / 2x8192 / 1x32768 x16x128; its Triton IR is identical to
-    # today's).  With dy computed before the value sums (70bd2c8 to 8b465ab) the whole op measured 1.204 / 1.405 /
-    # 2.657 unrolled and 1.122 / 1.309 / 2.487 fori with 2 stages (next48); the fori loop with the sums first
-    # again (the code now) is not yet timed (h200_run.sh next49).  GPU Triton kernel only.
-    grad_loops: str = "unrolled"
-
-    def __post_init__(self):
-        if self.grad_loops not in GRAD_LOOPS:
-            raise ValueError(f"KernelConfig: grad_loops must be one of {GRAD_LOOPS}, got {self.grad_loops!r}.")
+    def walk_kw(self):
+        return dict(chunk=self.chunk, pieces=self.pieces, block_v=self.config.block_v, interpret=self.interpret,
+                    **({} if self.heads is None else {"heads": self.heads}))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _kernel_op(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
-    out, _ = _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _kernel_op(q, x, y, log_decay, run, s0, st: _Static):
+    out, _ = _forward(q, x, y, log_decay, run, s0, st)
     return out
 
 
@@ -88,45 +83,40 @@ def _piece_starts(ends_from_zero, a, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-def _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
-    kernels = _BACKENDS[backend]
-    g, rl = _prepare(log_decay, run, chunk)
-    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret,
-              num_warps=config.fwd_warps, num_stages=config.fwd_stages, **_layout_kw(heads))
-    BH, _, dk = token_dims(q, heads)
+def _forward(q, x, y, log_decay, run, s0, st: _Static):
+    kernels = _KERNELS[st.implementation]
+    g, rl = chunk_local(log_decay, run, st.chunk)
+    kw = dict(st.walk_kw(), num_warps=st.config.fwd_warps, num_stages=st.config.fwd_stages)
+    BH, _, dk = token_dims(q, st.heads)
     dv = y.shape[-1]
-    if pieces > 1:
-        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+    if st.pieces > 1:
+        zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
         (ends,) = kernels.forward_pass(q, x, y, g, rl, zeros, write_o=False, write_h=False, **kw)
-        starts, _ = _piece_starts(ends, _piece_decay(g, rl, chunk, pieces), s0)
+        starts, _ = _piece_starts(ends, _piece_decay(g, rl, st.chunk, st.pieces), s0)
     else:
         starts = s0[:, None]
     o, s_end = kernels.forward_pass(q, x, y, g, rl, starts, write_o=True, write_h=False, **kw)
     return (o, s_end[:, -1]), (q, x, y, g, rl, starts)
 
 
-def _fwd_rule(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads):
-    return _forward(q, x, y, log_decay, run, s0, chunk, config, pieces, interpret, backend, heads)
-
-
-def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
-    kernels = _BACKENDS[backend]
+def _backward(st: _Static, res, cts):
+    kernels = _KERNELS[st.implementation]
     q, x, y, g, rl, starts = res
     do, ds_final = cts
-    BH, L, dk = token_dims(q, heads)
+    BH, _, dk = token_dims(q, st.heads)
     dv = y.shape[-1]
-    kw = dict(chunk=chunk, pieces=pieces, block_v=config.block_v, interpret=interpret, **_layout_kw(heads))
-    fwd_kw = dict(kw, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
-    state_kw = dict(kw, num_warps=config.state_warps, num_stages=config.fwd_stages)
+    cfg = st.config
+    fwd_kw = dict(st.walk_kw(), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    state_kw = dict(st.walk_kw(), num_warps=cfg.state_warps, num_stages=cfg.fwd_stages)
     do = do.astype(y.dtype)
     ds_final = ds_final.astype(jnp.float32)
     # 1) states at every chunk start, recomputed from each piece's true initial state
     h, _ = kernels.forward_pass(q, x, y, g, rl, starts, write_o=False, write_h=True, **fwd_kw)
-    # 2) gradients w.r.t. every chunk's end state, by a reverse pass (pieces: reverse scan over pieces)
-    if pieces > 1:
-        zeros = jnp.zeros((BH, pieces, dk, dv), jnp.float32)
+    # 2) gradients w.r.t. every chunk's end state, by a reverse walk (pieces: a reverse scan over pieces)
+    if st.pieces > 1:
+        zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
         (local,) = kernels.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **state_kw)
-        a = _piece_decay(g, rl, chunk, pieces)
+        a = _piece_decay(g, rl, st.chunk, st.pieces)
         # dS_end(p-1) = a_p dS_end(p) + local_p, walked from the last piece
         ends_rev, _ = _piece_starts(local[:, ::-1], a[:, ::-1], ds_final)
         ds_ends = ends_rev[:, ::-1]
@@ -134,21 +124,20 @@ def _bwd_rule(chunk, config, pieces, interpret, backend, heads, res, cts):
         ds_ends = ds_final[:, None]
     dh, ds_start = kernels.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **state_kw)
     # 3) per-chunk gradients
-    dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=chunk, block_v=config.block_v,
-                                                interpret=interpret, num_warps=config.grad_warps,
-                                                num_stages=config.grad_stages, loops=config.grad_loops,
-                                                **_layout_kw(heads))
+    dq, dx, dy, dg = kernels.chunk_grad_pass(q, x, y, g, rl, do, h, dh, chunk=st.chunk, block_v=cfg.block_v,
+                                             interpret=st.interpret, num_warps=cfg.grad_warps,
+                                             num_stages=cfg.grad_stages,
+                                             **({} if st.heads is None else {"heads": st.heads}))
     # g is the chunk-local cumsum of log_decay: its gradient is the reverse cumsum within each chunk
-    dlog = reverse_chunk_cumsum(dg, chunk)
-    return dq, dx, dy, dlog, None, ds_start[:, 0]
+    return dq, dx, dy, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
 
 
-_kernel_op.defvjp(_fwd_rule, _bwd_rule)
+_kernel_op.defvjp(_forward, _backward)
 
 
-def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int = 64,
-                      implementation: str = "auto", config: KernelConfig | None = None,
-                      pieces: int | None = None, interpret: bool | None = None, layout: str = "BHTD"):
+def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int = 64, implementation="auto",
+                      config: KernelConfig | None = None, pieces: int | None = None, interpret: bool | None = None,
+                      layout: str = "BHTD"):
     """Chunked decayed attention.
 
     Args:
@@ -157,54 +146,47 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``).
       initial_state: ``[B, H, dk, dv]``.
+      implementation: ``"auto"``, ``"triton"``, ``"mosaic_tpu"``, ``"xla"`` or a sequence of them
+        (:mod:`falcon_jax.kernels.implementation`; ``"mosaic_gpu"`` declines).
+      config: :class:`KernelConfig` (None: tuned).  pieces: cut the sequence into this many pieces (GPU; None: by
+        the program count).  interpret: Pallas interpret mode (None: off the kernel's accelerator).
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
-        log_decay and run ``[B, T, H]``, o ``[B, T, H, dv]`` — the usual layout of a model's projections.
-        The GPU Triton kernels read and write it in place (no transposed copies of the tokens or their
-        gradients); the other implementations transpose.
+        log_decay and run ``[B, T, H]``, o ``[B, T, H, dv]`` — the usual layout of a model's projections.  The
+        Triton kernels read and write it in place (no transposed copies of the tokens or their gradients); the
+        other implementations transpose.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
     check_layout(layout)
-    implementation = resolve_implementation(implementation, IMPLEMENTATIONS)
+    name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
+                                                                                         interpret))
     in_place = layout == "BTHD"
-    if in_place and implementation != "pallas_gpu":  # only the Triton kernels read BTHD in place
+    if in_place and name != "triton":  # only the Triton kernels read BTHD in place
         o, final = decayed_attention(*(swap_time_heads(a) for a in (q, x, y, log_decay, run)), initial_state,
-                                     chunk_size=chunk_size, implementation=implementation, config=config,
-                                     pieces=pieces, interpret=interpret)
+                                     chunk_size=chunk_size, implementation=name, config=config, pieces=pieces,
+                                     interpret=interpret)
         return swap_time_heads(o), final
-    if implementation == "xla":
+    if name == "xla":
         o, final = decayed_attention_reference(q, x, y, log_decay, run, initial_state)
         return o.astype(y.dtype), final
-    interpret = interpret_default(implementation, interpret)
-    reason = unsupported_reason(q, y, chunk_size, interpret)
-    if reason is None and implementation == "mosaic_gpu":
-        reason = mosaic_gpu.unsupported_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype)
-    if reason is not None:
-        raise NotImplementedError(f"{implementation} decayed_attention: {reason}")
-    if in_place:
-        B, T, H, dk = q.shape
-    else:
-        B, H, T, dk = q.shape
+    interpret = impl.interpret_mode(name, interpret)
+    B, T, H, dk = q.shape if in_place else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     dv = y.shape[-1]
     dtype = q.dtype
-    chunk = chunk_size
-    n_chunks = _next_pow2(-(-T // chunk))  # power-of-two chunk count keeps every block a power of two
-    L = n_chunks * chunk
-    config = config or KernelConfig()
+    n_chunks = next_pow2(-(-T // chunk_size))  # power-of-two chunk count keeps every block a power of two
+    L = n_chunks * chunk_size
+    config = config or tuned_config()
     config = dataclasses.replace(config, block_v=min(config.block_v, dv))
-    if implementation == "pallas_tpu":
+    if name == "mosaic_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
-    elif implementation == "mosaic_gpu":  # the backward (Triton) runs with the same pieces
-        P = pieces or _pieces(B * H, mosaic_gpu.ctas_per_head_piece(dv), n_chunks, config.mosaic_target_ctas)
     else:
-        P = pieces or _pieces(B * H, dv // config.block_v, n_chunks, config.target_programs)
-
+        P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.pieces_below)
     # padding: zero pairs, zero log decay (identity steps), run continued.  In place the tokens stay
     # [B, L, H, d] (padded in time only); the gates are [B·H, L] either way (they are small).
-    tokens, gates = _kernel_operands(in_place, L)
+    tokens, gates = kernel_operands(in_place, L)
+    st = _Static(chunk_size, config, P, interpret, name, H if in_place else None)
     o, final = _kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(y.astype(dtype)),
                           gates(log_decay.astype(jnp.float32)), gates(run.astype(jnp.int32), mode="edge"),
-                          initial_state.astype(jnp.float32).reshape(B * H, dk, dv), chunk, config, P,
-                          bool(interpret), implementation, H if in_place else None)
+                          initial_state.astype(jnp.float32).reshape(B * H, dk, dv), st)
     o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
     return o, final.reshape(B, H, dk, dv)

@@ -1,52 +1,33 @@
-"""GPU kernels (Pallas, Triton lowering) for the decayed delta rule with per-column gates (Falcon-2).
+"""GPU kernels (Pallas, Triton lowering) for the per-column rules: the decayed delta rule with per-column gates
+(Falcon-2) and, with ``residual=False``, decayed attention with per-column gates (Falcon-2A).
 
-Same layout as ``pallas_gpu.py`` except the gates: ``eta, g, gp [BH, L, dv]`` (one
-write weight and one chunk-local log-decay cumsum per value column), ``rl [BH, L]``.
+Layout: ``q, x [BH, L, dk]``, ``y [BH, L, dv]``; gates ``eta, g, gp [BH, L, dv]`` (one write weight and one
+chunk-local log-decay cumsum per value column, ``gp = g − log γ``), ``rl [BH, L]`` the chunk-local run index.
 
-Value columns are independent given the Gram ``X Xᵀ``: column c of a chunk is the
-scalar-gate chunk form with its own gates (masks M⁻ strict lower, M⁺ lower incl.,
-both cut between segments)::
+Value columns are independent given the Gram ``X Xᵀ``: column c of a chunk is the scalar-gate chunk form with
+its own gates (masks M⁻ strict lower, M⁺ lower incl., both cut between segments)::
 
     A_c[s, j] = M⁻ · η_{s,c} (x_s·x_j) e^{gp_{s,c} − g_{j,c}}
     (I + A_c) P[:, c] = η_c ⊙ (Y[:, c] − c⁻_c ⊙ (X S_0)[:, c])
     o[t, c] = c_{t,c} (Q S_0)[t, c] + Σ_{s≤t} M⁺ (q_t·x_s) e^{g_{t,c} − g_{s,c}} P[s, c]
     S_C[:, c] = a_c S_0[:, c] + Xᵀ (w_c ⊙ P[:, c])
 
-``residual=False`` (a static flag of both kernels) is the inner-product rule with the
-same per-column gates (Falcon-2A): no residual, ``A_c ≡ 0`` and no ``S_0`` term,
-so ``P = η ⊙ Y`` — no substitution, only the per-column decayed read and state
-update; its backward is the one below without the solve terms.
+``residual=False`` (Falcon-2A): no residual, ``A_c ≡ 0`` and no ``S_0`` term, so ``P = η ⊙ Y`` — no
+substitution, only the per-column decayed read and state update.
 
-A per-column ``(I + A_c)⁻¹`` would be a ``[C, C]`` matrix per column; instead the
-solve is a *column-batched forward substitution*: rows ``s = 0..C−1`` in turn, each
-row of ``P [C, block_v]`` from the rows before it,
+A per-column ``(I + A_c)⁻¹`` would be a ``[C, C]`` matrix per column; instead the chunk is solved in 16-row
+blocks: a *column-batched forward substitution* inside each diagonal block (:func:`_solve_forward`, rows in
+turn, one ``[16, block_v]`` tile of masked exponentials per row), dots between blocks with the decays
+renormalized at the earlier block's last row (:func:`_block_solve`).  The decayed read has a different decay per
+column, so it is formed in the same blocks.  Only differences ``g_a − g_b`` with ``a ≥ b`` are exponentiated.
 
-    P[s, :] = R[s, :] − η_{s,:} ⊙ Σ_{j<s} (x_s·x_j) e^{gp_{s,:} − g_{j,:}} ⊙ P[j, :]
-
-(one ``[C, block_v]`` tile of masked exponentials per row: O(C²·block_v) work and
-no dots below 16).  The decayed read ``o`` has a different decay per column, so it is
-not one matmul either; row t of ``o`` is formed in the same step as row t of P.
-Only differences ``g_a − g_b`` with ``a ≥ b`` are exponentiated (masked entries
-become −∞ before ``exp``), so nothing overflows at any decay.  X S_0, Q S_0 and the
-state update are matmuls.
-
-Kernels:
-  * ``forward_pass`` — one program per (batch·head, value block) walks the chunks
-    with S_0 in registers (fp32), writing o, optionally each chunk's start state h,
-    and the end state.  No pieces: a piece's walk is affine in its start state with a
-    ``dk × dk`` matrix *per column*, too large to form.
-  * ``backward_pass`` — one program per (batch·head, value block) walks the chunks in
-    reverse with the end-state gradient dS in registers and, per chunk, recomputes P
-    (forward substitution from h), forms ``dP = (QXᵀ ⊙ D_c)ᵀ dO + w ⊙ X dS`` row by row,
-    solves ``(I + A_c)ᵀ dR = dP`` by backward substitution and writes every gradient of
-    its columns (dy, dη, d g, d gp) and its block's share of dq and dx (summed over
-    value blocks in XLA).
-
-Both take ``blocked=True`` (``KernelConfig(column_solve="blocked")``, the default): the chunk
-in 16-row blocks, serial loops only inside the diagonal blocks, dots between blocks with the
-decays renormalized at the earlier block's last row (:func:`_block_solve`,
-:func:`_forward_kernel_blocked`, :func:`_backward_kernel_blocked`); on the H200 1.25-2.2x faster
-than the row loops above (``column_solve="rows"``).
+* :func:`forward_pass` — one program per (batch·head, value block) walks the chunks with S_0 in registers
+  (fp32), writing o, optionally each chunk's start state h, and the end state.  No pieces: a piece's walk is
+  affine in its start state with a ``dk × dk`` matrix *per column*, too large to form.
+* :func:`backward_pass` — one program per (batch·head, value block) walks the chunks in reverse with the
+  end-state gradient dS in registers and, per chunk, recomputes P from h, forms ``dP = (QXᵀ ⊙ D_c)ᵀ dO + w ⊙
+  X dS``, solves ``(I + A_c)ᵀ dR = dP`` by backward substitution and writes every gradient of its columns (dy,
+  dη, dg, dgp) and its block's share of dq and dx (summed over value blocks in XLA).
 """
 
 from __future__ import annotations
@@ -106,16 +87,6 @@ def _gates(g, gp, rl, g_last, rl_last):
     return cont, cont_p, w_last, a_last
 
 
-def _load_chunk(refs, c, chunk):
-    """Rows of chunk c: (rows slice, eta, g, gp [C, bv], rl [C] fp32, g_last [bv], rl_last)."""
-    eta_ref, g_ref, gp_ref, rl_ref = refs
-    start = pl.multiple_of(c * chunk, chunk)
-    rows = pl.ds(start, chunk)
-    rl = rl_ref[rows].astype(F32)  # small run counts: exact in fp32
-    return (rows, eta_ref[rows, :], g_ref[rows, :], gp_ref[rows, :], rl, g_ref[start + chunk - 1, :],
-            rl_ref[start + chunk - 1].astype(F32))
-
-
 def _solve_forward(gram, R, eta, g, gp, rl, qx=None, sums=False):
     """Column-batched forward substitution ``(I + A_c) P[:, c] = R[:, c]``; with ``qx`` also the intra-chunk
     read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final).  ``gram=None``:
@@ -144,37 +115,6 @@ def _solve_forward(gram, R, eta, g, gp, rl, qx=None, sums=False):
 
     P, O, SG = lax.fori_loop(0, C, body, (zeros if gram is not None else R, zeros, zeros))
     return (P, O, SG) if sums else (P, O)
-
-
-def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks,
-                    write_o, write_h, precision, residual=True):
-    refs = list(out_refs)
-    o_ref = refs.pop(0) if write_o else None
-    h_ref = refs.pop(0) if write_h else None
-    (s_end_ref,) = refs
-    p32 = lax.Precision.HIGHEST if precision is not None else None
-
-    def body(c, S):
-        rows, eta, g, gp, rl, g_last, rl_last = _load_chunk((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
-        cont, cont_p, w_last, a_last = _gates(g, gp, rl, g_last, rl_last)
-        x = x_ref[rows, :]
-        xf = x.astype(F32)
-        if write_h:
-            h_ref[c, :, :] = S
-        if residual:
-            gram = dot(x, x.T, precision)
-            R = eta * (y_ref[rows, :].astype(F32) - cont_p * dot(xf, S, p32))
-        else:  # inner-product rule: P = η ⊙ Y
-            gram, R = None, eta * y_ref[rows, :].astype(F32)
-        if write_o:
-            q = q_ref[rows, :]
-            P, o = _solve_forward(gram, R, eta, g, gp, rl, qx=dot(q, x.T, precision))
-            o_ref[rows, :] = (o + cont * dot(q.astype(F32), S, p32)).astype(o_ref.dtype)
-        else:
-            P, _ = _solve_forward(gram, R, eta, g, gp, rl)
-        return a_last[None, :] * S + dot(xf.T, w_last * P, p32)
-
-    s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
 BLOCK = 16  # rows of a diagonal block of the blocked solve (Triton's smallest dot tile)
@@ -235,7 +175,7 @@ def _chunk_blocks(refs, start, chunk, names):
     return blocks
 
 
-def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
+def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
                             n_chunks, write_o, write_h, precision, residual=True):
     """:func:`_forward_kernel` with the chunk cut into 16-row blocks (``KernelConfig(column_solve="blocked")``,
     :func:`_block_solve`): the substitution and the read stay serial only inside a diagonal block."""
@@ -272,7 +212,7 @@ def _forward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref,
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
 
-def _backward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
+def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
                              dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision,
                              residual=True):
     """:func:`_backward_kernel` in 16-row blocks (``KernelConfig(column_solve="blocked")``): P and the intra-chunk
@@ -417,93 +357,6 @@ def _backward_kernel_blocked(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
 
-def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
-                     dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision, residual=True):
-    dgp_ref, ds_start_ref = refs if residual else (None, *refs)  # no residual: gp unused, no dgp
-    p32 = lax.Precision.HIGHEST if precision is not None else None
-    C = chunk
-    idx = lax.broadcasted_iota(jnp.int32, (C,), 0)
-    last = (idx == C - 1)[:, None]
-
-    def body(i, dS):
-        c = n_chunks - 1 - i
-        rows, eta, g, gp, rl, g_last, rl_last = _load_chunk((eta_ref, g_ref, gp_ref, rl_ref), c, chunk)
-        cont, cont_p, w_last, a_last = _gates(g, gp, rl, g_last, rl_last)
-        q, x = q_ref[rows, :], x_ref[rows, :]
-        qf, xf = q.astype(F32), x.astype(F32)
-        y, do = y_ref[rows, :].astype(F32), do_ref[rows, :].astype(F32)
-        h = h_ref[c, :, :]
-        gram = dot(x, x.T, precision) if residual else None
-        qx = dot(q, x.T, precision)
-        if residual:
-            xh = dot(xf, h, p32)
-            target = y - cont_p * xh
-        else:
-            target = y
-        P, _ = _solve_forward(gram, eta * target, eta, g, gp, rl)
-        xds = dot(xf, dS, p32)
-
-        def grad_p(s, dP):  # dP[s] = Σ_{t≥s} qx[t, s] e^{g_t − g_s} dO[t] + w_s (X dS)_s
-            same = rl == _at(rl, s)
-            read = _col(qx, s)[:, None] * _decay_from((idx >= s) & same, g, _row(g, s))
-            return _set_row(dP, s, jnp.sum(read * do, axis=0) + _row(w_last, s) * _row(xds, s))
-
-        dP = lax.fori_loop(0, C, grad_p, jnp.zeros(do.shape, F32))
-
-        def solve_back(k, dR):  # (I + A_c)ᵀ dR = dP: dR[s] = dP[s] − Σ_{t>s} A_c[t, s] dR[t]
-            s = C - 1 - k
-            same = rl == _at(rl, s)
-            coef = eta * _col(gram, s)[:, None] * _decay_from((idx > s) & same, gp, _row(g, s))
-            return _set_row(dR, s, _row(dP, s) - jnp.sum(coef * dR, axis=0))
-
-        dR = lax.fori_loop(0, C, solve_back, jnp.zeros(do.shape, F32)) if residual else dP
-
-        def cross(r, carry):  # row r of the read (t = r) and of A (s = r): gradients that mix rows
-            d_qx, d_gram, dg, dgp, deta = carry
-            g_r, gp_r, rl_r = _row(g, r), _row(gp, r), _at(rl, r)
-            same = rl == rl_r
-            # read: o[r] ∋ Σ_{s≤r} qx[r, s] e^{g_r − g_s} P[s]
-            f = _decay((idx <= r) & same, g_r, g) * P * _row(do, r)[None, :]  # [C(s), bv]
-            d_qx = _set_row(d_qx, r, jnp.sum(f, axis=1))
-            e = _row(qx, r)[:, None] * f
-            dg = _set_row(dg, r, _row(dg, r) + jnp.sum(e, axis=0)) - e
-            if not residual:
-                return d_qx, d_gram, dg, dgp, deta
-            # A_c[r, j] = η_r (x_r·x_j) e^{gp_r − g_j}, dA_c[r, j] = −dR[r] P[j]
-            gp_p = _decay((idx < r) & same, gp_r, g) * P  # [C(j), bv]
-            dr_r = _row(dR, r)
-            d_gram = _set_row(d_gram, r, -jnp.sum(gp_p * (_row(eta, r) * dr_r)[None, :], axis=1))
-            s_gp = jnp.sum(_row(gram, r)[:, None] * gp_p, axis=0)  # Σ_j (x_r·x_j) e^{gp_r − g_j} P[j]
-            a_grad = -(_row(eta, r) * dr_r)[None, :] * _row(gram, r)[:, None] * gp_p  # dA ⊙ A over j
-            dgp = _set_row(dgp, r, _row(dgp, r) + jnp.sum(a_grad, axis=0))
-            dg = dg - a_grad
-            deta = _set_row(deta, r, _row(deta, r) - dr_r * s_gp)
-            return d_qx, d_gram, dg, dgp, deta
-
-        zc = jnp.zeros((C, C), F32)
-        zv = jnp.zeros(do.shape, F32)
-        d_qx, d_gram, dg, dgp, deta = lax.fori_loop(0, C, cross, (zc, zc, zv, zv, zv))
-        cdo = cont * do
-        wp = w_last * P
-        dx = dot(d_qx.T, qf, p32) + dot(wp, dS.T, p32)
-        ds = a_last[None, :] * dS + dot(qf.T, cdo, p32)
-        if residual:
-            edr = eta * cont_p * dR
-            dx = dx - dot(edr, h.T, p32) + dot(d_gram + d_gram.T, xf, p32)
-            dgp_ref[rows, :] = dgp - edr * xh
-            ds = ds - dot(xf.T, edr, p32)
-        dq_ref[rows, :] = (dot(cdo, h.T, p32) + dot(d_qx, xf, p32)).astype(dq_ref.dtype)
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
-        dy_ref[rows, :] = (eta * dR).astype(dy_ref.dtype)
-        deta_ref[rows, :] = deta + dR * target
-        wl_term = wp * xds
-        end = jnp.sum(wl_term, axis=0) + a_last * jnp.sum(h * dS, axis=0)
-        dg_ref[rows, :] = dg + cdo * dot(qf, h, p32) - wl_term + jnp.where(last, end[None, :], 0.0)
-        return ds
-
-    ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
-
-
 def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
@@ -519,10 +372,9 @@ def _specs(q, y, block_v):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=4,
-                 num_stages=2, residual=True, blocked=False):
+                 num_stages=2, residual=True):
     """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].  ``residual=False``: the inner-product
-    rule (``P = η ⊙ Y``; ``gp`` unused).  ``blocked``: the 16-row blocked solve and read
-    (:func:`_forward_kernel_blocked`).
+    rule (``P = η ⊙ Y``; ``gp`` unused).
 
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv]).
     """
@@ -539,7 +391,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
         out_specs.append(pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v)))
     out_shape.append(jax.ShapeDtypeStruct((BH, dk, dv), F32))
     out_specs.append(state)
-    kernel = functools.partial(_forward_kernel_blocked if blocked else _forward_kernel, chunk=chunk, n_chunks=n,
+    kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n,
                                write_o=write_o, write_h=write_h, precision=precision_for(q.dtype), residual=residual)
     return call(kernel, grid=grid, in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, state],
                 out_specs=out_specs, out_shape=out_shape, args=(q, x, y, eta, g, gp, rl, s0),
@@ -548,7 +400,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
 
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=4,
-                  num_stages=1, residual=True, blocked=False):
+                  num_stages=1, residual=True):
     """Reverse walk with every gradient. h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
     Returns dq, dx [BH, nv, L, dk] fp32 (one share per value block: sum over axis 1), dy [BH, L, dv],
@@ -563,7 +415,7 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
     share = pl.BlockSpec((None, None, L, dk), lambda b, v: (b, v, 0, 0))
     h_spec = pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v))
     vec = jax.ShapeDtypeStruct((BH, L, dv), F32)
-    kernel = functools.partial(_backward_kernel_blocked if blocked else _backward_kernel, chunk=chunk, n_chunks=n,
+    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n,
                                precision=precision_for(q.dtype), residual=residual)
     n_vec = 3 if residual else 2  # deta, dg (, dgp)
     outs = call(kernel, grid=grid,
@@ -576,3 +428,4 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_delta_col_bwd" if residual else "falcon_attn_col_bwd")
     return tuple(outs) if residual else (*outs[:5], None, outs[5])
+

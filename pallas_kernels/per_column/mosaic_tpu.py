@@ -1,7 +1,7 @@
 """TPU kernels (Pallas, Mosaic TPU lowering) for the decayed delta rule with per-column gates (Falcon-2) and its
 inner-product twin without the residual (Falcon-2A).
 
-Same passes, signatures, inputs, outputs and math as :mod:`pallas_gpu_columns` (so ``api.py`` drives either):
+Same passes, signatures, inputs, outputs and math as :mod:`.triton` (so ``api.py`` drives either):
 ``q, x [BH, L, dk]``, ``y [BH, L, dv]``, per-column gates ``eta, g, gp [BH, L, dv]`` (write weight, chunk-local
 inclusive and exclusive log-decay cumsums), run index ``rl [BH, L]``, fp32 state ``[BH, dk, dv]``.  Value column
 c of a chunk is the scalar-gate chunk form with its own gates (masks cut between segments)::
@@ -13,7 +13,7 @@ c of a chunk is the scalar-gate chunk form with its own gates (masks cut between
 
 ``residual=False`` (Falcon-2A): ``A_c ≡ 0``, no ``S_0`` term in the residual, ``P = η ⊙ Y``.
 
-Layout, in the TPU idiom of :mod:`pallas_tpu`: the grid is (batch·head, value block, chunk) with the chunk axis
+Layout, in the TPU idiom of :mod:`..decayed_delta_rule.mosaic_tpu`: the grid is (batch·head, value block, chunk) with the chunk axis
 ``"arbitrary"`` and the ``[dk, block_v]`` fp32 state (the backward: its gradient dS) carried across grid steps
 in a VMEM scratch buffer; each grid step sees one chunk's ``[C, dk]`` rows of q and x, ``[C, block_v]`` tiles of
 y and the gates, and the run index as a ``[C, 1]`` column and a ``[1, C]`` row block, so no vector transposes are
@@ -21,7 +21,7 @@ needed.  The solves are the "rows" form of the GPU kernel (no 16-row blocks: 16-
 lane-misaligned on TPU): loops over the chunk's rows on full ``[C, block_v]`` and ``[C, C]`` tiles, a row or
 column picked by a masked select and reduction, a row written by a masked select.  Only differences
 ``g_a − g_b`` with ``a ≥ b`` are exponentiated (masked entries become −∞ before ``exp``).  Dots are fp32
-(HIGHEST precision, :func:`pallas_tpu._mm`) wherever an operand is fp32; the Gram and ``Q Xᵀ`` in the inputs'
+(HIGHEST precision, ``..decayed_delta_rule.mosaic_tpu._mm``) wherever an operand is fp32; the Gram and ``Q Xᵀ`` in the inputs'
 dtype.
 
 Kernels:
@@ -41,7 +41,7 @@ Kernels:
     one share per value block (``[BH, nv, L, dk]``, summed by the caller).
 
 Mosaic's block rule: a value block must be a multiple of 128 columns or all of dv.  :func:`value_block` gives
-the width ``api.py`` asks for on ``"pallas_tpu"``, in interpret mode too (which itself has no such rule: the
+the width ``api.py`` asks for on ``"mosaic_tpu"``, in interpret mode too (which itself has no such rule: the
 kernels here take any divisor of dv), so the interpret-mode tests run the widths a TPU would.
 
 No TPU is lent to this project: these kernels are tested in TPU interpret mode on CPU
@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from falcon_jax.kernels.common import interpret_tpu
-from falcon_jax.kernels.decayed_delta_rule.pallas_tpu import NT, TN, _mm
+from falcon_jax.kernels.decayed_delta_rule.mosaic_tpu import NT, TN, _mm
 
 F32 = jnp.float32
 LANES = 128
@@ -94,7 +94,7 @@ def _decay(mask, a, b):
 
 class _Chunk:
     """One chunk's per-column gates (``[C, block_v]``), run index column ``[C, 1]`` and row ``[1, C]``, the
-    iotas the row loops select with and the gates of ``pallas_gpu_columns._gates`` in this layout."""
+    iotas the row loops select with and the gates of ``.triton._gates`` in this layout."""
 
     def __init__(self, eta_ref, g_ref, gp_ref, rlc_ref, rlr_ref, chunk):
         self.eta, self.g = eta_ref[...], g_ref[...]
@@ -293,12 +293,12 @@ def _run_blocks(rl, chunk):
 
 def _check(dv, block_v):
     if dv % block_v:
-        raise ValueError(f"pallas_tpu_columns: block_v={block_v} must divide dv={dv}")
+        raise ValueError(f"per_column mosaic_tpu: block_v={block_v} must divide dv={dv}")
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=None,
                  num_stages=None, residual=True, blocked=False):
-    """See :func:`pallas_gpu_columns.forward_pass` (the same inputs and outputs; ``num_warps``, ``num_stages`` and
+    """See :func:`.triton.forward_pass` (the same inputs and outputs; ``num_warps``, ``num_stages`` and
     ``blocked`` are GPU choices, ignored: the TPU kernel is the row-by-row form).  Grid (batch·head, value block,
     chunk).  Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv])."""
     del num_warps, num_stages, blocked
@@ -333,7 +333,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=None,
                   num_stages=None, residual=True, blocked=False):
-    """See :func:`pallas_gpu_columns.backward_pass`: the reverse walk (grid step i visits chunk n-1-i) with every
+    """See :func:`.triton.backward_pass`: the reverse walk (grid step i visits chunk n-1-i) with every
     gradient.  h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
     Returns dq, dx [BH, nv, L, dk] fp32 (one share per value block: sum over axis 1), dy [BH, L, dv], fp32

@@ -1,6 +1,6 @@
 """TPU kernels (Pallas, Mosaic TPU lowering) for the decayed delta rule.
 
-Same passes, signatures and math as :mod:`pallas_gpu` (so ``api.py`` drives
+Same passes, signatures and math as the Triton ones (so ``op.py`` drives
 either), in the TPU idiom of the decayed-attention TPU op: the walks' grid is
 (batch·head, chunk) with the chunk axis ``"arbitrary"`` and the state carried
 across grid steps in a VMEM scratch buffer; per-position gates come as column

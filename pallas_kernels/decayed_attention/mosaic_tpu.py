@@ -1,6 +1,6 @@
 """TPU kernels (Pallas, Mosaic TPU lowering) for decayed attention with scalar gates.
 
-Same passes and signatures as :mod:`pallas_gpu` (so ``api.py`` drives either),
+Same passes and signatures as :mod:`.triton` (so ``api.py`` drives either),
 in the TPU idiom: the grid walks (batch·head, chunk) with the chunk axis
 ``"arbitrary"`` (sequential on a core) and the state carried across grid steps
 in a VMEM scratch buffer, the pattern of the TPU flash-attention op.  Per-
@@ -93,10 +93,10 @@ def _forward_kernel(q_ref, x_ref, y_ref, gc_ref, gr_ref, rc_ref, rr_ref, s0_ref,
 
 def forward_pass(q, x, y, g, rl, s0, *, chunk, pieces, block_v, write_o, write_h, interpret, num_warps=None,
                  num_stages=None):
-    """See :func:`pallas_gpu.forward_pass` (``pieces`` must be 1; block_v is the whole dv)."""
+    """See :func:`.triton.forward_pass` (``pieces`` must be 1; block_v is the whole dv)."""
     del block_v, num_warps, num_stages
     if pieces != 1:
-        raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
+        raise NotImplementedError("mosaic_tpu decayed_attention: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
     dv = y.shape[-1]
     n = L // chunk
@@ -147,10 +147,10 @@ def _state_grad_kernel(q_ref, gc_ref, gr_ref, rc_ref, rr_ref, do_ref, ds_end_ref
 
 def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret, num_warps=None,
                     num_stages=None):
-    """See :func:`pallas_gpu.state_grad_pass` (reverse walk: grid step i visits chunk n-1-i)."""
+    """See :func:`.triton.state_grad_pass` (reverse walk: grid step i visits chunk n-1-i)."""
     del block_v, num_warps, num_stages
     if pieces != 1:
-        raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
+        raise NotImplementedError("mosaic_tpu decayed_attention: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
     dv = do.shape[-1]
     n = L // chunk
@@ -175,7 +175,7 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, gc_ref, gr_ref, rc_ref, rr_ref, do_ref, h_ref, dh_ref, dq_ref,
                        dx_ref, dy_ref, dg_ref, *, chunk):
-    """See :func:`pallas_gpu._chunk_grad_kernel`; ``dg`` is written as a ``[C, 1]`` column."""
+    """See :func:`.triton._chunk_grad_kernel`; ``dg`` is written as a ``[C, 1]`` column."""
     q, x, y, do = q_ref[...], x_ref[...], y_ref[...], do_ref[...]
     h, dh = h_ref[...], dh_ref[...]
     decay, cont, w_last, a_last = _gates(gc_ref, gr_ref, rc_ref, rr_ref, chunk)
@@ -195,11 +195,10 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, gc_ref, gr_ref, rc_ref, rr_ref, do_r
     dy_ref[...] = dy.astype(dy_ref.dtype)
 
 
-def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=None, num_stages=None,
-                    loops=None):
-    """See :func:`pallas_gpu.chunk_grad_pass` (the GPU launch parameters and ``loops`` have no TPU meaning: the
+def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=None, num_stages=None):
+    """See :func:`.triton.chunk_grad_pass` (the GPU launch parameters have no TPU meaning: the
     kernel takes the whole value width at once)."""
-    del block_v, num_warps, num_stages, loops
+    del block_v, num_warps, num_stages
     BH, L, dk = q.shape
     dv = y.shape[-1]
     n = L // chunk

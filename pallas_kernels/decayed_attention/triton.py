@@ -29,9 +29,8 @@ from jax.experimental import pallas as pl
 
 from falcon_jax.kernels.common import call as _call
 from falcon_jax.kernels.common import chunk_specs as _chunk_specs
-from falcon_jax.kernels.common import column_block, column_loop
+from falcon_jax.kernels.common import column_block
 from falcon_jax.kernels.common import dot as _dot
-from falcon_jax.kernels.common import poisoned_outputs  # noqa: F401  (re-exported for the tests)
 from falcon_jax.kernels.common import precision_for as _precision
 from falcon_jax.kernels.common import token_dims as _token_dims
 from falcon_jax.kernels.common import triton_params as _params
@@ -102,14 +101,13 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, dy_ref,
-                       dg_ref, *, chunk, block_v, precision, loops="unrolled"):
+                       dg_ref, *, chunk, block_v, precision):
     """Gradients inside one chunk from its start state ``h`` and end-state gradient ``dh``.
 
     ``dg`` is the gradient w.r.t. the chunk-local cumsum ``g``:
     ``q·dq − x·dx`` plus ``⟨S_end, dh⟩`` at the chunk's last position.
     Value columns are visited in blocks of ``block_v`` so that only one block
-    of ``y, do, h, dh`` is live at a time (shared memory); ``loops``: that loop unrolled or a
-    ``lax.fori_loop`` (``common.column_loop``).
+    of ``y, do, h, dh`` is live at a time (shared memory); the loop is unrolled (static slices).
     """
     q, x = q_ref[...], x_ref[...]
     g, rl = g_ref[...], rl_ref[...]
@@ -128,8 +126,8 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
         cols = column_block(j, block_v)
         y, do = y_ref[:, cols], do_ref[:, cols]
         h, dh = h_ref[:, cols], dh_ref[:, cols]
-        # the sums before dy: the order of the code next39 timed; dy first lowered differently and ran slower
-        # (whole op fwd+bwd 1.204 vs 0.935 ms at 8x2048, next48)
+        # the sums before dy: with dy first Triton scheduled the block differently and the whole op's
+        # forward+backward ran ~25% slower on the H200
         sums = (dscores + _dot(do, y.T, precision), dq_state + _dot(do, h.T.astype(do.dtype), precision),
                 y_dh + _dot(y, dh.T.astype(y.dtype), precision),
                 end_term + a_last * jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32)))
@@ -139,7 +137,10 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref
 
     zeros = (jnp.zeros((chunk, chunk), jnp.float32), jnp.zeros((chunk, dk), jnp.float32),
              jnp.zeros((chunk, dk), jnp.float32), jnp.zeros((), jnp.float32))
-    dscores, dq_state, y_dh, end_term = column_loop(dv // block_v, value_block, zeros, loops)
+    sums = zeros
+    for j in range(dv // block_v):  # unrolled: static slices (a fori_loop measured slower here on the H200)
+        sums = value_block(j, sums)
+    dscores, dq_state, y_dh, end_term = sums
     dscores = (dscores * decay).astype(q.dtype)
     dq = _dot(dscores, x, precision) + cont[:, None] * dq_state
     dx = _dot(dscores.T, q, precision) + w_last[:, None] * y_dh
@@ -187,15 +188,14 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
 
 
 def chunk_grad_pass(q, x, y, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1,
-                    heads=None, loops="unrolled"):
+                    heads=None):
     """Per-chunk gradients. h, dh [BH, n_chunks, dk, dv].
 
     Returns dq, dx, dy (in the layout of q, x, y: [BH, L, d], or [B, L, H, d] with ``heads=H``) and
     dg [BH, L] f32."""
     BH, L, _ = _token_dims(q, heads)
     sp = _chunk_specs(q, y.shape[-1], chunk, heads)
-    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=_precision(q.dtype),
-                               loops=loops)
+    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=_precision(q.dtype))
     return _call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.row, sp.row, sp.v, sp.state, sp.state],
                  out_specs=[sp.k, sp.k, sp.v, sp.row],
                  out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
