@@ -198,3 +198,83 @@ def test_fsdp_step_gathers_weights_not_activations():
     assert out["constrained"], "an FSDP step must all-gather its weights"
     assert not whole_batch(out["constrained"]), out["constrained"]
     assert whole_batch(out["free"]), out["free"]  # what the constraint prevents (XLA's choice without it)
+
+
+STEP_SCRIPT = textwrap.dedent(r"""
+    import json, re, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from falcon_jax.nn import FalconLM, state_shardings
+    from falcon_jax.sharding import kernel_sharding
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.mesh import make_mesh, put_batch
+    from falcon_jax.train.optim import make_optimizer
+    from falcon_jax.train.trainer import make_train_step, place_like_params
+
+    def kernel_shapes(jaxpr, acc):  # the first operand shape of every pallas_call, anywhere in the program
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                acc.append(list(e.invars[0].aval.shape))
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        kernel_shapes(inner, acc)
+        return acc
+
+    B, T = 8, 32
+    out = {}
+    for mixer in sys.argv[1:]:
+        cfg = build_config(preset="lm-tiny", overrides=[
+            f"model.mixer={mixer}", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.chunk_size=16",
+            "model.vocab_size=64", "model.impl=triton", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+            "optim.warmup_steps=0"])
+        lm = cfg.lm_config(vocab_size=64)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 64, (B, T + 1)).astype(np.int32)
+        batch_np = {"tokens": tokens, "segment_ids": np.repeat(np.arange(2), (T + 1) // 2 + 1)[None, :T + 1]
+                    .repeat(B, 0).astype(np.int32), "loss_mask": np.ones((B, T + 1), bool)}
+        results = {}
+        for name in ("one device", "sharded"):
+            devices = jax.devices()[:1] if name == "one device" else jax.devices()
+            mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2} if name == "sharded" else
+                             {"data": 1, "fsdp": 1, "tensor": 1}, devices)
+            gd, ap, ar = nnx.split(nnx.eval_shape(lambda: FalconLM(lm, rngs=nnx.Rngs(0))), nnx.Param, ...)
+            _, p, r = nnx.split(FalconLM(lm, rngs=nnx.Rngs(0)), nnx.Param, ...)
+            params, rest = jax.device_put((p, r), (state_shardings(ap, mesh), state_shardings(ar, mesh)))
+            tx, _ = make_optimizer(cfg.optim, 10, params)
+            opt = place_like_params(jax.jit(tx.init)(params), params, mesh)
+            batch = put_batch(batch_np, mesh, 1)
+            step = make_train_step(gd, tx)
+            with kernel_sharding(mesh, ("data", "fsdp"), "tensor"):
+                jaxpr = jax.make_jaxpr(step)(params, rest, opt, batch)
+                compiled = step.lower(params, rest, opt, batch).compile()
+            hlo = compiled.as_text()
+            _, _, metrics = compiled(params, rest, opt, batch)
+            gathered = re.findall(r"= (?:f32|bf16|f16)\[([0-9,]*)\][^=]*? all-gather(?:-start)?\(", hlo)
+            results[name] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                             "kernel_first_dims": sorted({s[0] for s in kernel_shapes(jaxpr.jaxpr, [])}),
+                             "whole_batch_gathers": [g for g in gathered if g.startswith(f"{B},")]}
+        one, sh = results["one device"], results["sharded"]
+        out[mixer] = {"loss": [one["loss"], sh["loss"]], "grad_norm": [one["grad_norm"], sh["grad_norm"]],
+                      "kernel_first_dims": [one["kernel_first_dims"], sh["kernel_first_dims"]],
+                      "whole_batch_gathers": sh["whole_batch_gathers"]}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("mixer", ["falcon-1A.3", pytest.param("falcon-1.3", marks=pytest.mark.slow)])
+def test_sharded_lm_train_step_runs_the_kernels_per_shard(mixer):
+    """The train step of a small Falcon LM on a data=2 x fsdp=2 x tensor=2 mesh of simulated devices: the kernels'
+    operands carry the per-shard batch and heads (never the global batch of 8), nothing is all-gathered with the
+    whole batch in front, and the loss and the gradients' norm equal the one-device step's."""
+    out = run_on_simulated_devices(STEP_SCRIPT, 8, mixer)
+    for mixer, got in out.items():
+        one, sharded = got["kernel_first_dims"]
+        # one device: [B, ...] in place (8) or flattened [B*H, ...] (16); sharded: B/4 = 2 or (B/4)*(H/2) = 2
+        assert set(one) <= {8, 16} and one, (mixer, got)
+        assert set(sharded) == {2}, (mixer, got)
+        assert got["whole_batch_gathers"] == [], (mixer, got)
+        for name in ("loss", "grad_norm"):
+            a, b = got[name]
+            assert abs(a - b) < 1e-5 * abs(a), (mixer, name, got)
