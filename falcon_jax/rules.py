@@ -119,8 +119,7 @@ def window_gram(x_win: jax.Array) -> jax.Array:
     gemv per forward), while the elementwise form is one reduce fusion.  It is also exact fp32 on every
     backend (an fp32 dot at default precision runs in TF32 on a GPU, which cost Falcon-3 7e-5 relative
     error at T = 8192 on the H200).  All ``W²`` row pairs are reduced: reducing only the pairs ``i ≤ j``
-    and mirroring them made the whole Falcon-3 op slower on the H200 (W = 4 forward 2.514 vs 2.310 ms;
-    docs/kernels.md, twenty-eighth run)."""
+    and mirroring them made the whole Falcon-3 op slower on the H200 (W = 4 forward 2.514 vs 2.310 ms)."""
     x = x_win.astype(jnp.promote_types(x_win.dtype, jnp.float32))
     return jnp.sum(x[..., :, None, :] * x[..., None, :, :], axis=-1)
 

@@ -145,8 +145,8 @@ def prepare_v(q, x, eta, g, gp, rl, tinv, do, *, chunk, heads=None, v_dtype=None
         # select, not multiply: the masked exponent is never exponentiated and a masked entry is exactly zero
         scores_t = jnp.where(keep, scores_t * jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
         # the fp32 scores as two 16-bit parts (hi + lo, ~16 mantissa bits): one 16-bit product rounded them to 8,
-        # and the whole op's bf16 v-gradient error went to 2.1x the XLA form's (next77; the Triton pass forms
-        # this product in TF32).  The pass is memory-bound, so the second product costs little
+        # and the whole op's bf16 v-gradient error went to 2.1x the XLA form's (the Triton pass forms this
+        # product in TF32).  The pass is memory-bound, so the second product costs little
         hi = scores_t.astype(dtype)
         lo = (scores_t - hi.astype(F32)).astype(dtype)
         v_local = mosaic_mma(hi, do_s, (C, dv)) + mosaic_mma(lo, do_s, (C, dv))
