@@ -17,7 +17,7 @@ TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hi
 
 
 def _cmd(run_dir, steps, *extra):
-    args = [sys.executable, "-m", "train", "--preset", "addition-tiny", "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "falcon_jax.train", "--preset", "addition-tiny", "--run-dir", str(run_dir),
             "--set", f"train.steps={steps}"]
     for o in TINY + list(extra):
         args += ["--set", o]
@@ -59,7 +59,7 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path):
     assert killed_after is not None, "the run finished (or hung) before it could be killed"
     assert killed_after < steps and proc.returncode == -signal.SIGKILL
 
-    res = _run([sys.executable, "-m", "train", "--run-dir", str(run_dir), "--resume"])
+    res = _run([sys.executable, "-m", "falcon_jax.train", "--run-dir", str(run_dir), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[resume] restored step" in res.stdout
     got, evals = read_metrics(run_dir)
