@@ -160,7 +160,8 @@ def test_text_run_through_grain_with_bpe_and_plots(tmp_path):
     pytest.importorskip("tokenizers")
     pytest.importorskip("matplotlib")
     from falcon_jax.train.config import build_config
-    from falcon_jax.train.trainer import read_metrics, run
+    from falcon_jax.train.rundir import read_metrics
+    from falcon_jax.train.trainer import run
 
     with open(tmp_path / "c.jsonl", "w") as f:
         for t in TEXTS:

@@ -8,7 +8,7 @@ import sys
 import time
 
 
-from falcon_jax.train.trainer import read_metrics
+from falcon_jax.train.rundir import read_metrics
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
         "data.train_max_width=3", "data.eval_widths=[2,4]", "data.eval_examples=8", "data.greedy_widths=[]",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from falcon_jax.train.rundir import read_metrics
+
 
 def make_plots(run_dir: str, cfg) -> str | None:
     """Write ``loss.png`` (training loss per step) and, for addition, ``accuracy_vs_width.png``
@@ -14,8 +16,6 @@ def make_plots(run_dir: str, cfg) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "[plots] matplotlib is not installed; skipping PNGs (pip install matplotlib)."
-    from falcon_jax.train.trainer import read_metrics
-
     train, evals = read_metrics(run_dir)
     if train:
         steps = sorted(train)

@@ -34,10 +34,8 @@ from falcon_jax.train.loader import make_loader
 from falcon_jax.train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
                         replicate)
 from falcon_jax.train.optim import make_optimizer
-
-
-class RunDirError(RuntimeError):
-    pass
+from falcon_jax.train.report import make_plots
+from falcon_jax.train.rundir import Logger, RunDirError, metric_records, read_metrics  # noqa: F401 - re-exported
 
 
 def build_data(cfg: TrainConfig):
@@ -108,24 +106,6 @@ def place_like_params(opt_state, params, mesh):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-class Logger:
-    """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
-    continues the file; readers take the last record of each step)."""
-
-    def __init__(self, run_dir: str, is_main: bool):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.is_main = is_main
-
-    def write(self, rec: dict):
-        if self.is_main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-    def print(self, msg: str):
-        if self.is_main:
-            print(msg, flush=True)
-
-
 def peak_device_memory() -> int | None:
     """The largest ``peak_bytes_in_use`` over this process's devices (None where the backend
     keeps no allocator statistics, e.g. CPU)."""
@@ -138,30 +118,6 @@ def peak_device_memory() -> int | None:
         if stats and "peak_bytes_in_use" in stats:
             peaks.append(int(stats["peak_bytes_in_use"]))
     return max(peaks) if peaks else None
-
-
-def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
-    """The records of ``metrics.jsonl`` in file order (all, or those of ``kind``: "train",
-    "eval", "speed"); a line cut by a kill is skipped."""
-    out = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill
-                if kind is None or r.get("kind") == kind:
-                    out.append(r)
-    return out
-
-
-def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
-    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
-    records = metric_records(run_dir)
-    return ({r["step"]: r for r in records if r.get("kind") == "train"},
-            [r for r in records if r.get("kind") == "eval"])
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
@@ -352,7 +308,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     if is_main:
         print_summary(cfg, last_eval, say)
         if cfg.train.plots:
-            from falcon_jax.train.report import make_plots
             note = make_plots(run_dir, cfg)
             if note:
                 say(note)
