@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    # imported here, so that --help, --list-presets, --print-config and config errors answer sooner
     from falcon_jax.train.mesh import MeshError
     from falcon_jax.train.trainer import run
     try:

@@ -1,14 +1,18 @@
-"""The run directory: what a run writes where, and its metrics file.
+"""The run directory: what a run writes where, its metrics file, and the refusal to start over
+an existing run.
 
 Layout of ``<run_dir>`` (``train.run_dir``)::
 
     config.json             the resolved config (``--run-dir DIR --resume`` starts from it)
-    metrics.jsonl           one JSON record a line: "train" (every step), "speed" (log points),
-                            "eval"; a resumed run appends, readers take the last record of each step
+    metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
+                            first step of a process took, compilation included), "speed" (log
+                            points), "eval"; a resumed run appends, readers take the last record
+                            of each step
     checkpoints/<step>/     orbax checkpoints (:mod:`falcon_jax.train.checkpoint`)
+    report.txt              the end-of-run table
     loss.png, accuracy_vs_width.png   plots (matplotlib, the ``train`` extra)
 
-Only the standard library here.
+Only the standard library here: the command line uses it before it imports JAX.
 """
 
 from __future__ import annotations
@@ -18,10 +22,30 @@ import os
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+REPORT = "report.txt"
 
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (exit code 2 on the command line)."""
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The finished checkpoint steps in ``<run_dir>/checkpoints`` (orbax names a finished step's
+    folder by its number; one being written has a temporary name)."""
+    path = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(path):
+        return []
+    return sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d)))
+
+
+def check_can_start(run_dir: str, resume: bool) -> None:
+    """Refuse to start a new run over the checkpoints of an earlier one (``--resume`` continues it).
+    Reads the file system only, so it runs before any model or data work."""
+    existing = checkpoint_steps(run_dir)
+    if existing and not resume:
+        raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
+                          f"continue that run, or choose another train.run_dir.")
 
 
 def parse_records(lines, kind: str | None = None) -> list[dict]:
@@ -40,7 +64,7 @@ def parse_records(lines, kind: str | None = None) -> list[dict]:
 
 def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
     """The records of ``<run_dir>/metrics.jsonl`` in file order (all, or those of ``kind``:
-    "train", "speed", "eval"); none if there is no file yet."""
+    "train", "first_step", "speed", "eval"); none if there is no file yet."""
     path = os.path.join(run_dir, METRICS)
     if not os.path.exists(path):
         return []
