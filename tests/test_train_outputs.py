@@ -41,6 +41,7 @@ def test_existing_run_is_refused_before_any_model_or_data_work(tmp_path, monkeyp
                                            ("lm-tiny", "loss.png")])
 def test_start_lines_name_the_absolute_run_directory(tmp_path, monkeypatch, preset, plots):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report, "plots_available", lambda: True)  # installed or not: that case is below
     lines = report.start_lines(build_config(preset=preset, overrides=["train.run_dir=runs/x"]))
     assert lines[0] == f"Run directory: {tmp_path / 'runs' / 'x'}"
     assert lines[1] == f"  while training: config.json, metrics.jsonl, checkpoints/; at the end: report.txt, {plots}"
@@ -52,7 +53,9 @@ def test_without_matplotlib_the_note_says_how_to_get_the_plots(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={tmp_path}"])
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
-    assert report.start_lines(cfg)[-1] == "  " + report.NO_MATPLOTLIB  # said at the start already
+    start = report.start_lines(cfg)  # said at the start already, and no plots promised
+    assert start[1:] == ["  while training: config.json, metrics.jsonl, checkpoints/; at the end: report.txt",
+                         "  " + report.NO_MATPLOTLIB]
     assert 'pip install -e ".[train]"' in report.NO_MATPLOTLIB
     assert report.make_plots(str(tmp_path), cfg) == ([], report.NO_MATPLOTLIB)
     assert not list(tmp_path.glob("*.png"))

@@ -46,11 +46,10 @@ def start_lines(cfg) -> list[str]:
     run_dir = os.path.abspath(cfg.train.run_dir)
     during = [CONFIG, METRICS] + ([CHECKPOINTS + "/"] if cfg.checkpoint.enabled else [])
     plots = planned_plots(cfg)
+    missing = plots and not plots_available()
     lines = [f"Run directory: {run_dir}",
-             f"  while training: {', '.join(during)}; at the end: {', '.join([REPORT] + plots)}"]
-    if plots and not plots_available():
-        lines.append("  " + NO_MATPLOTLIB)
-    return lines
+             f"  while training: {', '.join(during)}; at the end: {', '.join([REPORT] + ([] if missing else plots))}"]
+    return lines + (["  " + NO_MATPLOTLIB] if missing else [])
 
 
 def summary_lines(cfg, rec: dict | None) -> list[str]:
