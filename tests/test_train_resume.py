@@ -83,6 +83,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_
     # starting again without --resume must not touch the existing checkpoints
     again = _run(_cmd(run_dir, 6))
     assert again.returncode == 2 and "--resume" in again.stderr
+    assert again.stdout == ""  # refused at once: not even the run directory line (before any model work)
 
     # corrupt step 6: truncate every file in it
     for root, _, files in os.walk(ck / "6"):
