@@ -19,6 +19,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from falcon_jax.rules import VARIANTS
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +41,18 @@ class FalconState:
 
     def replace(self, **changes) -> "FalconState":
         return dataclasses.replace(self, **changes)
+
+
+def check_variant(variant) -> None:
+    """``variant`` names a Falcon rule (it fixes what a state holds)."""
+    if not isinstance(variant, str) or variant.upper() not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {', '.join(repr(v) for v in VARIANTS)}; got {variant!r}.")
+
+
+def check_window(window) -> None:
+    """``window`` is a sliding-window length (it fixes the state's tail, ``W-1`` pairs)."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"`window` must be an int >= 1 (the number of pairs in the sliding window); got {window!r}.")
 
 
 def tail_length_for(variant: str, window: int) -> int:
@@ -63,8 +78,6 @@ def init_state(batch: int, heads: int, dk: int, dv: int, *, variant: str, window
     Its first position is the boundary sentinel under the shifted alignment:
     there is no previous key, so nothing is written and nothing decays.
     """
-    from falcon_jax.validation import check_variant, check_window
-
     check_variant(variant)
     check_window(window)
     for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):

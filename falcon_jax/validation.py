@@ -2,7 +2,8 @@
 
 Every failure names the argument and says how to fix it.  The checks read
 only static facts (shapes, dtypes, Python options), so they run unchanged
-under ``jax.jit``.
+under ``jax.jit``.  The checks of ``variant`` and ``window`` (which fix a state's layout)
+live in :mod:`falcon_jax.state` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
+from falcon_jax.rules import PER_COLUMN_VARIANTS
+from falcon_jax.state import FalconState, check_variant, check_window  # noqa: F401 - re-exported
 
 FORMS = ("recurrent", "parallel", "chunk")
 ALIGNMENTS = ("shifted", "same_step")
@@ -22,16 +24,6 @@ IMPLS = ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla")  # falcon_jax.kern
 def _choice(name: str, value, choices) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"`{name}` must be one of {', '.join(repr(c) for c in choices)}; got {value!r}.")
-
-
-def check_variant(variant) -> None:
-    if not isinstance(variant, str) or variant.upper() not in VARIANTS:
-        raise ValueError(f"`variant` must be one of {', '.join(repr(v) for v in VARIANTS)}; got {variant!r}.")
-
-
-def check_window(window) -> None:
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"`window` must be an int >= 1 (the number of pairs in the sliding window); got {window!r}.")
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -113,8 +105,6 @@ def check_segment_ids(segment_ids, B: int, T: int) -> None:
 
 
 def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: str = "initial_state") -> None:
-    from falcon_jax.state import FalconState
-
     if not isinstance(state, FalconState):
         raise TypeError(f"`{argname}` must be a FalconState (from falcon(..., return_final_state=True) "
                         f"or falcon_jax.init_state); got {type(state).__name__}.")

@@ -1,8 +1,11 @@
-"""experiments/suite.py: each lane's share of GPU memory, and bad --gpu-share values refused."""
+"""The experiment-suite runner (falcon_jax.train.suite, run by experiments/suite.py): each lane's
+share of GPU memory, the runs' commands, resuming and skipping, and bad --gpu-share values refused."""
+import json
+import sys
 
 import pytest
 
-from experiments import suite
+from falcon_jax.train import suite
 
 
 class _FinishedProcess:
@@ -21,15 +24,17 @@ class _FinishedProcess:
 @pytest.mark.parametrize("lanes, share, expected", [(2, 0.5, "0.250"), (7, 0.5, "0.071"), (3, 0.9, "0.300"),
                                                    (1, 0.6, "0.600"), (1, 0.9, None)])
 def test_each_lane_gets_its_share_of_gpu_memory(tmp_path, monkeypatch, lanes, share, expected):
-    monkeypatch.setattr(suite, "ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # main(root=...) changes into it; this puts the test's own cwd back
     monkeypatch.setattr(suite.subprocess, "Popen", _FinishedProcess)
     monkeypatch.setattr(suite.time, "sleep", lambda s: None)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     _FinishedProcess.launched = []
     names = list(suite.ADDITION_RUNS)[:lanes]
-    assert suite.main(["addition-m", "--only", *names, "--lanes", str(lanes), "--gpu-share", str(share)]) == 0
+    assert suite.main(["addition-m", "--only", *names, "--lanes", str(lanes), "--gpu-share", str(share)],
+                      root=str(tmp_path)) == 0
     assert [run["cmd"][-1] for run in _FinishedProcess.launched] == [f"runs/exp/addition-m/{n}" for n in names]
     for run in _FinishedProcess.launched:
+        assert run["cmd"][:3] == [sys.executable, "-m", "falcon_jax.train"]
         assert run["env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION") == expected
         settings = [a for a in run["cmd"] if "=" in a]  # the last --set of a key wins
         assert [a for a in settings if a.startswith("train.steps=")][-1] == "train.steps=2000"
@@ -38,7 +43,27 @@ def test_each_lane_gets_its_share_of_gpu_memory(tmp_path, monkeypatch, lanes, sh
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.2"])
 def test_gpu_share_outside_0_1_is_refused(tmp_path, monkeypatch, capsys, share):
-    monkeypatch.setattr(suite, "ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        suite.main(["addition-m", "--only", "transformer-s0", "--gpu-share", share])
+        suite.main(["addition-m", "--only", "transformer-s0", "--gpu-share", share], root=str(tmp_path))
     assert e.value.code == 2 and "--gpu-share must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    done, started = (tmp_path / suite.run_dir("lm", n) for n in ("transformer", "falcon-3A.3"))
+    for d in (done, started):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"train": {"steps": 600}}))
+    # the final evaluation, then a line cut by a kill; the started run has an evaluation before the end
+    (done / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 600}) + "\n{\"kind\": \"ev")
+    (started / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 200}) + "\n")
+    assert suite.finished(str(done)) and not suite.finished(str(started))
+    assert not suite.finished(str(tmp_path / "nothing"))
+    monkeypatch.setattr(suite.subprocess, "Popen", _FinishedProcess)
+    monkeypatch.setattr(suite.time, "sleep", lambda s: None)
+    _FinishedProcess.launched = []
+    assert suite.main(["lm", "--only", "transformer", "falcon-3A.3", "falcon-1A.3"], root=str(tmp_path)) == 0
+    cmds = {run["cmd"][-2 if run["cmd"][-1] == "--resume" else -1]: run["cmd"] for run in _FinishedProcess.launched}
+    assert sorted(cmds) == ["runs/exp/lm/falcon-1A.3", "runs/exp/lm/falcon-3A.3"]  # the finished one skipped
+    assert cmds["runs/exp/lm/falcon-3A.3"][-1] == "--resume" and cmds["runs/exp/lm/falcon-1A.3"][-1] != "--resume"

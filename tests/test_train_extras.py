@@ -99,7 +99,9 @@ def test_plots_are_written(tmp_path):
         tf = {str(w): {"exact": max(0.0, 1 - 0.2 * w), "digit": max(0.1, 1 - 0.1 * w)} for w in range(1, 9)}
         f.write(json.dumps({"kind": "eval", "step": 40, "teacher_forced": tf, "greedy": {"2": 0.9, "8": 0.0}}) + "\n")
         f.write('{"kind": "train", "step": 41, "loss"')  # a line cut by a kill is skipped
-    assert make_plots(str(tmp_path), cfg) is None
+    written, note = make_plots(str(tmp_path), cfg)
+    assert note is None
+    assert written == [str(tmp_path / "loss.png"), str(tmp_path / "accuracy_vs_width.png")]
     for name in ("loss.png", "accuracy_vs_width.png"):
         path = tmp_path / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -113,7 +115,7 @@ def test_plots_are_written(tmp_path):
         for s in range(1, 11):
             f.write(json.dumps({"kind": "train", "step": s, "loss": 5.0 / s}) + "\n")
         f.write(json.dumps({"kind": "eval", "step": 10, "val_loss": 0.7}) + "\n")
-    make_plots(str(lm), build_config(preset="lm-tiny"))
+    assert make_plots(str(lm), build_config(preset="lm-tiny")) == ([str(lm / "loss.png")], None)
     assert (lm / "loss.png").stat().st_size > 1000 and not (lm / "accuracy_vs_width.png").exists()
 
 
@@ -160,7 +162,8 @@ def test_text_run_through_grain_with_bpe_and_plots(tmp_path):
     pytest.importorskip("tokenizers")
     pytest.importorskip("matplotlib")
     from falcon_jax.train.config import build_config
-    from falcon_jax.train.trainer import read_metrics, run
+    from falcon_jax.train.rundir import metric_records, read_metrics
+    from falcon_jax.train.trainer import run
 
     with open(tmp_path / "c.jsonl", "w") as f:
         for t in TEXTS:
@@ -173,8 +176,21 @@ def test_text_run_through_grain_with_bpe_and_plots(tmp_path):
         f"train.run_dir={tmp_path / 'run'}", "checkpoint.enabled=false"])
     lines = []
     summary = run(cfg, log=lines.append)
+    run_dir = tmp_path / "run"
+    assert lines[0] == f"Run directory: {run_dir}"  # said first, as an absolute path
     assert any("loader grain" in ln for ln in lines)
-    train, evals = read_metrics(tmp_path / "run")
+    # progress: step 1 at once (with the time it took), then every log_every steps
+    progress = [ln for ln in lines if ln.startswith("step ")]
+    assert [ln.split("|")[0].split()[1] for ln in progress] == ["1/6", "3/6", "6/6"]
+    assert "first step" in progress[0] and "next line at step 3" in progress[0] and "tok/s" in progress[1]
+    train, evals = read_metrics(run_dir)
     assert sorted(train) == list(range(1, 7)) and all(np.isfinite(r["loss"]) for r in train.values())
     assert evals[-1]["val_tokens"] > 0 and np.isfinite(evals[-1]["val_loss"])
-    assert summary["final_step"] == 6 and (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    (first,) = metric_records(run_dir, "first_step")
+    assert first["step"] == 1 and first["seconds"] > 0
+    assert [r["step"] for r in metric_records(run_dir, "speed")] == [3, 6]
+    assert summary["final_step"] == 6 and (run_dir / "loss.png").stat().st_size > 1000
+    # the end: the table saved as report.txt, and the files listed
+    assert (run_dir / "report.txt").read_text().startswith("Validation at step 6: loss ")
+    listing = lines[lines.index(f"Files in {run_dir}:") + 1:]
+    assert [ln.split()[0] for ln in listing] == ["report.txt", "loss.png", "metrics.jsonl", "config.json"]

@@ -13,7 +13,8 @@ SCRIPT = textwrap.dedent(r"""
     assert jax.device_count() == 8, jax.device_count()
     from falcon_jax.train.config import build_config
     from falcon_jax.train.mesh import make_mesh, check_batch, put_batch, MeshError
-    from falcon_jax.train.trainer import run, read_metrics
+    from falcon_jax.train.trainer import run
+    from falcon_jax.train.rundir import read_metrics
 
     out = {}
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": -1})

@@ -57,7 +57,7 @@ def test_two_processes_train_then_restore_on_one_device(tmp_path):
     # the run as if stopped after step 2, continued on a single device
     shutil.copytree(a, b)
     shutil.rmtree(os.path.join(b, "checkpoints", "4"))
-    proc = subprocess.run([sys.executable, "-m", "train", "--run-dir", b, "--resume",
+    proc = subprocess.run([sys.executable, "-m", "falcon_jax.train", "--run-dir", b, "--resume",
                            *_sets(["mesh.data=1", "mesh.fsdp=1"])],
                           capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,7 +8,7 @@ import sys
 import time
 
 
-from falcon_jax.train.trainer import read_metrics
+from falcon_jax.train.rundir import read_metrics
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8",
         "data.train_max_width=3", "data.eval_widths=[2,4]", "data.eval_examples=8", "data.greedy_widths=[]",
@@ -17,7 +17,7 @@ TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hi
 
 
 def _cmd(run_dir, steps, *extra):
-    args = [sys.executable, "-m", "train", "--preset", "addition-tiny", "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "falcon_jax.train", "--preset", "addition-tiny", "--run-dir", str(run_dir),
             "--set", f"train.steps={steps}"]
     for o in TINY + list(extra):
         args += ["--set", o]
@@ -59,7 +59,7 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path):
     assert killed_after is not None, "the run finished (or hung) before it could be killed"
     assert killed_after < steps and proc.returncode == -signal.SIGKILL
 
-    res = _run([sys.executable, "-m", "train", "--run-dir", str(run_dir), "--resume"])
+    res = _run([sys.executable, "-m", "falcon_jax.train", "--run-dir", str(run_dir), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[resume] restored step" in res.stdout
     got, evals = read_metrics(run_dir)
@@ -83,6 +83,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_
     # starting again without --resume must not touch the existing checkpoints
     again = _run(_cmd(run_dir, 6))
     assert again.returncode == 2 and "--resume" in again.stderr
+    assert again.stdout == ""  # refused at once: not even the run directory line (before any model work)
 
     # corrupt step 6: truncate every file in it
     for root, _, files in os.walk(ck / "6"):

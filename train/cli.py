@@ -14,6 +14,7 @@ import os
 import sys
 
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
+from falcon_jax.train.rundir import RunDirError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,8 +63,9 @@ def main(argv=None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    # imported here, so that --help, --list-presets, --print-config and config errors answer sooner
     from falcon_jax.train.mesh import MeshError
-    from falcon_jax.train.trainer import RunDirError, run
+    from falcon_jax.train.trainer import run
     try:
         run(cfg, resume=args.resume)
     except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:

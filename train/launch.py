@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if not args:
         p.error("no falcon-train arguments: add them after '--', e.g. -- --preset addition-tiny.")
     port = a.port or free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "train", *args],
+    procs = [subprocess.Popen([sys.executable, "-m", "falcon_jax.train", *args],
                               env=process_env(r, a.processes, port, a.gpus_per_process, a.cpu_devices))
              for r in range(a.processes)]
     # one failed process would leave the others waiting on collectives: stop them all

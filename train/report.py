@@ -1,21 +1,91 @@
-"""Plots in the run directory (matplotlib is optional: without it the plots are skipped)."""
+"""What a run tells its user about its outputs: where it writes them (at the start), the
+end-of-run table (printed and saved as ``report.txt``), the plots, and the list of files it
+wrote (at the end).
+
+matplotlib is optional (the ``train`` extra): without it the plots are skipped with a note on
+how to get them, and it is imported only when plotting (it takes a second to import).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+from falcon_jax.train.rundir import CHECKPOINTS, CONFIG, METRICS, REPORT, checkpoint_steps, read_metrics
 
-def make_plots(run_dir: str, cfg) -> str | None:
+LOSS_PLOT = "loss.png"
+ACCURACY_PLOT = "accuracy_vs_width.png"
+NO_MATPLOTLIB = ('[plots] matplotlib is not installed, so no plots are written; to get them install the '
+                 'train extra: pip install -e ".[train]" (in the falcon-jax checkout), or pip install matplotlib.')
+
+DESCRIPTIONS = {
+    REPORT: "the table above",
+    LOSS_PLOT: "training loss per step",
+    ACCURACY_PLOT: "accuracy per operand width at the last evaluation",
+    METRICS: "every logged record, one JSON object a line",
+    CONFIG: "the resolved config",
+}
+
+
+def percent(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def plots_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def planned_plots(cfg) -> list[str]:
+    if not cfg.train.plots:
+        return []
+    return [LOSS_PLOT] + ([ACCURACY_PLOT] if cfg.data.kind == "addition" else [])
+
+
+def start_lines(cfg) -> list[str]:
+    """Where the run writes (said before any model or data work)."""
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    during = [CONFIG, METRICS] + ([CHECKPOINTS + "/"] if cfg.checkpoint.enabled else [])
+    plots = planned_plots(cfg)
+    missing = plots and not plots_available()
+    lines = [f"Run directory: {run_dir}",
+             f"  while training: {', '.join(during)}; at the end: {', '.join([REPORT] + ([] if missing else plots))}"]
+    return lines + (["  " + NO_MATPLOTLIB] if missing else [])
+
+
+def summary_lines(cfg, rec: dict | None) -> list[str]:
+    """The end-of-run table of the last evaluation ``rec`` (none without one)."""
+    if not rec:
+        return []
+    if cfg.data.kind == "addition":
+        tf, gr = rec.get("teacher_forced", {}), rec.get("greedy", {})
+        out = [f"Addition accuracy at step {rec['step']} (trained widths {cfg.data.train_min_width}-"
+               f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} per width)",
+               f"{'width':>5} | {'split':<12} | {'exact (TF)':>10} | {'digit (TF)':>10} | {'greedy exact':>12}",
+               "-" * 62]
+        for k in sorted(tf, key=int):
+            split = "in-dist" if int(k) <= cfg.data.train_max_width else "longer"
+            g = f"{100 * gr[k]:.1f}%" if k in gr else "-"
+            out.append(f"{int(k):>5} | {split:<12} | {100 * tf[k]['exact']:>9.1f}% | "
+                       f"{100 * tf[k]['digit']:>9.1f}% | {g:>12}")
+        out += ["-" * 62, f"mean teacher-forced exact: in-distribution {percent(rec.get('in_dist_exact'))}, "
+                          f"longer-than-trained {percent(rec.get('heldout_width_exact'))}"]
+        return out
+    if "val_loss" in rec:
+        return [f"Validation at step {rec['step']}: loss {rec['val_loss']:.4f} nats/token, ppl {rec['val_ppl']:.2f} "
+                f"({rec['val_tokens']} tokens)"]
+    return []
+
+
+def make_plots(run_dir: str, cfg) -> tuple[list[str], str | None]:
     """Write ``loss.png`` (training loss per step) and, for addition, ``accuracy_vs_width.png``
-    (the last evaluation).  Returns a note when plotting was skipped, else None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "[plots] matplotlib is not installed; skipping PNGs (pip install matplotlib)."
-    from falcon_jax.train.trainer import read_metrics
+    (the last evaluation).  Returns (the paths written, a note when plotting was skipped)."""
+    if not plots_available():
+        return [], NO_MATPLOTLIB
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
+    written = []
     train, evals = read_metrics(run_dir)
     if train:
         steps = sorted(train)
@@ -26,7 +96,8 @@ def make_plots(run_dir: str, cfg) -> str | None:
             ax.plot(*zip(*val), "o-", label="validation")
         ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)"), ax.set_yscale("log"), ax.legend()
         ax.set_title(f"{cfg.model.get('mixer', '')} — {os.path.basename(os.path.abspath(run_dir))}")
-        fig.tight_layout(), fig.savefig(os.path.join(run_dir, "loss.png"), dpi=120), plt.close(fig)
+        written.append(os.path.join(run_dir, LOSS_PLOT))
+        fig.tight_layout(), fig.savefig(written[-1], dpi=120), plt.close(fig)
     acc = [e for e in evals if "teacher_forced" in e]
     if acc:
         e = acc[-1]
@@ -41,5 +112,35 @@ def make_plots(run_dir: str, cfg) -> str | None:
         ax.axvline(cfg.data.train_max_width + 0.5, color="gray", lw=1, ls=":")
         ax.set_xlabel("digits per operand"), ax.set_ylabel("accuracy (%)"), ax.set_ylim(-2, 102), ax.legend()
         ax.set_title(f"step {e['step']}: trained on widths {cfg.data.train_min_width}-{cfg.data.train_max_width}")
-        fig.tight_layout(), fig.savefig(os.path.join(run_dir, "accuracy_vs_width.png"), dpi=120), plt.close(fig)
-    return None
+        written.append(os.path.join(run_dir, ACCURACY_PLOT))
+        fig.tight_layout(), fig.savefig(written[-1], dpi=120), plt.close(fig)
+    return written, None
+
+
+def finish(cfg, last_eval: dict | None, say=print) -> list[str]:
+    """At the end of a run (process 0): print the table and save it as ``report.txt``, write the
+    plots, then list the files in the run directory.  Returns the paths of the report and plots."""
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    table = summary_lines(cfg, last_eval)
+    written = []
+    if table:
+        say("")
+        for line in table:
+            say(line)
+        written.append(os.path.join(run_dir, REPORT))
+        with open(written[-1], "w") as f:
+            f.write("\n".join(table) + "\n")
+    if cfg.train.plots:
+        plots, note = make_plots(run_dir, cfg)
+        written += plots
+        if note:
+            say(note)
+    files = [os.path.basename(p) for p in written] + [METRICS, CONFIG]
+    say("")
+    say(f"Files in {run_dir}:")
+    for name in files:
+        say(f"  {name:<22} {DESCRIPTIONS[name]}")
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        say(f"  {CHECKPOINTS + '/':<22} steps {', '.join(map(str, steps))}")
+    return written

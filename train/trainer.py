@@ -34,10 +34,9 @@ from falcon_jax.train.loader import make_loader
 from falcon_jax.train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
                         replicate)
 from falcon_jax.train.optim import make_optimizer
-
-
-class RunDirError(RuntimeError):
-    pass
+from falcon_jax.train.report import finish, percent, start_lines
+from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
+                                     metric_records, read_metrics)
 
 
 def build_data(cfg: TrainConfig):
@@ -108,24 +107,6 @@ def place_like_params(opt_state, params, mesh):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-class Logger:
-    """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
-    continues the file; readers take the last record of each step)."""
-
-    def __init__(self, run_dir: str, is_main: bool):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.is_main = is_main
-
-    def write(self, rec: dict):
-        if self.is_main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-    def print(self, msg: str):
-        if self.is_main:
-            print(msg, flush=True)
-
-
 def peak_device_memory() -> int | None:
     """The largest ``peak_bytes_in_use`` over this process's devices (None where the backend
     keeps no allocator statistics, e.g. CPU)."""
@@ -140,38 +121,17 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
-def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
-    """The records of ``metrics.jsonl`` in file order (all, or those of ``kind``: "train",
-    "eval", "speed"); a line cut by a kill is skipped."""
-    out = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill
-                if kind is None or r.get("kind") == kind:
-                    out.append(r)
-    return out
-
-
-def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
-    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
-    records = metric_records(run_dir)
-    return ({r["step"]: r for r in records if r.get("kind") == "train"},
-            [r for r in records if r.get("kind") == "eval"])
-
-
 def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation)."""
+    run_dir = cfg.train.run_dir
+    check_can_start(run_dir, resume)  # before any model or data work: refuse to overwrite another run
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
-    run_dir = cfg.train.run_dir
     os.makedirs(run_dir, exist_ok=True)
     logger = Logger(run_dir, is_main)
     say = log or logger.print
+    for line in start_lines(cfg):
+        say(line)
 
     mesh = make_mesh(cfg.mesh)
     micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
@@ -210,18 +170,12 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     rng = replicate(np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))), mesh)
     state = {"params": params, "opt_state": opt_state, "step": replicate(np.zeros((), np.int32), mesh), "rng": rng}
 
-    # ---- checkpoints: refuse to clobber an existing run unless resuming
+    # ---- checkpoints (an existing run without --resume was refused at the start)
     ckpt = None
     start = 0
     if cfg.checkpoint.enabled:
         ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                             async_save=cfg.checkpoint.async_save, log=say)
-        existing = ckpt.steps()
-        if existing and not resume:
-            ckpt.close()
-            loader.close()
-            raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
-                              f"continue that run, or choose another train.run_dir.")
         if resume:
             abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
             got = ckpt.restore_latest(abs_state)
@@ -242,7 +196,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
     if is_main:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
+        with open(os.path.join(run_dir, CONFIG), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
 
     counts = param_counts(abstract)
@@ -288,8 +242,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             ood = [v["exact"] for k, v in acc.items() if k > cfg.data.train_max_width]
             rec["in_dist_exact"] = float(np.mean(ind)) if ind else None
             rec["heldout_width_exact"] = float(np.mean(ood)) if ood else None
-            say(f"[eval step {step}] teacher-forced exact: in-distribution widths {_fmt(rec['in_dist_exact'])}, "
-                f"longer-than-trained widths {_fmt(rec['heldout_width_exact'])}")
+            say(f"[eval step {step}] teacher-forced exact: in-distribution widths {percent(rec['in_dist_exact'])}, "
+                f"longer-than-trained widths {percent(rec['heldout_width_exact'])}")
         else:
             rec.update(ev.lm_validation(gd, st, data.val_batches(micro, cfg.data.val_batches), put=put))
             if "val_loss" in rec:
@@ -298,6 +252,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         return rec
 
     tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
+    every = max(cfg.train.log_every, 1)
     n_devices = mesh.devices.size
     t_last, steps_since = time.perf_counter(), 0
     last_eval = None
@@ -313,13 +268,22 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             steps_since += 1
             if cfg.train.step_sleep:
                 time.sleep(cfg.train.step_sleep)
-            log_now = step % max(cfg.train.log_every, 1) == 0 or step == cfg.train.steps
+            first = step == start + 1  # reported at once: its time is mostly compilation
+            log_now = first or step % every == 0 or step == cfg.train.steps
             save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps)
             if log_now or save_now or cfg.train.step_sleep:
                 jax.block_until_ready(metrics["loss"])
                 dt = time.perf_counter() - t_last
                 flush(dt, steps_since, tokens_per_step * steps_since)
-                if log_now:
+                if first:
+                    say(f"step {step:>6}/{cfg.train.steps} | loss {last_train['loss']:.4f} | "
+                        f"gnorm {last_train['grad_norm']:.3f} | lr {last_train['lr']:.2e} | "
+                        f"first step {dt:.1f}s (compilation included)"
+                        + (f"; next line at step {min(cfg.train.steps, (step // every + 1) * every)}"
+                           if step < cfg.train.steps else ""))
+                    logger.write({"kind": "first_step", "step": step, "seconds": dt})
+                    t_last, steps_since = time.perf_counter(), 0
+                elif log_now:
                     tps = tokens_per_step * steps_since / max(dt, 1e-9)
                     eta = (cfg.train.steps - step) * dt / max(steps_since, 1)
                     peak = peak_device_memory()
@@ -350,36 +314,5 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
 
     summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval}
     if is_main:
-        print_summary(cfg, last_eval, say)
-        if cfg.train.plots:
-            from falcon_jax.train.report import make_plots
-            note = make_plots(run_dir, cfg)
-            if note:
-                say(note)
+        finish(cfg, last_eval, say)
     return summary
-
-
-def _fmt(x):
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def print_summary(cfg: TrainConfig, rec: dict | None, say=print):
-    """The end-of-run table."""
-    if not rec:
-        return
-    if cfg.data.kind == "addition":
-        tf, gr = rec.get("teacher_forced", {}), rec.get("greedy", {})
-        say(f"\nAddition accuracy at step {rec['step']} (trained widths {cfg.data.train_min_width}-"
-            f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} per width)")
-        say(f"{'width':>5} | {'split':<12} | {'exact (TF)':>10} | {'digit (TF)':>10} | {'greedy exact':>12}")
-        say("-" * 62)
-        for k in sorted(tf, key=int):
-            split = "in-dist" if int(k) <= cfg.data.train_max_width else "longer"
-            g = f"{100 * gr[k]:.1f}%" if k in gr else "-"
-            say(f"{int(k):>5} | {split:<12} | {100 * tf[k]['exact']:>9.1f}% | {100 * tf[k]['digit']:>9.1f}% | {g:>12}")
-        say("-" * 62)
-        say(f"mean teacher-forced exact: in-distribution {_fmt(rec.get('in_dist_exact'))}, "
-            f"longer-than-trained {_fmt(rec.get('heldout_width_exact'))}")
-    elif "val_loss" in rec:
-        say(f"\nValidation at step {rec['step']}: loss {rec['val_loss']:.4f} nats/token, ppl {rec['val_ppl']:.2f} "
-            f"({rec['val_tokens']} tokens)")

@@ -1,0 +1,94 @@
+"""What a run says about its files: where it writes (at the start), the refusal to start over an
+existing run before any model or data work, the note on missing plots, and the end-of-run report
+and file list.  No training here (the end-to-end runs are in test_train_extras / test_train_resume)."""
+import json
+import sys
+
+import pytest
+
+from falcon_jax.train import cli, report, trainer
+from falcon_jax.train.config import build_config
+from falcon_jax.train.rundir import RunDirError, checkpoint_steps, metric_records, parse_records
+
+
+def _fake_checkpoints(run_dir, steps):
+    for s in steps:
+        (run_dir / "checkpoints" / str(s) / "state").mkdir(parents=True)
+    (run_dir / "checkpoints" / f"{max(steps) + 3}.orbax-checkpoint-tmp-1").mkdir()  # a save cut by a kill
+
+
+def test_existing_run_is_refused_before_any_model_or_data_work(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    _fake_checkpoints(run_dir, [6, 3])
+    assert checkpoint_steps(str(run_dir)) == [3, 6]  # finished steps only, in order
+
+    def forbidden(*a, **k):
+        pytest.fail("the refusal came after mesh, data or model work")
+
+    for name in ("maybe_initialize_distributed", "make_mesh", "build_data", "make_loader", "FalconLM"):
+        monkeypatch.setattr(trainer, name, forbidden)
+    cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={run_dir}"])
+    with pytest.raises(RunDirError, match=r"already has checkpoints at steps \[3, 6\]; pass --resume"):
+        trainer.run(cfg, log=lambda line: pytest.fail(f"printed before refusing: {line}"))
+    assert cli.main(["--preset", "addition-tiny", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-train: error: {run_dir} already has checkpoints at steps [3, 6]") and \
+        "--resume" in err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[:2] == ["3", "6"]  # untouched
+
+
+@pytest.mark.parametrize("preset, plots", [("addition-tiny", "loss.png, accuracy_vs_width.png"),
+                                           ("lm-tiny", "loss.png")])
+def test_start_lines_name_the_absolute_run_directory(tmp_path, monkeypatch, preset, plots):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report, "plots_available", lambda: True)  # installed or not: that case is below
+    lines = report.start_lines(build_config(preset=preset, overrides=["train.run_dir=runs/x"]))
+    assert lines[0] == f"Run directory: {tmp_path / 'runs' / 'x'}"
+    assert lines[1] == f"  while training: config.json, metrics.jsonl, checkpoints/; at the end: report.txt, {plots}"
+    off = report.start_lines(build_config(preset=preset, overrides=["train.plots=false", "checkpoint.enabled=false"]))
+    assert off[1] == "  while training: config.json, metrics.jsonl; at the end: report.txt"
+
+
+def test_without_matplotlib_the_note_says_how_to_get_the_plots(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={tmp_path}"])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    start = report.start_lines(cfg)  # said at the start already, and no plots promised
+    assert start[1:] == ["  while training: config.json, metrics.jsonl, checkpoints/; at the end: report.txt",
+                         "  " + report.NO_MATPLOTLIB]
+    assert 'pip install -e ".[train]"' in report.NO_MATPLOTLIB
+    assert report.make_plots(str(tmp_path), cfg) == ([], report.NO_MATPLOTLIB)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_finish_saves_the_table_and_lists_the_files(tmp_path, monkeypatch, rng):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the list without plots; plots: test_train_extras
+    run_dir = tmp_path / "run"
+    _fake_checkpoints(run_dir, [750, 1500])
+    cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={run_dir}"])
+    exact = rng.uniform(size=8)
+    rec = {"step": 1500, "teacher_forced": {str(w): {"exact": float(exact[w - 1]), "digit": 0.5} for w in range(1, 9)},
+           "greedy": {"2": 0.25}, "in_dist_exact": float(exact[:4].mean()), "heldout_width_exact": float(exact[4:].mean())}
+    lines = []
+    written = report.finish(cfg, rec, say=lines.append)
+    assert written == [str(run_dir / "report.txt")]
+    table = (run_dir / "report.txt").read_text().splitlines()
+    assert table == lines[1:1 + len(table)] and table[0].startswith("Addition accuracy at step 1500")
+    row2 = next(ln for ln in table if ln.split("|")[0].strip() == "2")
+    assert f"{100 * exact[1]:.1f}%" in row2 and "25.0%" in row2
+    assert table[-1] == (f"mean teacher-forced exact: in-distribution {100 * exact[:4].mean():.1f}%, "
+                         f"longer-than-trained {100 * exact[4:].mean():.1f}%")
+    assert report.NO_MATPLOTLIB in lines
+    listing = lines[lines.index(f"Files in {run_dir}:") + 1:]
+    assert [ln.split()[0] for ln in listing] == ["report.txt", "metrics.jsonl", "config.json", "checkpoints/"]
+    assert listing[-1].endswith("steps 750, 1500")
+
+
+def test_metric_records_skip_a_cut_line_and_filter_by_kind(tmp_path):
+    recs = [{"kind": "train", "step": 1, "loss": 2.0}, {"kind": "first_step", "step": 1, "seconds": 3.5},
+            {"kind": "train", "step": 2, "loss": 1.5}, {"kind": "speed", "step": 2, "tokens_per_s": 10.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "tra')
+    assert metric_records(str(tmp_path)) == recs
+    assert metric_records(str(tmp_path), "train") == [recs[0], recs[2]]
+    assert parse_records(['{"kind": "eval"}', "{cut"], "eval") == [{"kind": "eval"}]
+    assert metric_records(str(tmp_path / "none")) == []

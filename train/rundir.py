@@ -1,0 +1,97 @@
+"""The run directory: what a run writes where, its metrics file, and the refusal to start over
+an existing run.
+
+Layout of ``<run_dir>`` (``train.run_dir``)::
+
+    config.json             the resolved config (``--run-dir DIR --resume`` starts from it)
+    metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
+                            first step of a process took, compilation included), "speed" (log
+                            points), "eval"; a resumed run appends, readers take the last record
+                            of each step
+    checkpoints/<step>/     orbax checkpoints (:mod:`falcon_jax.train.checkpoint`)
+    report.txt              the end-of-run table
+    loss.png, accuracy_vs_width.png   plots (matplotlib, the ``train`` extra)
+
+Only the standard library here: the command line uses it before it imports JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+REPORT = "report.txt"
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (exit code 2 on the command line)."""
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The finished checkpoint steps in ``<run_dir>/checkpoints`` (orbax names a finished step's
+    folder by its number; one being written has a temporary name)."""
+    path = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(path):
+        return []
+    return sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d)))
+
+
+def check_can_start(run_dir: str, resume: bool) -> None:
+    """Refuse to start a new run over the checkpoints of an earlier one (``--resume`` continues it).
+    Reads the file system only, so it runs before any model or data work."""
+    existing = checkpoint_steps(run_dir)
+    if existing and not resume:
+        raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
+                          f"continue that run, or choose another train.run_dir.")
+
+
+def parse_records(lines, kind: str | None = None) -> list[dict]:
+    """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``); a line
+    cut by a kill is skipped."""
+    out = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if kind is None or r.get("kind") == kind:
+            out.append(r)
+    return out
+
+
+def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` in file order (all, or those of ``kind``:
+    "train", "first_step", "speed", "eval"); none if there is no file yet."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return parse_records(f, kind)
+
+
+def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
+    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
+    records = metric_records(run_dir)
+    return ({r["step"]: r for r in records if r.get("kind") == "train"},
+            [r for r in records if r.get("kind") == "eval"])
+
+
+class Logger:
+    """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
+    continues the file; readers take the last record of each step).  Only process 0 writes."""
+
+    def __init__(self, run_dir: str, is_main: bool):
+        self.path = os.path.join(run_dir, METRICS)
+        self.is_main = is_main
+
+    def write(self, rec: dict):
+        if self.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def print(self, msg: str):
+        if self.is_main:
+            print(msg, flush=True)
