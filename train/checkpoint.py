@@ -36,7 +36,26 @@ CHECKSUMS = "checksums.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the run stops: continuing would risk losing more work)."""
+    """A checkpoint could not be written (the run stops: continuing would risk losing more work).
+    ``terminal``: where to report it when stderr was diverted (see ``Checkpointer(standalone=True)``)."""
+
+    terminal = None
+
+
+def _divert_stderr(log_path: str):
+    """File descriptor 2 to ``log_path`` for the rest of the process; returns a stream to the old stderr.
+
+    After a failed write, orbax's and tensorstore's threads go on reporting it for a while (log records,
+    tracebacks of callbacks on a closed event loop, "Task exception was never retrieved" at exit)."""
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return terminal
 
 
 def _file_digests(step_dir: str) -> dict[str, list]:
@@ -89,6 +108,8 @@ def verify_checksums(step_dir: str) -> str | None:
 
 class _Captured:
     data = b""
+    divert_to: str | None = None  # set inside the block: afterwards fd 2 goes to this log, not back
+    terminal = None  # then: a stream to the old stderr
 
     def text(self) -> str:
         return self.data.decode(errors="replace")
@@ -102,7 +123,8 @@ class _Captured:
 
 @contextlib.contextmanager
 def _stderr_captured():
-    """File descriptor 2 (Python's and native threads' output alike) into a temporary file."""
+    """File descriptor 2 (Python's and native threads' output alike) into a temporary file; on leaving, back
+    to where it was, or (``divert_to`` set) on to that log file, which then starts with what was captured."""
     sys.stderr.flush()
     captured = _Captured()
     with tempfile.TemporaryFile() as tmp:
@@ -112,22 +134,35 @@ def _stderr_captured():
             yield captured
         finally:
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             tmp.seek(0)
             captured.data = tmp.read()
+            if captured.divert_to is None:
+                os.dup2(saved, 2)
+                os.close(saved)
+            else:
+                try:
+                    with open(captured.divert_to, "wb") as f:
+                        f.write(captured.data)
+                except OSError:
+                    pass  # a full disk
+                os.dup2(saved, 2)  # _divert_stderr starts from the terminal: no gap in between
+                os.close(saved)
+                captured.terminal = _divert_stderr(captured.divert_to)
 
 
 class Checkpointer:
     """Periodic, keep-N, checksummed checkpoints of one run (see the module docstring)."""
 
     def __init__(self, run_dir: str, *, every: int, keep: int, async_save: bool = False, log=print,
-                 is_main: bool = True):
+                 is_main: bool = True, standalone: bool = False):
+        """``standalone``: the process ends when a save fails (the command line); from then on its stderr
+        goes to the step's error log, and :class:`CheckpointError` carries the stream to report on."""
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"checkpoint.keep={keep!r} must be >= 1 (keep=0 would delete the final checkpoint).")
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.corrupt_dir = os.path.abspath(os.path.join(run_dir, "checkpoints_corrupt"))
         self.every, self.keep, self.async_save, self.log, self.is_main = every, keep, async_save, log, is_main
+        self.standalone = standalone
         self._pending: int | None = None  # an asynchronous save not yet finished and checksummed
         self._open()
 
@@ -161,8 +196,10 @@ class Checkpointer:
                     self.manager.check_for_errors()
             except Exception as e:  # noqa: BLE001 - any failure of the write
                 failure = e
+                if self.standalone:
+                    captured.divert_to = self._error_log(step)
         if failure is not None:
-            self._failed(step, failure, captured.text())
+            self._failed(step, failure, captured.text(), terminal=captured.terminal)
         captured.replay()
         if saved:
             self._pending = step
@@ -191,30 +228,37 @@ class Checkpointer:
             except OSError as e:
                 self._failed(step, e)
 
-    def _failed(self, step: int, error: BaseException, report: str = ""):
+    def _error_log(self, step: int) -> str:
+        return os.path.join(os.path.dirname(self.dir), f"checkpoint-{step}-error.log")
+
+    def _failed(self, step: int, error: BaseException, report: str = "", terminal=None):
         """Remove what the failed save left, keep orbax's report in a log file, raise CheckpointError."""
         for leftover in glob.glob(os.path.join(self.dir, "*.orbax-checkpoint-tmp*")):  # no other save is in flight
             shutil.rmtree(leftover, ignore_errors=True)
         partial = os.path.join(self.dir, str(step))
         if os.path.isdir(partial) and not os.path.exists(os.path.join(partial, CHECKSUMS)):
             shutil.rmtree(partial, ignore_errors=True)
-        log_note = ""
+        log, log_note = self._error_log(step), ""
         if report.strip():
-            log = os.path.join(os.path.dirname(self.dir), f"checkpoint-{step}-error.log")
             try:
-                with open(log, "w") as f:
-                    f.write(report)
-                log_note = f" (the checkpointer's own report is in {log})"
+                if terminal is None:  # else the capture has written it there already
+                    with open(log, "w") as f:
+                        f.write(report)
+                if os.path.getsize(log):
+                    log_note = f" (the checkpointer's own report is in {log})"
             except OSError:
                 pass  # a full disk: the report cannot be kept
         good = [s for s in self._good_steps() if s != step]
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
         if len(cause) > 300:
             cause = cause[:150] + " ... " + cause[-150:]  # the OS error is at the end
-        raise CheckpointError(f"saving the checkpoint of step {step} in {self.dir} failed ({type(error).__name__}: "
+        err = CheckpointError(f"saving the checkpoint of step {step} in {self.dir} failed ({type(error).__name__}: "
                               f"{cause}){log_note}; the run stops here. "
                               + (f"The last good checkpoint is step {good[-1]}." if good else
-                                 "There is no earlier checkpoint.")) from None
+                                 "There is no earlier checkpoint."))
+        if self.standalone:
+            err.terminal = terminal if terminal is not None else _divert_stderr(log)
+        raise err from None
 
     def _good_steps(self) -> list[int]:
         if not os.path.isdir(self.dir):

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     from falcon_jax.train.mesh import MeshError
     from falcon_jax.train.trainer import run
     try:
-        run(cfg, resume=args.resume, resume_or_start=args.resume_or_start)
+        run(cfg, resume=args.resume, resume_or_start=args.resume_or_start, standalone=True)
     except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:
         print(f"falcon-train: error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         print(f"falcon-train: {e}", file=sys.stderr)
         return e.exit_code
     except (CheckpointError, OSError) as e:
-        print(f"falcon-train: error: {e}", file=sys.stderr)
+        print(f"falcon-train: error: {e}", file=getattr(e, "terminal", None) or sys.stderr)
         return 1
     return 0
 

@@ -130,12 +130,14 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
-def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False, log=None) -> dict:
+def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False, log=None,
+        standalone: bool = False) -> dict:
     """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation).
 
     ``resume``: continue from the latest good checkpoint, RunDirError if there is none;
     ``resume_or_start``: the same, but start from step 0 when there is none.  SIGINT / SIGTERM stop the
-    run after the current step with a checkpoint of it: :class:`~falcon_jax.train.preemption.Interrupted`."""
+    run after the current step with a checkpoint of it: :class:`~falcon_jax.train.preemption.Interrupted`.
+    ``standalone``: this process ends when ``run`` raises (the command line; see ``Checkpointer``)."""
     validate(cfg)
     resume = resume or resume_or_start
     run_dir = cfg.train.run_dir
@@ -193,7 +195,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     start = 0
     if cfg.checkpoint.enabled:
         ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                            async_save=cfg.checkpoint.async_save, log=say, is_main=is_main)
+                            async_save=cfg.checkpoint.async_save, log=say, is_main=is_main, standalone=standalone)
         if resume:
             abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
             got = ckpt.restore_latest(abs_state)
