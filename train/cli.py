@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
@@ -82,6 +83,10 @@ def main(argv=None) -> int:
     except Interrupted as e:
         print(f"falcon-train: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+        print("falcon-train: interrupted (SIGINT) before a checkpoint of the current step was written; "
+              "--resume continues from the last checkpoint, if there is one.", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (CheckpointError, OSError) as e:
         print(f"falcon-train: error: {e}", file=getattr(e, "terminal", None) or sys.stderr)
         return 1
