@@ -174,3 +174,12 @@ def test_failed_save_stops_the_run_at_that_step(tmp_path):
     assert os.listdir(run_dir / "checkpoints") == []  # no temporary folder, no half step
     assert max(read_metrics(str(run_dir))[0]) == 3  # stopped at the step whose save failed
     assert "File too large" in (run_dir / "checkpoint-3-error.log").read_text()
+
+
+def test_sigint_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted_while_building(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "build_data", interrupted_while_building)
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(tmp_path / "run")], capsys)
+    assert rc == 130 and err.startswith("falcon-train: interrupted (SIGINT)") and err.count("\n") == 1
