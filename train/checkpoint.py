@@ -19,6 +19,7 @@ after the failure, naming the step whose save failed.  Either way its temporary 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import hashlib
@@ -164,9 +165,11 @@ class Checkpointer:
         self.every, self.keep, self.async_save, self.log, self.is_main = every, keep, async_save, log, is_main
         self.standalone = standalone
         self._pending: int | None = None  # an asynchronous save not yet finished and checksummed
+        self._closed = False
         self._open()
 
     def _open(self):
+        self._closed = False
         opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=self.async_save)
         self.manager = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
@@ -228,16 +231,32 @@ class Checkpointer:
             except OSError as e:
                 self._failed(step, e)
 
+    def _remove_leftovers(self, step: int, tries: int = 5) -> None:
+        """The temporary folders of a failed save, and its step folder if it has no checksums (no other save
+        is in flight); tried again while late writes of the failed save keep recreating them."""
+        for attempt in range(tries):
+            partial = os.path.join(self.dir, str(step))
+            left = glob.glob(os.path.join(self.dir, "*.orbax-checkpoint-tmp*"))
+            if os.path.isdir(partial) and not os.path.exists(os.path.join(partial, CHECKSUMS)):
+                left.append(partial)
+            if not left:
+                return
+            for path in left:
+                shutil.rmtree(path, ignore_errors=True)
+            time.sleep(0.05 * (attempt + 1))
+
     def _error_log(self, step: int) -> str:
         return os.path.join(os.path.dirname(self.dir), f"checkpoint-{step}-error.log")
 
     def _failed(self, step: int, error: BaseException, report: str = "", terminal=None):
         """Remove what the failed save left, keep orbax's report in a log file, raise CheckpointError."""
-        for leftover in glob.glob(os.path.join(self.dir, "*.orbax-checkpoint-tmp*")):  # no other save is in flight
-            shutil.rmtree(leftover, ignore_errors=True)
-        partial = os.path.join(self.dir, str(step))
-        if os.path.isdir(partial) and not os.path.exists(os.path.join(partial, CHECKSUMS)):
-            shutil.rmtree(partial, ignore_errors=True)
+        try:
+            self.manager.close()  # stops its threads; writes of the failed save may still land for a moment
+        except Exception:  # noqa: BLE001 - closing after a failure
+            pass
+        self._closed = True
+        self._remove_leftovers(step)
+        atexit.register(self._remove_leftovers, step)  # what lands later goes at exit at the latest
         log, log_note = self._error_log(step), ""
         if report.strip():
             try:
@@ -305,7 +324,10 @@ class Checkpointer:
         self.poll(wait=True)
 
     def close(self):
+        if self._closed:
+            return
         try:
             self.poll(wait=True)
         finally:
+            self._closed = True
             self.manager.close()
