@@ -18,7 +18,10 @@
   (``S_t = γ_t S_{t-1} + η_t x_t (y_t − S_{t-1}ᵀ x_t)ᵀ``, the gradient step on
   the ridge loss), and writes the prefix-aligned pair ``(k_{t-1}, v_t)``.
 
-All read after write: ``o_t = scale · S_tᵀ q_t``.  Each takes the same
+All read after write: ``o_t = scale · S_tᵀ q_t``.  Gates may be ``[B, T, H]`` arrays or scalars; their
+domain is ``beta ≥ 0`` and ``log_decay ≤ 0`` (γ ≤ 1): concrete values outside it raise ``ValueError``,
+traced ones are clamped into it (DeltaNet also needs ``β‖k‖² ≤ 2``, which is the caller's to keep, e.g.
+β = σ(z) with ℓ2-normalized keys).  Each takes the same
 ``form``, ``chunk_size``, ``initial_state``, ``return_final_state``,
 ``segment_ids``, ``impl`` and ``kernel_config`` arguments as :func:`falcon_jax.falcon`; a
 length-1 call with ``initial_state`` is a decode step.
@@ -38,8 +41,10 @@ def _run(name, q, k, v, inputs, *, form, chunk_size, scale, initial_state, retur
     if form == "chunk":
         val.check_chunk_size(chunk_size)
     B, T, H, _, _ = val.check_qkv(q, k, v)
+    inputs = {arg: val.gate_array(arg, x, (B, T, H), q) for arg, x in inputs.items()}
     for arg, x in inputs.items():
         val.check_gate(arg, x, B, T, H)
+    inputs = val.baseline_gates_in_domain(inputs)
     val.check_segment_ids(segment_ids, B, T)
     return run_rule(baseline_rule(name), q, k, v, inputs, form=form, chunk_size=chunk_size, scale=scale,
                     initial_state=initial_state, segment_ids=segment_ids, impl=impl,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -73,10 +74,17 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     tail = rule.window - 1
     if initial_state is None:
+        if rule.window > T:
+            return _window_capped(rule, q, k, v, inputs, form=form, chunk_size=chunk_size, scale=scale,
+                                  segment_ids=segment_ids, impl=impl, kernel_config=kernel_config,
+                                  return_final_state=return_final_state)
         state = empty_state(B, H, dk, dv, tail, cdt)
     else:
         val.check_state(initial_state, B, H, dk, dv, tail)
         state = cast_state(initial_state, cdt)
+    if B == 0 or H == 0:  # nothing to compute (and the kernels' grids and shards cannot be empty)
+        out = jnp.zeros((B, T, H, dv), out_dtype)
+        return (out, state.replace(has_key=jnp.ones((B,), bool))) if return_final_state else out
     resets = segment_starts(segment_ids, B, T)
     kernel = select_kernel(impl, rule, inputs, dk, dv, out_dtype, chunk_size) if form == "chunk" else "xla"
     if kernel_config is not None:
@@ -108,6 +116,27 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     return (out, final) if return_final_state else out
 
 
+def _window_capped(rule: Rule, q, k, v, inputs: dict, *, return_final_state: bool, **kw):
+    """A window longer than the sequence, from an empty state: position t sees at most t + 1 pairs, so the
+    rule with window T gives the same outputs (the chunk and parallel forms unroll the window: their
+    compile time would grow with W for nothing).  The final state keeps the layout of window W: its tail is
+    the capped rule's T − 1 pairs after W − T empty slots."""
+    T = q.shape[1]
+    capped = dataclasses.replace(rule, window=T)
+    out, state = run_rule(capped, q, k, v, inputs, initial_state=None, return_final_state=True, **kw)
+    if not return_final_state:
+        return out
+    missing = rule.window - T
+
+    def pad(a, axis):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (missing, 0)
+        return jnp.pad(a, widths)
+
+    return out, state.replace(tail_x=pad(state.tail_x, 2), tail_y=pad(state.tail_y, 2),
+                              tail_valid=pad(state.tail_valid, 1))
+
+
 def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64, alignment="shifted",
            timing="raw", step="normalized", scale_coupled=False, eps=1e-6, eps_gamma=1e-6, scale=1.0,
            initial_state=None, return_final_state=False, segment_ids=None, impl="auto", kernel_config=None):
@@ -131,10 +160,17 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
     Args:
       q, k: ``[B, T, H, dk]``.  v: ``[B, T, H, dv]``.
       beta: gains ``[B, T, H]``; ``[B, T, H, dv]`` for the per-column variants "2"/"2A"
-        (a ``[B, T, H]`` gain is shared by all columns).  With ``step="direct"`` it is η itself.
-      lam: ridge ``[B, T, H]``; with ``scale_coupled=True`` it is λ̄ and λ_t = λ̄_t·sg(E_t).
+        (a ``[B, T, H]`` gain is shared by all columns), or a scalar (the same gain everywhere).
+        Domain: β ∈ [0, 2] with ``step="normalized"``; with ``step="direct"`` it is η itself, η ≥ 0.
+      lam: ridge ``[B, T, H]`` or a scalar, λ ≥ 0; with ``scale_coupled=True`` it is λ̄ ≥ 0 and
+        λ_t = λ̄_t·sg(E_t).
+        Concrete ``beta``/``lam`` outside the domain (or not finite) raise ``ValueError``; traced ones
+        (under ``jit``/``grad``) are clamped into it, with zero gradient where the clamp acts.  Inside
+        the domain γ ∈ [ε_γ, 1] and no finite input makes the state overflow (docs/rules.md).
       variant: "1", "2", "3", "1A", "2A" or "3A".
-      window: sliding-window size B for "3"/"3A" (ignored by the others).
+      window: sliding-window size B ≥ 1 for "3"/"3A" (ignored by the others).  Without an
+        ``initial_state``, a window longer than T is run as window T (identical outputs, the compile
+        time of window T) and the final state keeps window W's layout.
       form: "recurrent" (lax.scan), "parallel" (O(T²)) or "chunk" (SSD-style, O(T·C)).
       chunk_size: chunk length C of the chunk form, a power of two; any T works.
       alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
@@ -162,8 +198,10 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
     if form == "chunk":
         val.check_chunk_size(chunk_size)
     B, T, H, dk, dv = val.check_qkv(q, k, v)
+    beta, lam = (val.gate_array(name, x, (B, T, H), q) for name, x in (("beta", beta), ("lam", lam)))
     val.check_beta_for_variant(beta, variant, B, T, H, dv)
     val.check_gate("lam", lam, B, T, H)
+    beta, lam = val.falcon_gates_in_domain(beta, lam, step=step)
     val.check_segment_ids(segment_ids, B, T)
     rule = falcon_rule(variant, window=int(window), alignment=alignment, timing=timing, step=step,
                        scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))
@@ -178,8 +216,9 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
 
     Args:
       state: :class:`FalconState` (``init_state(...)`` or from ``falcon(..., return_final_state=True)``).
-      q_t, k_t: ``[B, H, dk]``;  v_t: ``[B, H, dv]``;  beta_t: ``[B, H]`` (``[B, H, dv]`` for 2/2A);
-      lam_t: ``[B, H]``.  Options as in :func:`falcon`.
+      q_t, k_t: ``[B, H, dk]``;  v_t: ``[B, H, dv]``;  beta_t: ``[B, H]`` (``[B, H, dv]`` for 2/2A) or a
+      scalar;  lam_t: ``[B, H]`` or a scalar.  Their domain, checks and clamping, and the options, as in
+      :func:`falcon`.
 
     Returns:
       ``(o_t [B, H, dv], new_state)``.
@@ -189,11 +228,17 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
     val.check_window(window)
     val.check_options(form="recurrent", alignment=alignment, timing=timing, step=step, impl="auto",
                       eps=eps, eps_gamma=eps_gamma, scale=scale)
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"`{name}` must be an array of rank 3 [batch, heads, dim]; got "
+                             f"{tuple(x.shape) if hasattr(x, 'shape') else type(x).__name__}.")
+    beta_t, lam_t = (val.gate_array(name, x, q_t.shape[:2], q_t) for name, x in (("beta_t", beta_t), ("lam_t", lam_t)))
     # reuse the sequence checks on a length-1 view
     q, k, v, beta, lam = (a[:, None] for a in (q_t, k_t, v_t, beta_t, lam_t))
     B, _, H, dk, dv = val.check_qkv(q, k, v)
     val.check_beta_for_variant(beta, variant, B, 1, H, dv)
     val.check_gate("lam", lam, B, 1, H)
+    beta_t, lam_t = val.falcon_gates_in_domain(beta_t, lam_t, step=step)
     val.check_state(state, B, H, dk, dv, tail_length_for(variant, window), argname="state")
     rule = falcon_rule(variant, window=int(window), alignment=alignment, timing=timing, step=step,
                        scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))

@@ -1,13 +1,16 @@
 """Argument checks shared by the public functions.
 
-Every failure names the argument and says how to fix it.  The checks read
-only static facts (shapes, dtypes, Python options), so they run unchanged
-under ``jax.jit``.  The checks of ``variant`` and ``window`` (which fix a state's layout)
-live in :mod:`falcon_jax.state` and are re-exported here.
+Every failure names the argument and says how to fix it.  Shapes, dtypes and Python options are
+checked always (they are static, so the checks run unchanged under ``jax.jit``).  The *values* of
+the gates are checked against the rules' domain only when they are concrete (NumPy arrays, or JAX
+arrays outside a trace); traced values cannot be inspected, so :func:`clamp` moves them into the
+domain instead.  The checks of ``variant`` and ``window`` (which fix a state's layout) live in
+:mod:`falcon_jax.state` and are re-exported here.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,7 +86,112 @@ def check_gate(name: str, x, B: int, T: int, H: int, *, dv: int | None = None, w
         raise ValueError(f"`{name}` must have shape {shapes}{what}; got {tuple(x.shape)}.")
 
 
+def gate_array(name: str, x, shape: tuple, like) -> jax.Array:
+    """A gate given as a scalar (Python or NumPy number, or a 0-d array) broadcast to ``shape`` in the
+    floating dtype of ``like`` (at least fp32); any other value is returned as given (checked later)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a number or a floating-point array; got a bool.")
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return jnp.full(shape, x, jnp.promote_types(like.dtype, jnp.float32))
+    if hasattr(x, "shape") and hasattr(x, "dtype") and x.ndim == 0:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"`{name}` must be a floating-point array or a Python number; got a 0-d array of "
+                            f"dtype {x.dtype}.")
+        return jnp.broadcast_to(jnp.asarray(x), shape)
+    return x
+
+
+def is_concrete(x) -> bool:
+    """Whether ``x``'s values can be read here: not a tracer, and all on this process."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def check_range(name: str, x, low: float | None, high: float | None, meaning: str, fix: str) -> None:
+    """Concrete ``x`` must be finite and in ``[low, high]`` (either bound may be None); ValueError naming
+    the argument, the range, the values found and the fix.  Traced ``x`` is not inspected (see :func:`clamp`)."""
+    if not is_concrete(x) or x.size == 0:
+        return
+    if isinstance(x, np.ndarray):
+        lo, hi, finite = float(np.min(x)), float(np.max(x)), bool(np.all(np.isfinite(x)))
+    else:
+        with jax.ensure_compile_time_eval():  # computed now even when a trace (of other inputs) is under way
+            a = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
+            stats = np.asarray(jnp.stack([jnp.min(a), jnp.max(a), jnp.all(jnp.isfinite(a))]))
+        lo, hi, finite = float(stats[0]), float(stats[1]), bool(stats[2])
+    if low is not None and high is not None:
+        bounds = f"in [{_fmt(low)}, {_fmt(high)}]"
+    else:
+        bounds = f">= {_fmt(low)}" if low is not None else f"<= {_fmt(high)}"
+    if not finite:
+        raise ValueError(f"`{name}` must be finite and {bounds}{meaning}; it holds NaN or inf.")
+    if (low is not None and lo < low) or (high is not None and hi > high):
+        raise ValueError(f"`{name}` must be {bounds}{meaning}; got values in [{_fmt(lo)}, {_fmt(hi)}]. {fix}")
+
+
+def clamp(x, low: float | None, high: float | None):
+    """``x`` moved into ``[low, high]`` (for traced values, which :func:`check_range` cannot read).
+
+    Written with ``where``, not ``clip``: inside the closed range, the boundaries included, the value and
+    its gradient are unchanged (``clip`` halves the gradient at a boundary); outside, the gradient is 0."""
+    if low is not None:
+        x = jnp.where(x < low, jnp.asarray(low, x.dtype), x)
+    if high is not None:
+        x = jnp.where(x > high, jnp.asarray(high, x.dtype), x)
+    return x
+
+
+BETA_MAX = 2.0  # the normalized step: η·E_t = β·E_t/(E_t + λ + ε) < 2 keeps the regression updates contractive
+
+
+def falcon_gates_in_domain(beta, lam, *, step: str):
+    """Falcon's gates checked (concrete) and clamped (traced) into the rules' domain (docs/rules.md):
+
+    * ``beta``: β ∈ [0, 2] with ``step="normalized"``; η ≥ 0 with ``step="direct"``.
+    * ``lam``: λ ≥ 0 (λ̄ ≥ 0 when scale-coupled).
+
+    Inside the domain the decay γ ∈ [ε_γ, 1] and the regression update ``I − η x xᵀ`` has eigenvalues in
+    (−1, 1]: the state stays bounded for any finite q, k, v.  Outside, λ < 0 gives γ > 1 and β > 2 or
+    β < 0 an expanding update, so a long sequence overflows to inf and then NaN."""
+    if step == "normalized":
+        check_range("beta", beta, 0.0, BETA_MAX, " (the normalized step size)",
+                    "Map a free parameter into the range with 2 * jax.nn.sigmoid(z).")
+        beta = clamp(beta, 0.0, BETA_MAX)
+    else:
+        check_range("beta", beta, 0.0, None, " (the step size η with step='direct')",
+                    "Map a free parameter into the range with jax.nn.softplus(z) or jax.nn.sigmoid(z).")
+        beta = clamp(beta, 0.0, None)
+    check_range("lam", lam, 0.0, None, " (the ridge λ; λ < 0 makes the decay γ > 1 and the state grow "
+                "without bound)", "Map a free parameter into the range with jax.nn.softplus(z).")
+    return beta, clamp(lam, 0.0, None)
+
+
+def baseline_gates_in_domain(inputs: dict) -> dict:
+    """The baselines' gates checked (concrete) and clamped (traced): ``beta`` ≥ 0 (a negative write gain
+    expands the state), ``log_decay`` ≤ 0 (γ = exp(log_decay) ≤ 1).  DeltaNet's updates also need
+    β‖k‖² ≤ 2 to stay contractive, which depends on the keys and is the caller's to keep (e.g. β = σ(z)
+    with ℓ2-normalized keys)."""
+    out = {}
+    for name, x in inputs.items():
+        if name == "beta":
+            check_range("beta", x, 0.0, None, " (the write gain)",
+                        "Map a free parameter into the range with jax.nn.sigmoid(z) or jax.nn.softplus(z).")
+            x = clamp(x, 0.0, None)
+        elif name == "log_decay":
+            check_range("log_decay", x, None, 0.0, " (the log of the decay γ <= 1; log_decay > 0 makes the "
+                        "state grow without bound)", "Use -jax.nn.softplus(z) or jnp.log(jax.nn.sigmoid(z)).")
+            x = clamp(x, None, 0.0)
+        out[name] = x
+    return out
+
+
 def check_beta_for_variant(beta, variant: str, B: int, T: int, H: int, dv: int) -> None:
+    _floating("beta", beta)
     if variant in PER_COLUMN_VARIANTS:
         check_gate("beta", beta, B, T, H, dv=dv, what=" (one gain per value column, or one per head)")
     elif beta.ndim == 4:
@@ -113,7 +221,17 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         "tail_x": (B, H, tail, dk), "tail_y": (B, H, tail, dv), "tail_valid": (B, tail),
     }
     for field, shape in expected.items():
-        got = tuple(getattr(state, field).shape)
+        value = getattr(state, field)
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"`{argname}.{field}` must be an array; got {type(value).__name__}.")
+        flag = field in ("has_key", "tail_valid")
+        if flag and value.dtype != jnp.bool_:
+            raise TypeError(f"`{argname}.{field}` must be a bool array; got dtype {value.dtype}.")
+        if not flag and not jnp.issubdtype(value.dtype, jnp.floating):
+            raise TypeError(f"`{argname}.{field}` must be a floating-point array (fp32, or fp64 under x64); got "
+                            f"dtype {value.dtype}. Make states with falcon_jax.init_state or take them from "
+                            f"falcon(..., return_final_state=True).")
+        got = tuple(value.shape)
         if got != shape:
             hint = (" (the window tail length is window-1 for variants 3/3A and 0 otherwise: make the state "
                     "with the same variant and window)") if field.startswith("tail") else ""

@@ -55,7 +55,8 @@ def test_print_config_applies_sources_in_order(tmp_path, capsys):
 def test_every_preset_builds_a_valid_model_config():
     from falcon_jax.train.config import PRESETS
     for name in PRESETS:
-        cfg = build_config(preset=name)
+        paths = ["data.paths=corpus"] if not PRESETS[name]["data"].get("paths", True) else []
+        cfg = build_config(preset=name, overrides=paths)  # lm-130m has no default corpus
         cfg.lm_config(vocab_size=259)
     with pytest.raises(ConfigError, match="no field 'foo'"):
         build_config(preset="lm-tiny", overrides=["data.foo=1"])
@@ -82,32 +83,43 @@ def test_decay_mask_skips_norms_vectors_and_embedding():
                                               jax.tree_util.tree_leaves_with_path(mask_e)].index("['embedding'].value")]
 
 
-def test_gradient_accumulation_matches_one_big_batch():
-    """grad_accum=4 gives the update of one batch of 16 rows (token-weighted, not micro-batch-mean)."""
+def test_gradient_accumulation_applies_the_gradient_of_the_whole_batch():
+    """grad_accum=4 applies the gradient of the token-mean loss of all 16 rows (rows of different widths,
+    so the micro-batches hold different numbers of target tokens).  Through SGD with learning rate 1 the
+    parameter change is the applied gradient itself, compared with jax.grad of the whole batch's loss."""
     import jax
+    import optax
     from flax import nnx
 
     from falcon_jax.nn import FalconLM
+    from falcon_jax.train import evaluate as ev
     from falcon_jax.train.data import AdditionData
     from falcon_jax.train.mesh import make_mesh, put_batch
-    from falcon_jax.train.optim import make_optimizer
     from falcon_jax.train.trainer import make_train_step
 
     cfg = build_config(preset="addition-tiny", overrides=TINY)
-    lm = cfg.lm_config(vocab_size=16)
-    graphdef, params, rest = nnx.split(FalconLM(lm, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    tx, _ = make_optimizer(cfg.optim, 10, params)
-    step = make_train_step(graphdef, tx)
+    graphdef, params, rest = nnx.split(FalconLM(cfg.lm_config(vocab_size=16), rngs=nnx.Rngs(0)), nnx.Param, ...)
+    batch = AdditionData(train_max_width=3, seed=3).batch(0, 16)
+    counts = batch["loss_mask"][:, 1:].reshape(4, 4, -1).sum(axis=(1, 2))
+    assert len(set(counts.tolist())) > 1, counts  # unequal micro-batches: a mean of means would differ
+
+    def whole_batch_loss(p):
+        total, n = ev.loss_terms(nnx.merge(graphdef, p, rest), *(jax.numpy.asarray(batch[k]) for k in
+                                                                  ("tokens", "segment_ids", "loss_mask")))
+        return total / n
+
+    want_loss, want_grad = jax.jit(jax.value_and_grad(whole_batch_loss))(params)
+    scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_grad))
+    step = make_train_step(graphdef, optax.sgd(1.0))
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    batch = AdditionData(train_max_width=3).batch(0, 16)  # rows of different widths: unequal token counts
-    outs = []
     for accum in (1, 4):
-        p = jax.tree.map(lambda x: x.copy(), params)
-        new_p, _, m = step(p, rest, tx.init(p), put_batch(batch, mesh, accum))
-        outs.append((float(m["loss"]), jax.tree.leaves(new_p)))
-    assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
-    for a, b in zip(outs[0][1], outs[1][1]):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        before = jax.tree.map(lambda x: np.array(x), params)
+        new_p, _, metrics = step(jax.tree.map(jax.numpy.array, params), rest, optax.sgd(1.0).init(params),
+                                 put_batch(batch, mesh, accum))
+        applied = jax.tree.map(lambda b, a: b - np.asarray(a), before, new_p)
+        assert float(metrics["loss"]) == pytest.approx(float(want_loss), rel=1e-5)
+        for got, want in zip(jax.tree.leaves(applied), jax.tree.leaves(want_grad)):
+            np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=1e-4 * scale, err_msg=f"grad_accum={accum}")
 
 
 def test_bad_init_mode_is_a_clear_error(capsys, tmp_path):

@@ -8,7 +8,8 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # function-local imports kept on purpose: the command line answers --help and config errors
 # before it imports JAX programs
-LAZY = {("falcon_jax.train.cli", "falcon_jax.train.mesh"), ("falcon_jax.train.cli", "falcon_jax.train.trainer")}
+LAZY = {("falcon_jax.train.cli", "falcon_jax.train.checkpoint"), ("falcon_jax.train.cli", "falcon_jax.train.mesh"),
+        ("falcon_jax.train.cli", "falcon_jax.train.trainer")}
 STRICT = ("falcon_jax.state", "falcon_jax.validation", "falcon_jax.train")
 
 

@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(r"""
     losses = {}
     # *-pallas: the chunk form through the Pallas kernels (interpret mode), which on 8 devices run per
     # shard inside shard_map (falcon_jax.sharding.kernel_sharding, entered by the trainer)
-    pallas = ["model.form=chunk", "model.impl=pallas", "model.chunk_size=16"]
+    pallas = ["model.form=chunk", "model.impl=triton", "model.chunk_size=16"]
     one, eight = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     for name, axes in (("one", one), ("eight", eight), ("one-pallas", one + pallas), ("eight-pallas", eight + pallas)):
         cfg = build_config(preset="addition-tiny", overrides=tiny + axes + [f"train.run_dir={sys.argv[1]}/{name}"])

@@ -1,4 +1,4 @@
-"""Checkpoints: SIGKILL mid-run + --resume reproduces the uninterrupted losses step for step;
+"""Checkpoints: SIGTERM and SIGKILL mid-run + --resume reproduce the uninterrupted losses step for step;
 a corrupt latest checkpoint is reported and the previous one used."""
 import json
 import os
@@ -35,31 +35,54 @@ def _run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=240, **kw)
 
 
-def test_sigkill_and_resume_reproduces_losses(tmp_path):
+def _wait_for(run_dir, proc, ready, timeout=200):
+    """Poll the run's metrics until ``ready(steps, checkpoint_steps)``; True if it came before the run ended."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        got, _ = read_metrics(run_dir)
+        ckpts = [int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()] \
+            if (run_dir / "checkpoints").exists() else []
+        if got and ready(max(got), ckpts):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_then_sigkill_and_resume_reproduce_losses(tmp_path):
+    """SIGTERM mid-run (a cluster's preemption): the step finishes, its checkpoint is written, the last line
+    says how to resume, exit code 143.  The resumed run is then killed with SIGKILL (no chance to save) and
+    resumed again: every step's loss equals the uninterrupted run's, bit for bit."""
     steps = 14
     ref = _run(_cmd(tmp_path / "ref", steps))
     assert ref.returncode == 0, ref.stderr[-3000:]
     ref_losses, _ = read_metrics(tmp_path / "ref")
     assert sorted(ref_losses) == list(range(1, steps + 1))
 
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(run_dir, steps, "train.step_sleep=0.4"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env())
-    deadline = time.time() + 200
-    killed_after = None
-    while time.time() < deadline and proc.poll() is None:
-        got, _ = read_metrics(run_dir)
-        ckpts = [d for d in os.listdir(run_dir / "checkpoints")] if (run_dir / "checkpoints").exists() else []
-        if got and max(got) >= 8 and any(c.isdigit() and int(c) >= 6 for c in ckpts):
-            proc.send_signal(signal.SIGKILL)
-            killed_after = max(got)
-            break
-        time.sleep(0.05)
-    proc.wait(timeout=30)
-    assert killed_after is not None, "the run finished (or hung) before it could be killed"
-    assert killed_after < steps and proc.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(_cmd(run_dir, steps, "train.step_sleep=0.3"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    assert _wait_for(run_dir, proc, lambda step, ckpts: step >= 4), "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    stopped_at = int(last.split("after step ")[1].split(";")[0])
+    assert 4 <= stopped_at < steps and "Traceback" not in err
+    assert last == (f"falcon-train: stopped by SIGTERM after step {stopped_at}; checkpoint of step {stopped_at} "
+                    f"written; resume with: falcon-train --run-dir {run_dir} --resume")
+    assert stopped_at in [int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()]
+    assert max(read_metrics(run_dir)[0]) == stopped_at
 
-    res = _run([sys.executable, "-m", "falcon_jax.train", "--run-dir", str(run_dir), "--resume"])
+    proc = subprocess.Popen([sys.executable, "-m", "falcon_jax.train", "--run-dir", str(run_dir), "--resume"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    assert _wait_for(run_dir, proc, lambda step, ckpts: step >= stopped_at + 3 and max(ckpts) > stopped_at), \
+        "the resumed run finished (or hung) before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and max(read_metrics(run_dir)[0]) < steps
+
+    res = _run([sys.executable, "-m", "falcon_jax.train", "--run-dir", str(run_dir), "--resume",
+                "--set", "train.step_sleep=0"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[resume] restored step" in res.stdout
     got, evals = read_metrics(run_dir)

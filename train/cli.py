@@ -4,6 +4,10 @@
     falcon-train --preset lm-tiny --model gated_deltanet --set train.steps=100
     falcon-train --config run.toml --set optim.lr=3e-4 --set mesh.fsdp=4
     falcon-train --run-dir runs/addition-tiny --resume      # config from the run's config.json
+
+Exit codes: 0 done; 2 a config or run-directory error (nothing trained); 1 a failure while training (a
+checkpoint that could not be written, a disk error); 130 / 143 stopped by SIGINT / SIGTERM after writing a
+checkpoint (the last line says how to resume).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
+from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError
 
 
@@ -27,7 +33,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
-    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in the run dir")
+    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in the run dir "
+                   "(an error if there is none)")
+    p.add_argument("--resume-or-start", action="store_true", help="continue from the latest good checkpoint, or "
+                   "start from step 0 if there is none (for jobs that a scheduler restarts)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     return p
@@ -38,7 +47,7 @@ def resolve(args) -> TrainConfig:
     if args.run_dir:
         overrides.append(f"train.run_dir={args.run_dir}")
     saved = os.path.join(args.run_dir or "", "config.json")
-    if args.resume and args.preset is None and args.config is None and args.run_dir and os.path.exists(saved):
+    if (args.resume or args.resume_or_start) and args.preset is None and args.config is None and args.run_dir and os.path.exists(saved):
         # resuming a run by its directory alone: start from the config it was started with
         return build_config(config_file=saved, model=args.model, overrides=overrides)
     if args.preset is None and args.config is None:
@@ -55,8 +64,7 @@ def main(argv=None) -> int:
                   f"L={p['model'].get('n_layers')} data={p['data']['kind']} steps={p['train']['steps']}")
         return 0
     try:
-        cfg = resolve(args)
-        cfg.lm_config(vocab_size=16)  # validate the model fields early, with LMConfig's own messages
+        cfg = resolve(args)  # every value checked (config.validate)
     except (ConfigError, ValueError, TypeError) as e:
         print(f"falcon-train: error: {e}", file=sys.stderr)
         return 2
@@ -64,13 +72,24 @@ def main(argv=None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     # imported here, so that --help, --list-presets, --print-config and config errors answer sooner
+    from falcon_jax.train.checkpoint import CheckpointError
     from falcon_jax.train.mesh import MeshError
     from falcon_jax.train.trainer import run
     try:
-        run(cfg, resume=args.resume)
+        run(cfg, resume=args.resume, resume_or_start=args.resume_or_start, standalone=True)
     except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:
         print(f"falcon-train: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"falcon-train: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+        print("falcon-train: interrupted (SIGINT) before a checkpoint of the current step was written; "
+              "--resume continues from the last checkpoint, if there is one.", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except (CheckpointError, OSError) as e:
+        print(f"falcon-train: error: {e}", file=getattr(e, "terminal", None) or sys.stderr)
+        return 1
     return 0
 
 

@@ -8,7 +8,9 @@ A config is a :class:`TrainConfig` of six sections (``model``, ``data``, ``optim
 
 ``--set`` keys are dotted (``optim.lr=3e-4``, ``model.d_model=128``, ``data.eval_widths=[9,10]``);
 values are parsed as JSON when they parse (numbers, booleans, lists, null), else taken as strings.
-An unknown section or key is an error that names it and suggests the nearest valid key.
+An unknown section or key is an error that names it and suggests the nearest valid key; every value
+is then checked (:func:`validate`), so a bad one stops the command line at once with exit code 2.
+``data.paths`` given as one string is one path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from typing import Any
 
@@ -108,9 +111,12 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    """``keep`` >= 1 newest checkpoints are kept.  ``async_save``: write in the background while training
+    goes on (a failed write then stops the run at the first step after it, not at its own step)."""
+
     every: int = 500  # 0 = no periodic checkpoints (the final step is still saved)
     keep: int = 3
-    async_save: bool = True
+    async_save: bool = False
     enabled: bool = True
 
 
@@ -178,6 +184,8 @@ def set_key(cfg: TrainConfig, key: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {key!r}: section {section!r} has no field {name!r}."
                           + _suggest(name, names) + f" Valid: {', '.join(names)}.")
     old = getattr(obj, name)
+    if section == "data" and name == "paths" and isinstance(value, str):
+        value = [value]  # one path or glob pattern, not a sequence of characters
     if isinstance(old, bool) and not isinstance(value, bool):
         raise ConfigError(f"config key {key!r} must be true or false; got {value!r}.")
     if isinstance(old, (int, float)) and not isinstance(old, bool):
@@ -285,9 +293,111 @@ PRESETS = {"addition-tiny": _ADDITION_TINY, "addition-paper": _ADDITION_PAPER, "
            "lm-130m": _LM_130M}
 
 
+# ----------------------------------------------------------------------------- value checks
+def _need(ok: bool, key: str, value, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {rule}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_at_least(key: str, value, low: int, meaning: str = "") -> None:
+    _need(_is_int(value) and value >= low, key, value, f"must be an integer >= {low}{meaning}.")
+
+
+def _choice(key: str, value, choices) -> None:
+    _need(value in choices, key, value, f"use one of {', '.join(repr(c) for c in choices)}."
+          + _suggest(str(value), choices))
+
+
+def _int_list(key: str, value, low: int) -> None:
+    _need(isinstance(value, (list, tuple)) and all(_is_int(x) and x >= low for x in value), key, value,
+          f"must be a list of integers >= {low} (e.g. [1, 2, 4]).")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every value of ``cfg`` (the model fields through :class:`LMConfig`); ConfigError naming the
+    first bad key, its value and the valid range.  Runs before any model, data or file work."""
+    o, t, d, c, m = cfg.optim, cfg.train, cfg.data, cfg.checkpoint, cfg.mesh
+    # optimizer
+    _need(_is_num(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be a finite number > 0 (the peak learning rate).")
+    _need(_is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio,
+          "must be in [0, 1] (the final learning rate as a fraction of optim.lr).")
+    _int_at_least("optim.warmup_steps", o.warmup_steps, 0)
+    for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+        _need(_is_num(value) and 0 <= value < 1, key, value, "must be in [0, 1) (an Adam moment decay).")
+    _need(_is_num(o.eps) and o.eps > 0, "optim.eps", o.eps, "must be a number > 0.")
+    _need(_is_num(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0.")
+    _need(_is_num(o.clip_norm) and o.clip_norm >= 0, "optim.clip_norm", o.clip_norm,
+          "must be >= 0 (0 = no gradient clipping).")
+    # loop
+    _int_at_least("train.steps", t.steps, 1, " (the number of optimizer steps)")
+    _int_at_least("train.batch_size", t.batch_size, 1, " (rows per optimizer step)")
+    _int_at_least("train.grad_accum", t.grad_accum, 1)
+    _need(t.batch_size % t.grad_accum == 0, "train.grad_accum", t.grad_accum,
+          f"must divide train.batch_size={t.batch_size} (the batch is split into grad_accum micro-batches).")
+    _int_at_least("train.log_every", t.log_every, 1)
+    _int_at_least("train.eval_every", t.eval_every, 0, " (0 = evaluate only at the end)")
+    _int_at_least("train.seed", t.seed, 0)
+    _need(isinstance(t.run_dir, str) and t.run_dir.strip() != "", "train.run_dir", t.run_dir,
+          "must be a directory path.")
+    _choice("train.init", t.init, ("eager", "jit"))
+    _need(_is_num(t.step_sleep) and t.step_sleep >= 0, "train.step_sleep", t.step_sleep, "must be >= 0 seconds.")
+    # checkpoints
+    _int_at_least("checkpoint.every", c.every, 0, " (0 = only the final step is saved)")
+    _int_at_least("checkpoint.keep", c.keep, 1, " (the number of newest checkpoints kept; 1 keeps the last)")
+    # mesh
+    for key, value in (("mesh.data", m.data), ("mesh.fsdp", m.fsdp), ("mesh.tensor", m.tensor)):
+        _need(_is_int(value) and (value >= 1 or value == -1), key, value,
+              "must be a positive integer or -1 (all remaining devices).")
+    _choice("mesh.distributed", m.distributed, ("auto", "on", "off"))
+    # data
+    _choice("data.kind", d.kind, ("addition", "text"))
+    _choice("data.loader", d.loader, ("grain", "builtin"))
+    _int_at_least("data.seed", d.seed, 0)
+    _int_at_least("data.grain_threads", d.grain_threads, 0, " (0 = read in the training thread)")
+    _int_at_least("data.grain_prefetch", d.grain_prefetch, 0)
+    # every field is checked whatever data.kind is: a typo in the other kind's fields is still a typo
+    _int_at_least("data.train_min_width", d.train_min_width, 1)
+    _int_at_least("data.train_max_width", d.train_max_width, d.train_min_width,
+                  f" (data.train_min_width={d.train_min_width})")
+    _int_list("data.eval_widths", d.eval_widths, 1)
+    _int_at_least("data.eval_examples", d.eval_examples, 1)
+    if d.greedy_widths is not None:
+        _int_list("data.greedy_widths", d.greedy_widths, 1)
+    _int_at_least("data.greedy_examples", d.greedy_examples, 1)
+    _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
+          "must be in (0, 1) (the share of problems held out for evaluation).")
+    _int_at_least("data.split_seed", d.split_seed, 0)
+    _need(isinstance(d.paths, (list, tuple)) and all(isinstance(p, str) and p for p in d.paths),
+          "data.paths", d.paths, "must be a list of files, directories or glob patterns.")
+    _need(d.kind != "text" or len(d.paths) > 0, "data.paths", d.paths, "is empty: data.kind='text' needs "
+          "local text files, e.g. --set 'data.paths=[\"corpus/*.jsonl\"]' (a single string is one path).")
+    _int_at_least("data.seq_len", d.seq_len, 2)
+    _choice("data.tokenizer", d.tokenizer, ("byte", "bpe"))
+    if d.tokenizer == "bpe":
+        _int_at_least("data.bpe_vocab_size", d.bpe_vocab_size, 260, " (the 256 byte tokens and a few merges)")
+    _need(_is_num(d.val_frac) and 0 <= d.val_frac < 1, "data.val_frac", d.val_frac, "must be in [0, 1).")
+    _int_at_least("data.val_batches", d.val_batches, 0)
+    _need(isinstance(d.text_key, str) and d.text_key != "", "data.text_key", d.text_key, "must be a field name.")
+    _need(isinstance(d.cache_dir, str) and d.cache_dir != "", "data.cache_dir", d.cache_dir,
+          "must be a directory path.")
+    try:
+        cfg.lm_config(vocab_size=16)  # the model fields, with LMConfig's own messages
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+    return cfg
+
+
 def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,
                  overrides: list[str] = ()) -> TrainConfig:
-    """Assemble a config from its sources (see the module docstring)."""
+    """Assemble a config from its sources (see the module docstring) and check every value (:func:`validate`)."""
     cfg = TrainConfig()
     if preset is not None:
         if preset not in PRESETS:
@@ -300,4 +410,4 @@ def build_config(preset: str | None = None, config_file: str | None = None, mode
         set_key(cfg, "model.mixer", model)
     for o in overrides:
         set_key(cfg, *parse_override(o))
-    return cfg
+    return validate(cfg)

@@ -363,7 +363,7 @@ def read_documents(paths, text_key: str = "text") -> list[str]:
     column."""
     files = expand_paths(paths)
     if not files:
-        raise FileNotFoundError(f"data.paths={paths!r} matched no .txt/.md/.jsonl/.parquet files.")
+        raise FileNotFoundError(f"data.paths={list(paths)!r} matched no .txt/.md/.jsonl/.parquet files.")
     docs: list[str] = []
     for f in files:
         if f.endswith((".jsonl", ".json")):

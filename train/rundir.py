@@ -39,13 +39,31 @@ def checkpoint_steps(run_dir: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d)))
 
 
-def check_can_start(run_dir: str, resume: bool) -> None:
-    """Refuse to start a new run over the checkpoints of an earlier one (``--resume`` continues it).
-    Reads the file system only, so it runs before any model or data work."""
+def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> None:
+    """Refuse to start a new run over the checkpoints of an earlier one (``--resume`` continues it), and
+    with ``must_exist`` (``--resume``) to resume a run that has no checkpoint.  Reads the file system only,
+    so it runs before any model or data work."""
     existing = checkpoint_steps(run_dir)
     if existing and not resume:
         raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
                           f"continue that run, or choose another train.run_dir.")
+    if resume and must_exist and not existing:
+        raise RunDirError(f"--resume: {os.path.join(run_dir, CHECKPOINTS)} has no checkpoint to continue from; "
+                          f"pass --resume-or-start to start from step 0 when there is none.")
+
+
+def check_writable(run_dir: str) -> None:
+    """Create ``run_dir`` and write a file in it, or RunDirError with the reason in one line."""
+    probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise RunDirError(f"cannot write to the run directory {os.path.abspath(run_dir)} "
+                          f"({e.strerror or type(e).__name__}); choose another one with --run-dir DIR "
+                          f"(train.run_dir).") from None
 
 
 def parse_records(lines, kind: str | None = None) -> list[dict]:

@@ -28,18 +28,27 @@ from falcon_jax.nn import FalconLM, param_counts, state_shardings
 from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
 from falcon_jax.train.checkpoint import Checkpointer
-from falcon_jax.train.config import ConfigError, TrainConfig
+from falcon_jax.train.config import ConfigError, TrainConfig, validate
 from falcon_jax.train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
                         replicate)
 from falcon_jax.train.optim import make_optimizer
+from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
 from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
-                                     metric_records, read_metrics)
+                                     check_writable, metric_records, read_metrics)
 
 
 def build_data(cfg: TrainConfig):
+    """The dataset of ``cfg.data``; ConfigError (exit code 2) when the data cannot serve the config."""
+    try:
+        return _build_data(cfg)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+
+
+def _build_data(cfg: TrainConfig):
     d = cfg.data
     if d.kind == "addition":
         return AdditionData(seed=d.seed, train_min_width=d.train_min_width, train_max_width=d.train_max_width,
@@ -121,13 +130,24 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
-def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
-    """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation)."""
+def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False, log=None,
+        standalone: bool = False) -> dict:
+    """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation).
+
+    ``resume``: continue from the latest good checkpoint, RunDirError if there is none;
+    ``resume_or_start``: the same, but start from step 0 when there is none.  SIGINT / SIGTERM stop the
+    run after the current step with a checkpoint of it: :class:`~falcon_jax.train.preemption.Interrupted`.
+    ``standalone``: this process ends when ``run`` raises (the command line; see ``Checkpointer``)."""
+    validate(cfg)
+    resume = resume or resume_or_start
     run_dir = cfg.train.run_dir
-    check_can_start(run_dir, resume)  # before any model or data work: refuse to overwrite another run
+    # before any model or data work: refuse to overwrite another run, or to resume nothing
+    if resume and not cfg.checkpoint.enabled:
+        raise ConfigError("--resume needs checkpoints: checkpoint.enabled is false.")
+    check_can_start(run_dir, resume, must_exist=not resume_or_start)
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
-    os.makedirs(run_dir, exist_ok=True)
+    check_writable(run_dir)
     logger = Logger(run_dir, is_main)
     say = log or logger.print
     for line in start_lines(cfg):
@@ -144,7 +164,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
         vocab = 64 * math.ceil(vocab / 64)  # a multiple of 64 keeps the unembedding matmul aligned
     lm_cfg = cfg.lm_config(vocab_size=vocab)
     if lm_cfg.vocab_size < vocab:
-        raise ValueError(f"model.vocab_size={lm_cfg.vocab_size} is smaller than the tokenizer's {vocab}.")
+        raise ConfigError(f"model.vocab_size={lm_cfg.vocab_size} is smaller than the tokenizer's {vocab}.")
 
     # ---- model and optimizer, initialised directly on their shards
     rngs_seed = cfg.train.seed
@@ -175,12 +195,17 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     start = 0
     if cfg.checkpoint.enabled:
         ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                            async_save=cfg.checkpoint.async_save, log=say)
+                            async_save=cfg.checkpoint.async_save, log=say, is_main=is_main, standalone=standalone)
         if resume:
             abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
             got = ckpt.restore_latest(abs_state)
+            if got is None and not resume_or_start:
+                ckpt.close()
+                loader.close()
+                raise RunDirError(f"--resume: no usable checkpoint in {ckpt.dir} (the broken ones are in "
+                                  f"{ckpt.corrupt_dir}); pass --resume-or-start to start from step 0 instead.")
             if got is None:
-                say(f"[resume] no usable checkpoint in {ckpt.dir}; starting from step 0.")
+                say(f"[resume] no usable checkpoint in {ckpt.dir}; starting from step 0 (--resume-or-start).")
             else:
                 step0, state, meta = got
                 start = int(meta["data"]["step"])
@@ -260,6 +285,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
     # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard
     sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor")
     sharded_kernels.__enter__()
+    stop = StopRequest(multiprocess=jax.process_count() > 1).__enter__()
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             batch = put_batch(next(loader), mesh, cfg.train.grad_accum, shard=loader.shard)
@@ -269,8 +295,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             if cfg.train.step_sleep:
                 time.sleep(cfg.train.step_sleep)
             first = step == start + 1  # reported at once: its time is mostly compilation
-            log_now = first or step % every == 0 or step == cfg.train.steps
-            save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps)
+            stopping = stop.requested(step) and step < cfg.train.steps
+            log_now = first or step % every == 0 or step == cfg.train.steps or stopping
+            save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps or stopping)
+            if ckpt is not None:
+                ckpt.poll()  # an asynchronous save that failed stops the run here
             if log_now or save_now or cfg.train.step_sleep:
                 jax.block_until_ready(metrics["loss"])
                 dt = time.perf_counter() - t_last
@@ -300,6 +329,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
                 ckpt.save(step, {"params": params, "opt_state": opt_state,
                                  "step": replicate(np.asarray(step, np.int32), mesh), "rng": state["rng"]},
                           meta(step), force=step == cfg.train.steps)
+            if stopping:
+                if ckpt is not None:
+                    ckpt.wait()
+                raise Interrupted(stop.signum, step, saved=ckpt is not None, run_dir=run_dir)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
                 last_eval = do_eval(step)
                 t_last, steps_since = time.perf_counter(), 0
@@ -307,6 +340,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, log=None) -> dict:
             flush(0, 0, 0)
         last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
     finally:
+        stop.__exit__(None, None, None)
         sharded_kernels.__exit__(None, None, None)
         loader.close()
         if ckpt is not None:

@@ -33,6 +33,7 @@ from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_delta
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
 from falcon_jax.nn.layers import dense, l2_normalize, make_param
+from falcon_jax.validation import is_concrete
 
 
 # ---------------------------------------------------------------------------- softmax attention
@@ -66,7 +67,9 @@ class SoftmaxAttention(nnx.Module):
     Packed sequences use a ``segment_ids`` mask.  The decode cache is a :class:`KVCache`
     preallocated to ``max_len``; a call with a cache writes its T new keys/values at
     ``cache.length`` and attends causally to everything written so far in the current segment.
-    Writing past ``max_len`` is an error the caller must avoid (XLA clamps a traced index).
+    Writing past ``max_len`` raises ``ValueError`` when the cache's length is concrete (eager decoding);
+    under ``jit`` it cannot be read (and XLA would clamp the write index), so the outputs of a call that
+    overflows are NaN instead of silently wrong.
     """
 
     owner = "SoftmaxAttention"
@@ -126,6 +129,13 @@ class SoftmaxAttention(nnx.Module):
         if T > cache.max_len:  # a static check; a traced overflow would be clamped by XLA, silently
             raise ValueError(f"SoftmaxAttention: {T} new positions do not fit a KV cache of max_len="
                              f"{cache.max_len}; make the cache with max_len >= prompt + generated tokens.")
+        if is_concrete(start):
+            with jax.ensure_compile_time_eval():
+                filled = int(start)
+            if filled + T > cache.max_len:
+                raise ValueError(f"SoftmaxAttention: decoding past the KV cache: {filled} positions filled + {T} "
+                                 f"new > max_len={cache.max_len}; make the cache with init_cache(batch, max_len) "
+                                 f"and max_len >= prompt + generated tokens.")
         # cached: write the T new positions at `start`, attend to keys j <= start + i of the query's
         # segment.  Earlier keys (from previous calls) count as the first segment of this call and
         # are visible from cache.seg_start on (the start of the segment the cache is in).
@@ -149,6 +159,8 @@ class SoftmaxAttention(nnx.Module):
         o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask[:, None],
                                          implementation="xla")
         y = self.o_proj(o.reshape(B, T, H * self.dv))
+        # a traced length past max_len: the write above was clamped and the keys are wrong; say so with NaN
+        y = jnp.where(start + T > L, jnp.asarray(jnp.nan, y.dtype), y)
         return y, KVCache(k=kc, v=vc, length=start + T, seg_start=seg_start)
 
 

@@ -9,7 +9,9 @@
   ``max_len``.
 * :class:`LMCache` — one cache per layer and the number of tokens consumed.
 
-All prompts of a batch share one length (the positions are one scalar).
+The positions are one scalar for the whole batch: prompts of different lengths run right-aligned, the
+padding in front in a packed segment of its own that no layer passes on
+(``FalconLM.generate(..., lengths=...)``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class RecurrentCache:
 class KVCache:
     """``k [B, L, H, dk]``, ``v [B, L, H, dv]`` with ``L = max_len``; ``length`` int32 ``[]``:
     positions ``[0, length)`` are filled; ``seg_start`` int32 ``[B]``: where the packed
-    segment that decoding continues begins (earlier keys are never attended to)."""
+    segment that decoding continues begins (earlier keys are never attended to).  Writing past
+    ``max_len`` is an error (``ValueError`` when ``length`` is concrete, NaN outputs under ``jit``)."""
 
     k: jax.Array
     v: jax.Array

@@ -10,6 +10,7 @@ Decoding (O(1) memory for the recurrent layers)::
     logits, cache = model(prompt, cache=cache)     # prefill (chunk form)
     logits, cache = model(next_tok[:, None], cache=cache)   # one step (falcon_step / length-1 rule)
     tokens = model.generate(prompt, 32, greedy=True)        # jit-compiled lax.scan loop
+    tokens = model.generate(prompts, 32, lengths=lengths, greedy=True)   # rows of different lengths
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from falcon_jax.nn.blocks import DecoderBlock
@@ -26,6 +28,7 @@ from falcon_jax.nn.cache import LMCache
 from falcon_jax.nn.config import LMConfig, expected_param_count
 from falcon_jax.nn.layers import RMSNorm, make_param, normal_init
 from falcon_jax.sharding import constrain_batch
+from falcon_jax.validation import is_concrete
 
 
 class FalconLM(nnx.Module):
@@ -53,8 +56,11 @@ class FalconLM(nnx.Module):
         return jnp.promote_types(self.dtype, jnp.float32)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens ``[B, T]`` int -> ``[B, T, D]`` in the compute dtype."""
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        """tokens ``[B, T]`` int -> ``[B, T, D]`` in the compute dtype.  An id outside ``[0, vocab_size)``
+        (only possible for traced tokens: concrete ones are checked) embeds as NaN, so the logits and the
+        loss show it, instead of a negative id wrapping around to the end of the vocabulary."""
+        tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens)
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="fill").astype(self.dtype)
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """``[B, T, D]`` -> logits ``[B, T, V]`` in fp32 (the tied embedding, fp32 accumulation)."""
@@ -68,8 +74,10 @@ class FalconLM(nnx.Module):
         across a change of id.  With a cache, the tokens continue the cached sequence (its last
         segment); a one-token decode step always continues it.
         """
-        if tokens.ndim != 2:
-            raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got shape {tuple(tokens.shape)}.")
+        if getattr(tokens, "ndim", None) != 2:
+            raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got "
+                             f"{tuple(tokens.shape) if hasattr(tokens, 'shape') else type(tokens).__name__}.")
+        check_token_ids("FalconLM", tokens, self.config.vocab_size)
         # constrain_batch: rows stay on their devices under a sharded step (no-op otherwise)
         x = constrain_batch(self.embed(tokens))
         new_layers = []
@@ -102,21 +110,38 @@ class FalconLM(nnx.Module):
         logits, cache = self(token[:, None], cache=cache)
         return logits[:, 0], cache
 
-    def generate(self, tokens: jax.Array, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False,
-                 rng: jax.Array | None = None) -> jax.Array:
+    def generate(self, tokens: jax.Array, max_new_tokens: int, *, lengths=None, pad_id: int = 0,
+                 temperature: float = 1.0, greedy: bool = False, rng: jax.Array | None = None) -> jax.Array:
         """Autoregressive generation: prefill ``tokens [B, P]``, then ``max_new_tokens`` decode
         steps in one jit-compiled ``lax.scan``.  Returns ``[B, P + max_new_tokens]`` int32
         (the prompt followed by the generated tokens).
 
+        Prompts of different lengths: pass them right-padded in ``tokens`` with ``lengths [B]`` (row b's
+        prompt is ``tokens[b, :lengths[b]]``, 1 <= lengths[b] <= P).  Each row then continues exactly as
+        it would alone (the same tokens under ``greedy``; logits equal up to rounding): the rows run
+        left-aligned to the end, the padding in a segment of its own that no layer passes on.  The result
+        keeps the right-padded layout: row b is its prompt, its ``max_new_tokens`` new tokens, then
+        ``pad_id`` up to ``P + max_new_tokens``.
+
         ``greedy=True`` takes the argmax; otherwise samples ``softmax(logits / temperature)``
-        with ``rng`` (a ``jax.random.key``).
+        with ``rng`` (a ``jax.random.key``).  Token ids must be ints in ``[0, vocab_size)``.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0; got {max_new_tokens!r}.")
-        tokens = jnp.asarray(tokens, jnp.int32)
+        if not hasattr(tokens, "dtype"):
+            tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[1] < 1:
             raise ValueError(f"generate: tokens must be a [batch, prompt_len >= 1] prompt; got shape "
                              f"{tuple(tokens.shape)}.")
+        B, P = tokens.shape
+        V = self.config.vocab_size
+        check_token_ids("generate", tokens, V)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < V:
+            raise ValueError(f"generate: pad_id must be a token id in [0, vocab_size={V}); got {pad_id!r}.")
+        if lengths is not None:
+            lengths = _check_lengths(lengths, B, P)
+            tokens = jnp.where(jnp.arange(P)[None] < lengths[:, None], tokens, pad_id)
         if max_new_tokens == 0:
             return tokens
         if not greedy:
@@ -128,8 +153,42 @@ class FalconLM(nnx.Module):
         else:
             rng = jax.random.key(0)  # unused
         graphdef, state = nnx.split(self)
-        return _generate(graphdef, state, tokens, rng, jnp.asarray(temperature, jnp.float32),
-                         max_new_tokens=max_new_tokens, greedy=bool(greedy))
+        return _generate(graphdef, state, tokens, lengths, rng, jnp.asarray(temperature, jnp.float32),
+                         max_new_tokens=max_new_tokens, greedy=bool(greedy), pad_id=int(pad_id))
+
+
+def check_token_ids(owner: str, tokens, vocab_size: int) -> None:
+    """``tokens`` must be an integer array; concrete ids must lie in ``[0, vocab_size)`` (TypeError /
+    ValueError naming the values found).  Traced ids cannot be read: :meth:`FalconLM.embed` makes an
+    out-of-range one NaN."""
+    dtype = getattr(tokens, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{owner}: tokens must be integer token ids (int32); got "
+                        f"{'dtype ' + str(dtype) if dtype is not None else type(tokens).__name__}"
+                        + (" (ids stored as floats: cast them with .astype(jnp.int32))"
+                           if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "") + ".")
+    if not is_concrete(tokens) or tokens.size == 0:
+        return
+    with jax.ensure_compile_time_eval():
+        lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{owner}: token ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to {hi}.")
+
+
+def _check_lengths(lengths, B: int, P: int) -> jax.Array:
+    """``lengths [B]`` ints with ``1 <= lengths[b] <= P`` (concrete: checked; traced: clipped into range)."""
+    if not hasattr(lengths, "dtype"):
+        lengths = np.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer) or tuple(lengths.shape) != (B,):
+        raise TypeError(f"generate: lengths must be {B} ints (one prompt length per row, shape [B]); got "
+                        f"shape {tuple(lengths.shape)} dtype {lengths.dtype}.")
+    if is_concrete(lengths):
+        with jax.ensure_compile_time_eval():
+            lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(lengths), jnp.max(lengths)])))
+        if lo < 1 or hi > P:
+            raise ValueError(f"generate: lengths must be in [1, {P}] (the prompt's width P = {P}); got "
+                             f"lengths from {lo} to {hi}.")
+    return jnp.clip(jnp.asarray(lengths, jnp.int32), 1, P)
 
 
 def _sample(logits, key, temperature, greedy):
@@ -138,12 +197,19 @@ def _sample(logits, key, temperature, greedy):
     return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
-def _generate(graphdef, state, tokens, rng, temperature, *, max_new_tokens, greedy):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "pad_id"))
+def _generate(graphdef, state, tokens, lengths, rng, temperature, *, max_new_tokens, greedy, pad_id):
     model = nnx.merge(graphdef, state)
     B, P = tokens.shape
     keys = jax.random.split(rng, max_new_tokens)
-    logits, cache = model(tokens, cache=model.init_cache(B, P + max_new_tokens))
+    if lengths is None:
+        prompt, segment_ids = tokens, None
+    else:  # right-align the rows: padding first, in segment 0; the prompt in segment 1 starts fresh
+        src = jnp.arange(P)[None] - (P - lengths)[:, None]
+        real = src >= 0
+        prompt = jnp.where(real, jnp.take_along_axis(tokens, jnp.maximum(src, 0), axis=1), pad_id)
+        segment_ids = real.astype(jnp.int32)
+    logits, cache = model(prompt, segment_ids=segment_ids, cache=model.init_cache(B, P + max_new_tokens))
     first = _sample(logits[:, -1], keys[0], temperature, greedy)
 
     def body(carry, key):
@@ -153,7 +219,16 @@ def _generate(graphdef, state, tokens, rng, temperature, *, max_new_tokens, gree
         return (nxt, cache), nxt
 
     _, rest = jax.lax.scan(body, (first, cache), keys[1:])
-    return jnp.concatenate([tokens, first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+    new = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)  # [B, N]
+    if lengths is None:
+        return jnp.concatenate([tokens, new], axis=1)
+    # right-padded result: row b = prompt (lengths[b]), its N new tokens, pad_id
+    j = jnp.arange(P + max_new_tokens)[None]
+    in_prompt = j < lengths[:, None]
+    in_new = ~in_prompt & (j < lengths[:, None] + max_new_tokens)
+    both = jnp.concatenate([tokens, new], axis=1)
+    idx = jnp.where(in_prompt, j, jnp.where(in_new, j - lengths[:, None] + P, 0))
+    return jnp.where(in_prompt | in_new, jnp.take_along_axis(both, idx, axis=1), pad_id)
 
 
 # ---------------------------------------------------------------------- loss

@@ -1,0 +1,184 @@
+"""Bad inputs to the rules and to generation: clear errors for concrete values, the rules' domain for
+traced ones, and the edge cases that used to fail silently or with an unrelated error.
+
+The rules' domain (docs/rules.md): β ∈ [0, 2] (normalized step; η ≥ 0 with step="direct"), λ ≥ 0,
+window ≥ 1; the baselines: β ≥ 0, log_decay ≤ 0."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from falcon_jax import decayed_linear_attention, deltanet, falcon, falcon_step, init_state, testing
+from falcon_jax.nn import FalconLM, LMConfig
+
+B, T, H, DK, DV = 2, 16, 2, 4, 3
+
+
+@pytest.fixture
+def qkv():
+    q, k, v, _, _ = testing.random_inputs(jax.random.key(7), batch=B, time=T, heads=H, dk=DK, dv=DV)
+    return q, k, v
+
+
+def full(value, shape=(B, T, H)):
+    return jnp.full(shape, value, jnp.float32)
+
+
+# --------------------------------------------------------------------------- concrete: ValueError
+@pytest.mark.parametrize("beta, lam, step, named", [
+    (-1.0, 0.1, "normalized", r"`beta` must be in \[0, 2\] \(the normalized step size\); got values in \[-1, -1\]"),
+    (2.5, 0.1, "normalized", r"`beta` must be in \[0, 2\]"),
+    (100.0, 0.1, "normalized", r"`beta` must be in \[0, 2\].*2 \* jax.nn.sigmoid"),
+    (np.nan, 0.1, "normalized", r"`beta` must be finite and in \[0, 2\].*NaN or inf"),
+    (0.5, -0.5, "normalized", r"`lam` must be >= 0 \(the ridge λ; λ < 0 makes the decay γ > 1.*softplus"),
+    (0.5, np.inf, "normalized", r"`lam` must be finite"),
+    (-0.1, 0.1, "direct", r"`beta` must be >= 0 \(the step size η with step='direct'\)"),
+])
+def test_gates_outside_the_domain_raise_naming_the_range(qkv, beta, lam, step, named):
+    q, k, v = qkv
+    for b, l_ in ((full(beta), full(lam)), (np.full((B, T, H), beta), np.full((B, T, H), lam))):
+        with pytest.raises(ValueError, match=named):  # checked while tracing: nothing is compiled
+            jax.eval_shape(lambda: falcon(q, k, v, b, l_, variant="1", step=step))
+    state = init_state(B, H, DK, DK, variant="1")
+    with pytest.raises(ValueError, match=named.replace("`beta`", "`beta`").replace("`lam`", "`lam`")):
+        falcon_step(state, q[:, 0], k[:, 0], k[:, 0], full(beta, (B, H)), full(lam, (B, H)), variant="1", step=step)
+
+
+def test_baseline_gates_outside_the_domain_raise(qkv):
+    q, k, v = qkv
+    negative, positive = full(-0.5), full(0.1)  # made here: inside eval_shape they would be traced
+    with pytest.raises(ValueError, match=r"`beta` must be >= 0 \(the write gain\)"):
+        jax.eval_shape(lambda: deltanet(q, k, v, negative))
+    with pytest.raises(ValueError, match=r"`log_decay` must be <= 0"):
+        jax.eval_shape(lambda: decayed_linear_attention(q, k, v, positive))
+
+
+@pytest.mark.parametrize("variant", ["1", "3A"])
+def test_traced_gates_are_clamped_into_the_domain(variant):
+    """Under jit the values cannot be read: β = 10 runs as β = 2, λ = −0.99 as λ = 0, β = −3 as β = 0
+    (before: overflow to inf, then NaN, on long sequences), and the edge β = 2 is the float64 reference's."""
+    T_ = 96
+    q, k, v, _, _ = testing.random_inputs(jax.random.key(1), batch=1, time=T_, heads=1, dk=4, dv=2)
+    run = jax.jit(lambda b, l_: falcon(q, k, v, b, l_, variant=variant, form="recurrent"))
+    shape = (1, T_, 1)
+    for bad, edge in (((10.0, 0.0), (2.0, 0.0)), ((1.0, -0.99), (1.0, 0.0)), ((-3.0, 0.5), (0.0, 0.5))):
+        out = run(full(bad[0], shape), full(bad[1], shape))
+        assert bool(jnp.all(jnp.isfinite(out)))
+        np.testing.assert_array_equal(out, run(full(edge[0], shape), full(edge[1], shape)))
+    testing.assert_matches_reference(q[:, :24], k[:, :24], v[:, :24], 2.0, 0.0, variant=variant, form="recurrent")
+
+
+def test_scalar_gates_broadcast(qkv):
+    q, k, v = qkv
+    run = jax.jit(lambda b, l_: falcon(q, k, v, b, l_, variant="1A", form="recurrent"))
+    np.testing.assert_array_equal(jax.jit(lambda: falcon(q, k, v, 0.5, 0.1, variant="1A", form="recurrent"))(),
+                                  run(full(0.5), full(0.1)))
+
+
+def test_empty_batch_or_heads_give_empty_results():
+    for b, h in ((0, 2), (2, 0)):
+        q = jnp.zeros((b, 8, h, DK))
+        v = jnp.zeros((b, 8, h, DV))
+        for form in ("chunk", "parallel", "recurrent"):
+            out, state = falcon(q, q, v, full(1.0, (b, 8, h)), full(0.1, (b, 8, h)), variant="3", form=form,
+                                return_final_state=True)
+            assert out.shape == (b, 8, h, DV)
+            testing.assert_state_layout(state, batch=b, heads=h, dk=DK, dv=DV, variant="3")
+
+
+def test_state_fields_of_the_wrong_dtype_are_named(qkv):
+    q, k, v = qkv
+    state = init_state(B, H, DK, DV, variant="1")
+    for field, bad, named in (("S", state.S.astype(jnp.int32), r"`initial_state.S` must be a floating-point"),
+                              ("has_key", state.has_key.astype(jnp.int32), r"`initial_state.has_key` must be a bool")):
+        with pytest.raises(TypeError, match=named):
+            jax.eval_shape(lambda: falcon(q, k, v, full(1.0), full(0.1), variant="1",
+                                          initial_state=state.replace(**{field: bad})))
+
+
+def test_window_far_above_t_is_capped_at_t(qkv):
+    """W = 1000 at T = 12 is the program of W = 12 (before, at T = 16: still compiling after 10 minutes): the
+    same outputs, the lowered chunk form the same size, a final state with W − 1 tail slots that continues
+    exactly like the float64 reference with window 1000."""
+    T = 12  # (a window of at most 8 takes the Jacobi eigensolver, slower to compile)
+    q, k, v = (a[:, :T] for a in qkv)
+    beta, lam = full(1.0, (B, T, H)), full(0.1, (B, T, H))
+
+    def run(window, form="parallel", variant="3"):
+        return jax.jit(lambda *a: falcon(*a, variant=variant, window=window, form=form, return_final_state=True))
+
+    # first the program sizes (an uncapped window would unroll 1000 slots here, in seconds, not compile them)
+    sizes = [len(run(w, "chunk", "3A").lower(q, k, v, beta, lam).as_text()) for w in (T, 1000)]
+    assert sizes[1] < 1.1 * sizes[0], sizes  # the window's unrolled work does not grow beyond T
+    out_w, state_w = run(1000)(q, k, v, beta, lam)
+    out_t, state_t = run(T)(q, k, v, beta, lam)
+    np.testing.assert_array_equal(out_w, out_t)
+    testing.assert_state_layout(state_w, batch=B, heads=H, dk=DK, dv=DV, variant="3", window=1000)
+    np.testing.assert_array_equal(state_w.tail_x[:, :, -(T - 1):], state_t.tail_x)
+    assert not bool(jnp.any(state_w.tail_valid[:, :-(T - 1)]))
+    # continue with one decode step of window 1000 (Falcon-3A: no eigensolver over 1000 slots)
+    o_a, s_a = jax.jit(lambda *a: falcon(*a, variant="3A", window=1000, form="chunk", chunk_size=8,
+                                         return_final_state=True))(q, k, v, beta, lam)
+    o_b, _ = falcon_step(s_a, q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], variant="3A", window=1000)
+    from falcon_jax.reference import reference_falcon
+    cat = [np.concatenate([np.asarray(a), np.asarray(a[:, :1])], axis=1) for a in (q, k, v, beta, lam)]
+    want, _ = reference_falcon(*cat, variant="3A", window=1000)
+    np.testing.assert_allclose(np.asarray(o_a), want[:, :T], rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(o_b), want[:, T], rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------- generation
+@pytest.fixture(scope="module")
+def hybrid():
+    """Falcon-3A (window 3, short convolutions) then softmax attention with a KV cache; a larger init so that
+    greedy decoding does not settle on one token."""
+    cfg = LMConfig(mixer="falcon-3A", vocab_size=32, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                   chunk_size=4, window=3, layer_mixers=("falcon-3A", "transformer"), init_std=0.5)
+    return FalconLM(cfg, rngs=nnx.Rngs(3))
+
+
+def test_token_ids_and_dtypes_are_checked(hybrid):
+    toks = np.array([[1, 2, 3]], np.int32)
+    with pytest.raises(TypeError, match="tokens must be integer token ids.*cast them with .astype"):
+        hybrid.generate(toks.astype(np.float32), 2, greedy=True)
+    for bad, got in ((toks + 31, "from 32 to 34"), (toks - 2, "from -1 to 1")):
+        with pytest.raises(ValueError, match=rf"token ids must be in \[0, vocab_size=32\); got ids {got}"):
+            hybrid.generate(bad, 2, greedy=True)
+        with pytest.raises(ValueError, match=r"FalconLM: token ids must be in \[0, vocab_size=32\)"):
+            hybrid(jnp.asarray(bad))
+    # traced ids cannot be read: an out-of-range one makes its row NaN instead of wrapping to another token
+    logits = nnx.jit(lambda m, t: m(t))(hybrid, jnp.asarray([[1, 2, 3], [1, -1, 3], [1, 32, 3]], jnp.int32))
+    assert bool(jnp.all(jnp.isfinite(logits[0]))) and bool(jnp.all(jnp.isnan(logits[1:, 1])))
+
+
+def test_decoding_past_the_kv_cache_raises():
+    model = FalconLM(LMConfig(mixer="transformer", vocab_size=32, d_model=16, n_layers=1, n_heads=2,
+                              mlp_hidden=32), rngs=nnx.Rngs(0))
+    call = nnx.jit(lambda m, t, c: m(t, cache=c))
+    _, cache = call(model, jnp.asarray([[1, 2, 3]], jnp.int32), model.init_cache(1, 4))
+    logits, cache = call(model, jnp.asarray([[4]], jnp.int32), cache)  # fills the last position
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    testing.assert_cache_layout(cache, model, 1, 4)
+    with pytest.raises(ValueError, match=r"decoding past the KV cache: 4 positions filled \+ 1 new > max_len=4"):
+        model(jnp.asarray([[5]], jnp.int32), cache=cache)
+    logits, _ = call(model, jnp.asarray([[5]], jnp.int32), cache)
+    assert bool(jnp.all(jnp.isnan(logits)))  # traced: loud, not a silently wrong distribution
+
+
+def test_prompts_of_different_lengths_continue_as_alone(hybrid):
+    rng = np.random.default_rng(11)
+    P, N = 7, 6
+    toks = rng.integers(0, 32, size=(3, P)).astype(np.int32)
+    lengths = np.array([7, 2, 4])
+    out = np.asarray(hybrid.generate(toks, N, lengths=lengths, pad_id=0, greedy=True))
+    assert out.shape == (3, P + N)
+    news = []
+    for b in range(3):
+        alone = np.asarray(hybrid.generate(toks[b:b + 1, :lengths[b]], N, greedy=True))[0]
+        np.testing.assert_array_equal(out[b, :lengths[b] + N], alone, err_msg=f"row {b}")
+        assert (out[b, lengths[b] + N:] == 0).all()  # pad_id after the row's tokens
+        news.append(tuple(alone[lengths[b]:]))
+    assert len(set(news)) == 3 and all(len(set(n)) > 1 for n in news)  # the comparison is not vacuous
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, 7\]"):
+        hybrid.generate(toks, N, lengths=np.array([7, 0, 4]), greedy=True)

@@ -1,0 +1,73 @@
+"""falcon_jax.testing: its documented example runs, and each check fails when what it checks is wrong."""
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import falcon_jax.testing as ft
+from falcon_jax import falcon
+
+
+def test_the_module_example_runs():
+    result = doctest.testmod(ft, raise_on_error=False, verbose=False)
+    assert result.attempted >= 6 and result.failed == 0, result
+
+
+@pytest.fixture
+def inputs():
+    return ft.random_inputs(jax.random.key(5), batch=2, time=10, heads=2, dk=4, dv=3, variant="2")
+
+
+def test_matches_reference_passes_and_fails(inputs, monkeypatch):
+    q, k, v, beta, lam = inputs
+    err = ft.assert_matches_reference(q, k, v, beta, lam, variant="2", form="chunk", chunk_size=4)
+    assert 0 < err < ft.default_tolerance(jnp.float32)
+
+    def off_by_a_little(*a, **kw):  # an implementation that is wrong by 1e-3 of the output's scale
+        out, state = falcon(*a, **kw)
+        return out + 1e-3 * jnp.max(jnp.abs(out)), state
+
+    monkeypatch.setattr(ft, "falcon", off_by_a_little)
+    with pytest.raises(AssertionError, match=r"vs the float64 reference: output.*max \|got - want\| / max \|want\|"):
+        ft.assert_matches_reference(q, k, v, beta, lam, variant="2", form="chunk", chunk_size=4)
+
+
+def test_forms_agree_fails_on_a_wrong_state(inputs, monkeypatch):
+    q, k, v, beta, lam = inputs
+    errors = ft.assert_forms_agree(q, k, v, beta, lam, variant="2A", forms=("recurrent", "chunk"), chunk_size=4)
+    assert set(errors) == {"chunk"}
+
+    def chunk_state_off(*a, form, **kw):
+        out, state = falcon(*a, form=form, **kw)
+        return out, (state.replace(S=state.S * 1.01) if form == "chunk" else state)
+
+    monkeypatch.setattr(ft, "falcon", chunk_state_off)
+    with pytest.raises(AssertionError, match=r"form 'chunk' vs 'recurrent': final state.S"):
+        ft.assert_forms_agree(q, k, v, beta, lam, variant="2A", forms=("recurrent", "chunk"), chunk_size=4)
+
+
+def test_domain_checks_run_before_the_compiled_call(inputs):
+    q, k, v, beta, lam = inputs
+    with pytest.raises(ValueError, match="`lam` must be >= 0"):
+        ft.assert_matches_reference(q, k, v, beta, -lam, variant="2")
+
+
+def test_state_and_cache_layouts():
+    state = jax.eval_shape(lambda: falcon(*ft.random_inputs(jax.random.key(0), batch=1, time=5, heads=2, dk=4,
+                                                            dv=3), variant="3", window=3, return_final_state=True))[1]
+    ft.assert_state_layout(state, batch=1, heads=2, dk=4, dv=3, variant="3", window=3, dtype=jnp.float32)
+    with pytest.raises(AssertionError):
+        ft.assert_state_layout(state, batch=1, heads=2, dk=4, dv=3, variant="3", window=4)  # tail 3, not 2
+    with pytest.raises(AssertionError):
+        ft.assert_state_layout(state, batch=1, heads=2, dk=4, dv=3, variant="3", window=3, dtype=jnp.float64)
+
+    from falcon_jax.nn import FalconLM, LMConfig
+    model = FalconLM(LMConfig.preset("falcon-1A-tiny"), rngs=nnx.Rngs(0))
+    cache = model.init_cache(2, 8)
+    ft.assert_cache_layout(cache, model, 2, 8)
+    grown = jax.tree.map(lambda a: np.concatenate([a, a], axis=0) if a.ndim else a, cache)
+    with pytest.raises(AssertionError):
+        ft.assert_cache_layout(grown, model, 2, 8)
