@@ -22,8 +22,8 @@ import pytest
 from falcon_jax.kernels.decayed_delta_rule import KernelConfig, decayed_delta_rule
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
 from tests.helpers import rel_err
-from tests.kernels.helpers import (FP32_TOL, check_op, clamped_decays, delta_inputs, f32, nearly_parallel,
-                                   pallas_call_avals, pallas_calls, time_major, value_and_grads)
+from tests.kernels.helpers import (check_op, clamped_decays, delta_inputs, f32, nearly_parallel, pallas_call_avals,
+                                   pallas_calls, time_major, value_and_grads)
 
 NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
 SHIFTED_NAMES = ("q", "k", "y", "eta", "log_gamma", "initial_state", "first_key")
