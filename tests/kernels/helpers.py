@@ -136,10 +136,11 @@ def _pallas_eqns(jaxpr, out):
     return out
 
 
-def pallas_calls(fn, *args) -> list[str]:
+def pallas_calls(fn, *args, param=None) -> list:
     """The names of the Pallas kernels ``fn(*args)`` traces, in order, with repeats (interpret mode included: the
-    kernels are traced whatever runs them)."""
-    return [str(eqn.params["name"]) for eqn in _pallas_eqns(jax.make_jaxpr(fn)(*args).jaxpr, [])]
+    kernels are traced whatever runs them); with ``param``, ``(name, that parameter of the call)`` pairs."""
+    eqns = _pallas_eqns(jax.make_jaxpr(fn)(*args).jaxpr, [])
+    return [str(e.params["name"]) if param is None else (str(e.params["name"]), e.params[param]) for e in eqns]
 
 
 def pallas_call_avals(fn, args, name):

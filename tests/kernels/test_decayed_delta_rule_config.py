@@ -120,6 +120,8 @@ def test_device_key_of_another_gpu_takes_the_generic_row(monkeypatch):
 def test_tuned_rows_per_dtype(monkeypatch):
     """16-bit inputs take the H200's bf16 values (the dataclass defaults), fp32 the row with 64-column chunk
     gradients and no 64-column walks; the sm90 and sm100 rows add the 4-stage narrow output walk."""
+    cpu = types.SimpleNamespace(platform="cpu")
+    monkeypatch.setattr(jax, "devices", lambda: [cpu])  # a CPU takes the generic GPU row
     assert set(TUNED) == {"gpu", "sm90", "sm100", "tpu"}
     assert tuned_config(BF) is tuned_config(jnp.float16) is TUNED["gpu"]["16-bit"] == KernelConfig()
     assert tuned_config(F32) == KernelConfig(grad_block_v=64, wide_walk_programs=None)

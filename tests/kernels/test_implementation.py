@@ -23,9 +23,17 @@ from falcon_jax.kernels.implementation import NoImplementation
 from falcon_jax.kernels.per_column import decayed_attention_per_column, decayed_delta_rule_per_column
 from falcon_jax.kernels.windowed_delta_rule import windowed_delta_rule
 from falcon_jax.rules import baseline_rule, falcon_rule
-from tests.kernels.helpers import S, on_backend
+from tests.kernels.helpers import S, on_backend, pallas_calls
 
 B, H, T = 1, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def on_a_cpu(monkeypatch):
+    """The tests answer for a CPU without a Hopper GPU unless they say otherwise (``on_backend``), whatever
+    machine runs them."""
+    on_backend(monkeypatch, "cpu")
+    monkeypatch.setattr(common, "on_hopper", lambda: False)
 
 
 def op_specs(dk=16, dv=16, dtype=jnp.float32, per_column=False):
@@ -279,16 +287,21 @@ def test_falcon_names_a_kernel_or_says_why_not():
     assert out.shape == (B, T, H, 16)
 
 
-def test_falcon_runs_named_kernels_interpreted_off_their_accelerator():
-    """On this CPU ``impl="triton"`` / ``"mosaic_tpu"`` trace the Pallas kernels (interpret mode)."""
-    from tests.kernels.helpers import pallas_calls
-
+def test_falcon_runs_named_kernels_interpreted_off_their_accelerator(monkeypatch):
+    """On a CPU ``impl="triton"`` / ``"mosaic_tpu"`` run the Pallas kernels in interpret mode; on their own
+    accelerator compiled; "xla" and, on a CPU, "auto" run none."""
     args = [jnp.zeros(s.shape, s.dtype) for s in falcon_specs()]
-    for name, suffix in (("triton", ""), ("mosaic_tpu", "_tpu")):
-        kernels = pallas_calls(lambda *a: falcon(*a, variant="1A", chunk_size=16, impl=name), *args)
-        assert kernels == [f"falcon_decayed_attention_fwd{suffix}"], (name, kernels)
-    assert pallas_calls(lambda *a: falcon(*a, variant="1A", chunk_size=16, impl="xla"), *args) == []
-    assert pallas_calls(lambda *a: falcon(*a, variant="1A", chunk_size=16), *args) == []  # "auto" on a CPU
+
+    def kernels(impl):
+        return pallas_calls(lambda *a: falcon(*a, variant="1A", chunk_size=16, impl=impl), *args, param="interpret")
+
+    for name, platform, suffix in (("triton", "gpu", ""), ("mosaic_tpu", "tpu", "_tpu")):
+        ((kernel, interpreted),) = kernels(name)
+        assert kernel == f"falcon_decayed_attention_fwd{suffix}" and interpreted
+        on_backend(monkeypatch, platform)
+        assert [interpreted for _, interpreted in kernels(name)] == [False], name
+        on_backend(monkeypatch, "cpu")
+    assert kernels("xla") == kernels("auto") == []
 
 
 # ---- falcon(kernel_config=...) ----------------------------------------------------------------------------
