@@ -254,9 +254,13 @@ def test_falcon_auto_falls_back_to_xla_on_a_gpu_with_one_warning_per_reason(monk
     is XLA anyway, it says nothing."""
     falcon_mod = importlib.import_module("falcon_jax.falcon")  # the package exports the function by that name
     monkeypatch.setattr(falcon_mod, "_warned", set())
+    q, k, v, beta, lam = falcon_specs()
     with pytest.warns(UserWarning) as record:
-        for _ in range(3):
-            assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"
+        on_backend(monkeypatch, "gpu")
+        for _ in range(2):  # the public call: XLA's chunk form, no kernel traced
+            assert pallas_calls(lambda *a: gated_deltanet(*a, chunk_size=16),
+                                *(jnp.ones(s.shape, s.dtype) for s in (q, k, v, beta, lam))) == []
+        assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"
     assert len(record) == 1
     assert "no Pallas kernel for the residual on the decayed state (Gated DeltaNet)" in str(record[0].message)
     assert "using the XLA chunk form" in str(record[0].message)
