@@ -183,7 +183,8 @@ class TritonDeltaRule(DeltaRuleChecks):
         ("BTHD", "reset", FUSED, True),
         ("BHTD", "none", Q_TERM, True),
         pytest.param("BTHD", "random", SPLIT, False, marks=pytest.mark.slow),
-        ("BTHD", "random", KernelConfig(fill_programs=1, pieces_below=10**6), False),
+        pytest.param("BTHD", "random", KernelConfig(fill_programs=1, pieces_below=10**6), False,
+                     marks=pytest.mark.slow),  # test_shifted_keys_match_float64 takes the copy (pieces) too
     ], ids=["in-place-reset", "in-place-no-first-key", "split-copy", "pieces-copy"])
     def test_keys_one_row_back(self, rng, layout, first_key, config, in_place):
         """``shifted_keys=True`` where every pass reads the keys one row back in place (one piece, the fused

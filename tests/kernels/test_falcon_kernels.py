@@ -142,8 +142,8 @@ def test_falcon3(rng, window, options, grads):
 
 
 @pytest.mark.parametrize("variant,impl", [
-    ("2", "triton"), ("2A", "triton"), ("2", "mosaic_tpu"),
-    pytest.param("2A", "mosaic_tpu", marks=pytest.mark.slow)])
+    ("2", "triton"), ("2A", "triton"),  # the TPU's per-column kernels: test_per_column.py
+    pytest.param("2", "mosaic_tpu", marks=pytest.mark.slow), pytest.param("2A", "mosaic_tpu", marks=pytest.mark.slow)])
 def test_falcon2_per_column_gains(rng, variant, impl):
     """Falcon-2 and 2A with a gain per value column through the per-column ops, Triton and TPU."""
     inputs, extra = falcon_inputs(rng, H=1, T=41, per_column=True, segments=True)
