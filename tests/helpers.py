@@ -158,76 +158,6 @@ def jcall(fn, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------
-# Pallas kernel tests: layouts and bf16 gradients.
-# ----------------------------------------------------------------------------
-def time_major(a):
-    """``[B, H, T, ...]`` -> ``[B, T, H, ...]`` (the kernel ops' ``layout="BTHD"``)."""
-    import jax.numpy as jnp
-
-    return jnp.swapaxes(jnp.asarray(a), 1, 2)
-
-
-def bf16_gradient_errors(q, k, v, beta, lam, ct, **falcon_kw):
-    """Gradients of ``Σ falcon(q, k, v, β, λ) · ct`` w.r.t. bf16 ``q, k, v``: the Pallas kernel (outputs
-    poisoned) and the XLA chunk form (fp32 compute), each against the float64 XLA form on the same bf16
-    values.  Returns ``[(name, kernel gradient, kernel error, XLA error)]`` for q, k, v."""
-    import jax
-    import jax.numpy as jnp
-
-    from falcon_jax import falcon
-    from falcon_jax.kernels.common import poisoned_outputs
-
-    bf = [jnp.asarray(a).astype(jnp.bfloat16) for a in (q, k, v)]
-
-    def grads(impl, xs, dtype):
-        def loss(q_, k_, v_):
-            out = falcon(q_, k_, v_, jnp.asarray(beta).astype(dtype), jnp.asarray(lam).astype(dtype), impl=impl,
-                         **falcon_kw)
-            return jnp.sum(out.astype(dtype) * jnp.asarray(ct).astype(dtype))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*xs)  # eager: interpret-mode kernels op by op
-
-    exact = grads("xla", [a.astype(jnp.float64) for a in bf], jnp.float64)
-    with poisoned_outputs():
-        got = grads("pallas", bf, jnp.float32)
-    xla = grads("xla", bf, jnp.float32)
-    return [(name, g, rel_err(g, e), rel_err(x, e)) for name, g, x, e in zip("qkv", got, xla, exact)]
-
-
-def assert_pallas_matches_xla_chunk_form(q, k, v, beta, lam, kw, check_grads, rng, tol, same=("last_key",)):
-    """``falcon(**kw, impl="pallas")`` (outputs poisoned first) against ``impl="xla"``, continuing from the state
-    after the first 9 steps: outputs and S (rel. ``tol``), the state fields ``same`` exactly, and with
-    ``check_grads`` the gradients w.r.t. q, k, v, β, λ (rel. 1e-4).  Jitted: run eagerly, the interpret-mode
-    kernels dispatch op by op (up to 53 s a case in the suite on a 2-core machine)."""
-    import jax
-    import jax.numpy as jnp
-
-    from falcon_jax import falcon
-    from falcon_jax.kernels.common import poisoned_outputs
-
-    _, state = falcon(q[:, :9], k[:, :9], v[:, :9], beta[:, :9], lam[:, :9], **{**kw, "segment_ids": None})
-    run = jax.jit(lambda *a, impl: falcon(*a[:5], impl=impl, initial_state=a[5], **kw), static_argnames="impl")
-    with poisoned_outputs():
-        got, got_state = run(q, k, v, beta, lam, state, impl="pallas")
-    want, want_state = run(q, k, v, beta, lam, state, impl="xla")
-    assert rel_err(got, want) < tol
-    assert rel_err(got_state.S, want_state.S) < tol
-    for name in same:
-        np.testing.assert_array_equal(getattr(got_state, name), getattr(want_state, name))
-    if not check_grads:
-        return
-    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(*a):
-            out = falcon(*a[:5], impl=impl, initial_state=a[5], **{**kw, "return_final_state": False})
-            return jnp.sum(out * ct)
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, beta, lam, state)
-
-    for name, g, w in zip("q k v beta lam".split(), grads("pallas"), grads("xla")):
-        assert rel_err(g, w) < 1e-4, name
-
-
-# ----------------------------------------------------------------------------
 # Scripts on simulated CPU devices (the device count is fixed before jax starts: a subprocess).
 # ----------------------------------------------------------------------------
 def run_on_simulated_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
@@ -245,19 +175,3 @@ def run_on_simulated_devices(script: str, devices: int, *args: str, timeout: int
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
-
-def mosaic_lowering_available() -> bool:
-    """This jax lowers a Pallas Mosaic GPU kernel for CUDA without a GPU (cross-lowering on CPU)."""
-    import jax
-    import jax.numpy as jnp
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        def copy(x_ref, o_ref):
-            o_ref[...] = x_ref[...]
-
-        kernel = plgpu.kernel(copy, out_type=jax.ShapeDtypeStruct((128,), jnp.float32))
-        jax.jit(kernel).trace(jax.ShapeDtypeStruct((128,), jnp.float32)).lower(lowering_platforms=("cuda",))
-        return True
-    except Exception:  # noqa: BLE001  (no Mosaic GPU, or no CUDA lowering in this jaxlib)
-        return False

@@ -61,7 +61,9 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be 'input' or 'fp32', got {getattr(self, name)!r}.")
         for name in ("block_v", "split_block_v", "grad_block_v", "grad_block_k"):
             width = getattr(self, name)
-            if width is not None and (not isinstance(width, int) or width < 16 or width & (width - 1)):
+            if width is None and name in ("block_v", "split_block_v"):  # chosen per call
+                continue
+            if not isinstance(width, int) or width < 16 or width & (width - 1):
                 raise ValueError(f"KernelConfig: {name} must be a power of two >= 16 (or None where allowed), "
                                  f"got {width!r}.")
         for name in ("tri_warps", "fwd_warps", "state_warps", "prepare_warps", "grad_warps"):

@@ -105,7 +105,7 @@ def _tri_kernel(x_ref, *refs, chunk, group):
 
 
 def tri_inverse_pass(x, eta, g, gp, rl, *, chunk, interpret, num_warps=None, num_stages=None, group=1):
-    """See :func:`pallas_gpu.tri_inverse_pass`."""
+    """See :func:`.triton.triangular_inverse.tri_inverse_pass`."""
     del num_warps, num_stages
     BH, L, dk = x.shape
     n = L // chunk
@@ -154,11 +154,11 @@ def _forward_kernel(q_ref, x_ref, y_ref, *refs, chunk, write_o, write_h):
 
 def forward_pass(q, x, y, eta, g, gp, rl, tinv, s0, *, chunk, pieces, block_v, write_o, write_h, interpret,
                  num_warps=None, num_stages=None, walk_operands=None):
-    """See :func:`pallas_gpu.forward_pass` (``pieces`` must be 1; block_v is the whole dv; the walk's operands
+    """See :func:`.triton.forward.forward_pass` (``pieces`` must be 1; block_v is the whole dv; the walk's operands
     stay fp32: ``walk_operands`` is a GPU choice)."""
     del block_v, num_warps, num_stages, walk_operands
     if pieces != 1:
-        raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
+        raise NotImplementedError("mosaic_tpu decayed_delta_rule: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
     dv = y.shape[-1]
     n = L // chunk
@@ -217,10 +217,10 @@ def _state_grad_kernel(q_ref, x_ref, *refs, chunk, write_dh):
 
 def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret,
                     num_warps=None, num_stages=None, walk_operands=None):
-    """See :func:`pallas_gpu.state_grad_pass` (reverse walk: grid step i visits chunk n-1-i)."""
+    """See :func:`.triton.state_grads.state_grad_walk` (reverse walk: grid step i visits chunk n-1-i)."""
     del block_v, num_warps, num_stages, walk_operands
     if pieces != 1:
-        raise NotImplementedError("pallas_tpu: no sequence split (pieces must be 1)")
+        raise NotImplementedError("mosaic_tpu decayed_delta_rule: no sequence split (pieces must be 1)")
     BH, L, dk = q.shape
     dv = do.shape[-1]
     n = L // chunk
@@ -244,7 +244,7 @@ def state_grad_pass(q, x, eta, g, gp, rl, tinv, do, ds_end, *, chunk, pieces, bl
 
 
 def _chunk_grad_kernel(q_ref, x_ref, y_ref, *refs, chunk, group):
-    """See :func:`pallas_gpu._chunk_grad_kernel`; the per-position gradients are ``[C, 1]`` columns."""
+    """One chunk's gradients from T, h and dh; the per-position gradients are ``[C, 1]`` columns."""
     gate_refs = refs[:8]
     t_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref = refs[8:]
     gt = _Gates(gate_refs, chunk, group)
@@ -293,7 +293,8 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, *refs, chunk, group):
 
 def chunk_grad_pass(q, x, y, eta, g, gp, rl, tinv, do, h, dh, *, chunk, block_v, interpret, num_warps=None,
                     num_stages=None, group=1):
-    """See :func:`pallas_gpu.chunk_grad_pass`."""
+    """Every chunk's dq, dx, dy and the gate gradients from T and the chunk states h, dh (the GPU's
+    :func:`.triton.chunk_grads.chunk_grad_pass` reads the P and dR its walks stored instead)."""
     del block_v, num_warps, num_stages
     BH, L, dk = q.shape
     dv = y.shape[-1]

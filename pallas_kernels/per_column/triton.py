@@ -78,7 +78,7 @@ def _decay_from(mask, g, g_col):
 
 
 def _gates(g, gp, rl, g_last, rl_last):
-    """[C, block_v] gates of a chunk (see ``pallas_gpu._gates``), per column; a_last [block_v]."""
+    """[C, block_v] gates of a chunk (see ``decayed_delta_rule.triton.common._gates``), per column; a_last [block_v]."""
     first = (rl == 0)[:, None]
     cont = jnp.where(first, jnp.exp(g), 0.0)
     cont_p = jnp.where(first, jnp.exp(gp), 0.0)

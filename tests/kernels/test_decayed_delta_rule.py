@@ -1,0 +1,283 @@
+"""``decayed_delta_rule`` (Falcon-1, DeltaNet) against its definition in float64.
+
+    p_t = η_t (y_t − S'_{t-1}ᵀ x_t),   S_t = e^{a_t} S'_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+One class of checks per lowering with that lowering's settings (``IMPLEMENTATION``, ``INTERPRET = False``); the
+``Test...Interpret`` subclasses run them in Pallas's interpret mode on a CPU (small shapes: dk = 16, dv ≤ 32,
+chunks of 16).  A class for a real accelerator subclasses the lowering's class as it is.  Which passes a call
+runs is decided by the program-count rules of ``KernelConfig`` (``test_decayed_delta_rule_config.py``); at these
+shapes the tuned values pick pieces and the split forward, so the Triton class forces each branch with
+thresholds and checks from the traced kernels that it was taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from falcon_jax.kernels.decayed_delta_rule import KernelConfig, decayed_delta_rule
+from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+from tests.helpers import rel_err
+from tests.kernels.helpers import (check_op, clamped_decays, delta_inputs, f32, nearly_parallel, pallas_call_avals,
+                                   pallas_calls, time_major, value_and_grads)
+
+NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
+SHIFTED_NAMES = ("q", "k", "y", "eta", "log_gamma", "initial_state", "first_key")
+
+# the Triton passes' branches, forced by thresholds (these shapes have 2 batch·heads)
+ONE_PIECE = dict(pieces_below=1)
+FUSED = KernelConfig(fill_programs=1, **ONE_PIECE)  # fused walk, scores from their own kernel
+SCORES_IN_WALK = KernelConfig(fill_programs=1, few_output_programs=0, **ONE_PIECE)  # the walk forms them
+Q_TERM = KernelConfig(fill_programs=1, q_term_in_prepare_from=1, **ONE_PIECE)  # the reverse walk reads prepare's
+SPLIT = KernelConfig(fill_programs=10**6, **ONE_PIECE)  # W, U, a state-only walk, the outputs
+
+
+def keys_one_row_later(k, first_key=None):
+    """``x[t] = k[t − 1]``, ``x[0] = first_key`` (None: 0) along the time axis of ``[B, H, T, d]``."""
+    row0 = jnp.zeros_like(k[:, :, :1]) if first_key is None else first_key[:, :, None]
+    return jnp.concatenate([row0, k[:, :, :-1]], axis=2)
+
+
+def reference(run, shifted=False):
+    def ref(q, x, y, eta, log_gamma, s0, first_key=None):
+        if shifted:
+            x = keys_one_row_later(x, first_key)
+        return decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, s0)
+    return ref
+
+
+def shifted_inputs(rng, first_key="random", **kw):
+    """Inputs of a ``shifted_keys=True`` call: ``(q, k, y, η, log γ, s0[, first_key])``, the run index and the
+    gradient names.  ``first_key``: "random", "none" (row 0 writes nothing) or "reset" (random, and row 0 starts
+    a segment: the initial state cannot reach the loss)."""
+    q, k, y, eta, log_gamma, run, s0 = delta_inputs(rng, **kw)
+    args = (q, k, y, eta, log_gamma, s0)
+    if first_key != "none":
+        args += (rng.normal(size=k.shape[:2] + k.shape[3:]) / 4,)
+    if first_key == "reset":
+        run = run + 1
+    return args, run, SHIFTED_NAMES[:len(args)]
+
+
+class DeltaRuleChecks:
+    """The checks every lowering of the op must pass; subclasses set the lowering."""
+
+    IMPLEMENTATION: str
+    INTERPRET: bool = False
+
+    def op(self, run, layout="BHTD", chunk=16, shifted=False, **kw):
+        """The op on ``[B, H, T, ...]`` arrays; with ``layout="BTHD"`` the kernels get ``[B, T, H, ...]``."""
+        swap = time_major if layout == "BTHD" else (lambda a: a)
+
+        def call(q, x, y, eta, log_gamma, s0, first_key=None):
+            o, s = decayed_delta_rule(*(swap(a) for a in (q, x, y, eta, log_gamma, run)), s0, chunk_size=chunk,
+                                      layout=layout, implementation=self.IMPLEMENTATION, interpret=self.INTERPRET,
+                                      shifted_keys=shifted, first_key=first_key, **kw)
+            return swap(o), s
+        return call
+
+    @pytest.mark.parametrize("T,chunk,segments", [(1, 16, False), (53, 16, True),
+                                                  pytest.param(50, 32, True, marks=pytest.mark.slow)])
+    def test_forward_matches_float64(self, rng, T, chunk, segments):
+        """T = 1; a padded last chunk with segment starts inside chunks; non-zero initial state."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=T, segments=segments)
+        check_op(rng, self.op(run, chunk=chunk), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
+
+    def test_gradients_match_float64(self, rng):
+        """Every input's gradient; segment starts inside chunks; dv = 32 in value blocks."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=53)
+        check_op(rng, self.op(run), reference(run), (q, x, y, eta, log_gamma, s0), NAMES)
+
+    @pytest.mark.parametrize("H", [4, pytest.param(3, marks=pytest.mark.slow)])
+    def test_model_layout_matches_float64(self, rng, H):
+        """``layout="BTHD"``: ``[B, T, H, d]`` tokens and ``[B, T, H]`` gates, values and gradients (H = 4: the
+        gates through the transpose kernel; H = 3: transposed by XLA)."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, B=2, H=H, T=45)
+        check_op(rng, self.op(run, layout="BTHD"), reference(run), (q, x, y, eta, log_gamma, s0), NAMES)
+
+    def test_shifted_keys_match_float64(self, rng):
+        """``shifted_keys=True``: x holds the keys and row t writes ``k[t − 1]``, row 0 ``first_key``; values
+        and the gradients w.r.t. k (through the shift) and first_key."""
+        args, run, names = shifted_inputs(rng)
+        check_op(rng, self.op(run, shifted=True), reference(run, shifted=True), args, names)
+
+    def test_extreme_gates(self, rng):
+        """β = η‖x‖² = 1.999 with nearly parallel keys (the triangular inverse alternates in sign, entries near
+        2) and γ = 1e-6 on a third of the steps, 1 elsewhere: finite and within 1e-4."""
+        q, x, y, _, _, run, s0 = delta_inputs(rng, T=64, dv=16, segments=False)
+        x = nearly_parallel(x)
+        eta = 1.999 / np.sum(x * x, axis=-1)
+        log_gamma = clamped_decays(rng, eta.shape)
+        check_op(rng, self.op(run, chunk=32), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, tol=1e-4,
+                 grads=False)
+
+    def test_tiny_decay_every_step(self, rng):
+        """γ = 1e-6 on every step: chunk-local cumulative log decays reach −440 in a chunk of 32; only
+        differences with the later row first are exponentiated, so nothing overflows."""
+        q, x, y, eta, _, run, s0 = delta_inputs(rng, T=40, segments=False)
+        log_gamma = np.full(eta.shape, np.log(1e-6))
+        check_op(rng, self.op(run, chunk=32), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
+
+
+class TritonDeltaRule(DeltaRuleChecks):
+    IMPLEMENTATION = "triton"
+
+    def kernels(self, op, *args):
+        """The Triton kernels forward + backward of ``op`` run (traced), by name, without the prefix."""
+        def loss(*a):
+            o, s = op(*a)
+            return jnp.sum(o) + jnp.sum(s)
+
+        names = pallas_calls(jax.grad(loss, argnums=tuple(range(len(args)))), *f32(*args))
+        return [n.removeprefix("falcon_delta_") for n in names]
+
+    @pytest.mark.parametrize("pieces", [4, pytest.param(2, marks=pytest.mark.slow)])
+    def test_pieces_match_float64(self, rng, pieces):
+        """The sequence cut into pieces walked in parallel: each piece's map ``S_end = M S_start + E``, a scan
+        over pieces for their initial states, the reverse scan with ``Mᵀ`` for the state gradients; values and
+        gradients, segment starts inside pieces."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=100)
+        args = (q, x, y, eta, log_gamma, s0)
+        op = self.op(run, pieces=pieces, config=FUSED)
+        assert self.kernels(op, *args).count("piece_maps") == 1
+        check_op(rng, op, reference(run), args, NAMES)
+
+    @pytest.mark.parametrize("config,forward,backward", [
+        (FUSED, ["tri_inverse", "masked_scores", "fwd"], ["tri_inverse", "fwd", "dstate_prepare", "dstate_walk",
+                                                          "chunk_grads"]),
+        (SCORES_IN_WALK, ["tri_inverse", "fwd"], ["tri_inverse", "fwd", "dstate_prepare", "dstate_walk",
+                                                  "chunk_grads"]),
+        (SPLIT, ["tri_inverse", "prepare_wu", "state_walk", "outputs"],
+         ["tri_inverse", "fwd", "dstate_prepare", "dstate_walk", "chunk_grads"]),
+    ], ids=["fused", "scores-in-walk", "split"])
+    def test_forward_branches_match_float64(self, rng, config, forward, backward):
+        """The forward fused (one walk writing o, its masked scores from their own kernel or formed in the walk)
+        or split (``W = T(η c⁻ ⊙ X)``, ``U = T(η ⊙ Y)`` per chunk, a walk carrying only the state, then every
+        chunk's outputs), as the thresholds force; the backward is the same after either.  Values and every
+        gradient."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=53)
+        args = (q, x, y, eta, log_gamma, s0)
+        op = self.op(run, config=config)
+        assert self.kernels(op, *args) == forward + backward
+        check_op(rng, op, reference(run), args, NAMES)
+
+    @pytest.mark.parametrize("config,q_term", [(Q_TERM, True), pytest.param(FUSED, False, marks=pytest.mark.slow)])
+    def test_reverse_walk_reads_prepares_q_term(self, rng, config, q_term):
+        """From ``q_term_in_prepare_from`` walk programs on, ``prepare_v`` forms the reverse walk's
+        ``(c ⊙ Q)ᵀ dO`` per chunk and the walk adds it (writing dh over it) instead of forming it: the same
+        gradients, dk = dv = 32 (the chunk gradients write dx over P and dy over dR)."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=53, dk=32)
+        args = (q, x, y, eta, log_gamma, s0)
+        op = self.op(run, config=config)
+        ((_, prepared),) = pallas_call_avals(jax.grad(lambda *a: jnp.sum(op(*a)[0])), f32(*args),
+                                             "falcon_delta_dstate_prepare")
+        # V like dO ([B·H, L, dv] head-major), and the q-term [B·H, chunks, dk, dv]
+        assert prepared == [((2, 64, 32), jnp.float32)] + [((2, 4, 32, 32), jnp.float32)] * q_term
+        check_op(rng, op, reference(run), args, NAMES)
+
+    @pytest.mark.parametrize("layout,first_key,config,in_place", [
+        ("BTHD", "reset", FUSED, True),
+        ("BHTD", "none", Q_TERM, True),
+        pytest.param("BTHD", "random", SPLIT, False, marks=pytest.mark.slow),
+        pytest.param("BTHD", "random", KernelConfig(fill_programs=1, pieces_below=10**6), False,
+                     marks=pytest.mark.slow),  # test_shifted_keys_match_float64 takes the copy (pieces) too
+    ], ids=["in-place-reset", "in-place-no-first-key", "split-copy", "pieces-copy"])
+    def test_keys_one_row_back(self, rng, layout, first_key, config, in_place):
+        """``shifted_keys=True`` where every pass reads the keys one row back in place (one piece, the fused
+        forward: a chunk's window one row earlier, row −1 masked, row 0's step folded into the initial state and
+        its gradients back through the fold) and where the op shifts a copy (pieces, the split forward).  Both
+        layouts; first_key random, absent, or with row 0 starting a segment (the initial state then cannot reach
+        the loss)."""
+        args, run, names = shifted_inputs(rng, first_key=first_key, B=2, T=53)
+        op = self.op(run, layout=layout, shifted=True, config=config)
+        if self.INTERPRET:  # keys read in place in interpret mode: a NaN row in front of the 64 rows, not a copy
+            ((operands, _),) = pallas_call_avals(op, f32(*args), "falcon_delta_tri_inverse")
+            assert operands[0][0][1] == 64 + in_place
+        check_op(rng, op, reference(run, shifted=True), args, names,
+                 unreached=("initial_state",) if first_key == "reset" else ())
+
+    @pytest.mark.parametrize("config", [FUSED, pytest.param(KernelConfig(), marks=pytest.mark.slow)],
+                             ids=["fused", "tuned"])
+    def test_bf16_within_the_fp32_operand_error(self, rng, config):
+        """bf16 q, x, y: the walks round their state-sized operands, T and dR to bf16 (``KernelConfig``'s
+        "input" precision, the tuned one).  Outputs and gradients against float64 on the same bf16 values within
+        twice the error of the fp32-operand path plus one bf16 unit (2⁻⁸ of the largest value), and the
+        gradients within about four bf16 units."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=64)
+        bf = tuple(jnp.asarray(a, jnp.bfloat16) for a in (q, x, y))
+        gates = f32(eta, log_gamma, s0)
+        cts = (jnp.asarray(rng.normal(size=y.shape)), jnp.zeros(s0.shape))
+
+        def run_op(cfg, dtype):
+            def fn(q_, x_, y_):
+                o, s = decayed_delta_rule(q_, x_, y_, *gates[:2], run, gates[2], chunk_size=16,
+                                          implementation=self.IMPLEMENTATION, interpret=self.INTERPRET, config=cfg)
+                return o.astype(jnp.float32), s
+            (o, _), grads = value_and_grads(fn, tuple(a.astype(dtype) for a in bf), cts)
+            return [o, *grads]
+
+        exact = run_op_reference(bf, eta, log_gamma, run, s0, cts)
+        rounded = run_op(config, jnp.bfloat16)
+        fp32_operands = run_op(dataclasses.replace(config, walk_operands="fp32", tri_dtype="fp32", stored_dr="fp32"),
+                               jnp.bfloat16)
+        for name, a, b, e in zip(["o", "dq", "dx", "dy"], rounded, fp32_operands, exact):
+            err, err32 = rel_err(np.asarray(a, np.float32), e), rel_err(np.asarray(b, np.float32), e)
+            assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+            assert err <= 2 * err32 + 2.0**-8, (name, err, err32)
+            assert name == "o" or err < 1.5e-2, (name, err)
+
+    def test_precision_options_leave_fp32_inputs_alone(self, rng):
+        """``walk_operands``, ``tri_dtype`` and ``stored_dr`` "input" round only 16-bit inputs: fp32 runs are
+        bit-identical to "fp32" ones, values and gradients."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=40)
+        args = f32(q, x, y, eta, log_gamma, s0)
+        cts = (jnp.asarray(rng.normal(size=y.shape)), jnp.asarray(rng.normal(size=s0.shape)))
+        fp32 = dataclasses.replace(FUSED, walk_operands="fp32", tri_dtype="fp32", stored_dr="fp32")
+        a = value_and_grads(self.op(run, config=FUSED), args, cts)
+        b = value_and_grads(self.op(run, config=fp32), args, cts)
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def run_op_reference(bf, eta, log_gamma, run, s0, cts):
+    """``[o, dq, dx, dy]`` of the float64 definition on the bf16 values ``bf``."""
+    def fn(q_, x_, y_):
+        return decayed_delta_rule_reference(q_, x_, y_, jnp.asarray(eta), jnp.asarray(log_gamma), run,
+                                            jnp.asarray(s0))
+    (o, _), grads = value_and_grads(fn, tuple(a.astype(jnp.float64) for a in bf), cts, poison=False)
+    return [o, *grads]
+
+
+class TestTritonDeltaRuleInterpret(TritonDeltaRule):
+    INTERPRET = True
+
+
+class MosaicTPUDeltaRule(DeltaRuleChecks):
+    IMPLEMENTATION = "mosaic_tpu"
+
+    @pytest.mark.slow  # the TPU kernels take [B, H, T, d]: the op transposes in XLA
+    @pytest.mark.parametrize("H", [4])
+    def test_model_layout_matches_float64(self, rng, H):
+        super().test_model_layout_matches_float64(rng, H)
+
+
+class TestMosaicTPUDeltaRuleInterpret(MosaicTPUDeltaRule):
+    INTERPRET = True
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------
+
+def test_first_key_needs_shifted_keys_and_its_shape(rng):
+    q, k, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=8)
+    args = (*f32(q, k, y, eta, log_gamma), run, *f32(s0))
+    good = jnp.zeros(k.shape[:2] + k.shape[3:])
+    with pytest.raises(ValueError, match="pass shifted_keys=True"):
+        decayed_delta_rule(*args, implementation="xla", first_key=good)
+    with pytest.raises(ValueError, match=r"first_key must be \[B, H, dk\] = \[1, 2, 16\]"):
+        decayed_delta_rule(*args, implementation="xla", shifted_keys=True, first_key=good[..., :-1])
+    with pytest.raises(ValueError, match="`layout` must be one of"):
+        decayed_delta_rule(*args, implementation="xla", layout="TBHD")

@@ -1,0 +1,341 @@
+"""The one implementation vocabulary (``falcon_jax.kernels.implementation``) of every op and of ``falcon(impl=)``:
+``"auto"`` per platform, names, sequences, the reasons a lowering declines, ``NoImplementation``, bad values, and
+``falcon(kernel_config=)``'s type check.  Selection only: calls are traced (``jax.eval_shape``), not run."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from falcon_jax import deltanet, falcon, gated_deltanet
+from falcon_jax.kernels import common
+from falcon_jax.kernels import decayed_attention as attention_op
+from falcon_jax.kernels import decayed_delta_rule as delta_rule_op
+from falcon_jax.kernels import implementation as impl
+from falcon_jax.kernels import per_column as per_column_op
+from falcon_jax.kernels.decayed_attention import decayed_attention
+from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule
+from falcon_jax.kernels.implementation import NoImplementation
+from falcon_jax.kernels.per_column import decayed_attention_per_column, decayed_delta_rule_per_column
+from falcon_jax.kernels.windowed_delta_rule import windowed_delta_rule
+from falcon_jax.rules import baseline_rule, falcon_rule
+from tests.kernels.helpers import S, on_backend, pallas_calls
+
+B, H, T = 1, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def on_a_cpu(monkeypatch):
+    """The tests answer for a CPU without a Hopper GPU unless they say otherwise (``on_backend``), whatever
+    machine runs them."""
+    on_backend(monkeypatch, "cpu")
+    monkeypatch.setattr(common, "on_hopper", lambda: False)
+
+
+def op_specs(dk=16, dv=16, dtype=jnp.float32, per_column=False):
+    """ShapeDtypeStructs of ``(q, x, y, gate, log γ, run, s0)`` for the kernel ops (head-major)."""
+    gate = S((B, H, T, dv) if per_column else (B, H, T), jnp.float32)
+    return (S((B, H, T, dk), dtype), S((B, H, T, dk), dtype), S((B, H, T, dv), dtype), gate, gate,
+            S((B, H, T), jnp.int32), S((B, H, dk, dv), jnp.float32))
+
+
+def trace(op, specs, **kw):
+    """``op`` traced on ``specs`` with ``kw`` (selection runs at trace time)."""
+    return jax.eval_shape(lambda *a: op(*a, **kw), *specs)
+
+
+def delta_rule(specs, **kw):
+    return trace(decayed_delta_rule, specs, chunk_size=16, **kw)
+
+
+def attention(specs, **kw):
+    q, x, y, _, log_decay, run, s0 = specs
+    return trace(decayed_attention, (q, x, y, log_decay, run, s0), chunk_size=16, **kw)
+
+
+def windowed(window, chunk_size=16, **kw):
+    q, x, y, _, log_gamma, run, s0 = op_specs()
+    xy = lambda a: S((B, H, T + window - 1, a.shape[-1]), a.dtype)  # noqa: E731
+    return trace(windowed_delta_rule, (q, xy(x), xy(y), S((B, H, T, window), jnp.float32), log_gamma, run, s0),
+                 chunk_size=chunk_size, **kw)
+
+
+def falcon_specs(dk=16, dv=16, dtype=jnp.float32, per_column=False):
+    tok = lambda d: S((B, T, H, d), dtype)  # noqa: E731
+    gate = S((B, T, H), jnp.float32)
+    return tok(dk), tok(dk), tok(dv), S((B, T, H, dv), jnp.float32) if per_column else gate, gate
+
+
+def falcon_call(variant="1", specs=None, **kw):
+    return trace(falcon, specs or falcon_specs(), variant=variant, chunk_size=16, **kw)
+
+
+# ---- the vocabulary ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("platform,want", [("gpu", ("mosaic_gpu", "triton", "xla")), ("tpu", ("mosaic_tpu", "xla")),
+                                           ("cpu", ("xla",))])
+def test_auto_is_the_platforms_ordered_fallback(monkeypatch, platform, want):
+    on_backend(monkeypatch, platform)
+    assert impl.platform_default() == want
+    for auto in ("auto", None):
+        assert impl.candidates(auto) == (want, False)
+
+
+def test_names_and_sequences_are_taken_as_given():
+    assert impl.candidates("triton") == (("triton",), True)
+    assert impl.candidates(["mosaic_tpu", "xla"]) == (("mosaic_tpu", "xla"), True)
+    assert impl.candidates(("xla", "triton")) == (("xla", "triton"), True)
+
+
+@pytest.mark.parametrize("bad", ["pallas", "gpu", "mosaic", "TRITON", "", (), ["triton", "cuda"],
+                                 ["auto"], 3, {"triton"}])
+def test_bad_implementations_are_value_errors_naming_the_argument(bad):
+    with pytest.raises(ValueError, match="`implementation` must be 'auto', one of"):
+        impl.candidates(bad)
+    with pytest.raises(ValueError, match="`impl` must be"):
+        impl.candidates(bad, argname="impl")
+    with pytest.raises(ValueError, match="`implementation`"):
+        delta_rule(op_specs(), implementation=bad)
+
+
+@pytest.mark.parametrize("bad", ["pallas", "tpu", "cuda", ["triton", "auto"], [], ("xla", 3)])
+def test_falcon_refuses_unknown_impl_naming_it(bad):
+    with pytest.raises(ValueError, match="`impl`"):
+        falcon_call(impl=bad)
+
+
+@pytest.mark.parametrize("platform,name,want", [
+    ("cpu", "triton", True), ("cpu", "mosaic_tpu", True), ("gpu", "triton", False), ("gpu", "mosaic_tpu", True),
+    ("tpu", "mosaic_tpu", False), ("tpu", "triton", True), ("gpu", "mosaic_gpu", False)])
+def test_a_kernel_off_its_accelerator_is_interpreted(monkeypatch, platform, name, want):
+    on_backend(monkeypatch, platform)
+    assert impl.interpret_mode(name, None) is want
+    assert impl.interpret_mode(name, True) is True and impl.interpret_mode(name, False) is False
+
+
+def test_select_takes_the_first_that_serves_and_asks_no_further():
+    asked = []
+
+    def decline(name):
+        asked.append(name)
+        return None if name == "mosaic_tpu" else f"{name} cannot"
+
+    assert impl.select("op", ("triton", "mosaic_tpu", "xla"), decline) == "mosaic_tpu"
+    assert asked == ["triton", "mosaic_tpu"]
+
+
+def test_one_name_declined_is_a_not_implemented_error_with_its_reason():
+    with pytest.raises(NotImplementedError, match=r"^op: impl='triton' declined: no\.$") as info:
+        impl.select("op", "triton", lambda name: "no.", argname="impl")
+    assert not isinstance(info.value, NoImplementation)
+
+
+def test_every_name_declined_is_no_implementation_with_every_reason():
+    with pytest.raises(NoImplementation) as info:
+        impl.select("op", ["mosaic_gpu", "triton", "xla"], lambda name: f"{name} says no")
+    err = info.value
+    assert isinstance(err, NotImplementedError) and isinstance(err, ExceptionGroup)
+    assert "no implementation of ('mosaic_gpu', 'triton', 'xla')" in str(err)
+    assert [str(e) for e in err.exceptions] == [f"op: implementation={n!r} declined: {n} says no"
+                                                for n in ("mosaic_gpu", "triton", "xla")]
+
+
+# ---- why each lowering declines, through the ops ----------------------------------------------------------
+
+def reasons(call):
+    """The messages of the NotImplementedError (or every one of a NoImplementation) ``call()`` raises."""
+    with pytest.raises(NotImplementedError) as info:
+        call()
+    err = info.value
+    return [str(e) for e in err.exceptions] if isinstance(err, NoImplementation) else [str(err)]
+
+
+def test_kernel_ops_decline_off_their_accelerator_with_each_reason():
+    """On this CPU: the Mosaic GPU passes have no interpreter and need a Hopper GPU; interpret=False needs the
+    kernel's own accelerator."""
+    assert reasons(lambda: delta_rule(op_specs(), implementation=("mosaic_gpu", "triton", "mosaic_tpu"),
+                                      interpret=False)) == [
+        "decayed_delta_rule: implementation='mosaic_gpu' declined: needs a Hopper GPU (sm_90) and jax >= 0.11; "
+        "'triton' serves other GPUs",
+        "decayed_delta_rule: implementation='triton' declined: interpret=False off a GPU",
+        "decayed_delta_rule: implementation='mosaic_tpu' declined: interpret=False off a TPU"]
+    assert reasons(lambda: delta_rule(op_specs(), implementation="mosaic_gpu", interpret=True)) == [
+        "decayed_delta_rule: implementation='mosaic_gpu' declined: its Mosaic GPU passes run on the GPU only (no "
+        "interpret mode); use 'triton'"]
+
+
+@pytest.mark.parametrize("dims,match", [
+    (dict(dk=24), "dk=24: the Triton kernel needs a power of two >= 16"),
+    (dict(dk=8), "dk=8: the Triton kernel needs a power of two >= 16"),
+    (dict(dv=48), "dv=48: the Triton kernel needs a power of two >= 16"),
+])
+@pytest.mark.parametrize("name", ["triton", "mosaic_tpu"])
+def test_kernel_ops_decline_shapes_their_dots_cannot_take(dims, match, name):
+    for op in (delta_rule, attention):
+        (got,) = reasons(lambda: op(op_specs(**dims), implementation=name))
+        assert got.endswith(f"implementation={name!r} declined: {match}"), got
+    (got,) = reasons(lambda: trace(decayed_delta_rule_per_column, op_specs(per_column=True, **dims), chunk_size=16,
+                                   implementation=name))
+    assert got.endswith(match), got
+
+
+def test_kernel_ops_decline_a_chunk_that_is_no_power_of_two_from_16():
+    for chunk in (8, 24):
+        (got,) = reasons(lambda: trace(decayed_delta_rule, op_specs(), chunk_size=chunk, implementation="triton"))
+        assert got.endswith(f"chunk_size={chunk}: the Triton kernel needs a power of two >= 16"), got
+
+
+def test_a_compiled_kernel_declines_other_dtypes(monkeypatch):
+    """float64 runs interpreted (the tests' float64 checks), but a compiled Triton kernel takes bf16/fp16/fp32."""
+    on_backend(monkeypatch, "gpu")
+    (got,) = reasons(lambda: delta_rule(op_specs(dtype=jnp.float64), implementation="triton"))
+    assert got.endswith("dtype float64: the Triton kernel takes bf16, fp16 or fp32"), got
+    delta_rule(op_specs(dtype=jnp.float64), implementation="triton", interpret=True)  # interpreted: served
+
+
+def test_ops_without_a_mosaic_gpu_kernel_decline_it(monkeypatch):
+    monkeypatch.setattr(common, "on_hopper", lambda: True)
+    (got,) = reasons(lambda: attention(op_specs(), implementation="mosaic_gpu"))
+    assert got.endswith("no Mosaic GPU kernel for decayed_attention; 'triton' serves the GPU"), got
+    for op in (decayed_delta_rule_per_column, decayed_attention_per_column):
+        (got,) = reasons(lambda: trace(op, op_specs(per_column=True), chunk_size=16, implementation="mosaic_gpu"))
+        assert got.endswith("no Mosaic GPU kernel for per-column gates; 'triton' serves the GPU"), got
+
+
+def test_windowed_op_declines_windows_its_blocks_cannot_hold():
+    for name in ("triton", "mosaic_tpu"):
+        (got,) = reasons(lambda: windowed(17, implementation=name))
+        assert got.endswith("window=17: the kernel puts next_pow2(window) = 32 virtual writes per step into its "
+                            "16-row blocks (at most 16)"), got
+    windowed(16, chunk_size=16, implementation="triton")  # 16 virtual writes, one step per chunk: served
+
+
+def test_xla_serves_every_call_and_ends_a_sequence():
+    specs = op_specs(dk=6, dv=5)  # no kernel takes these
+    assert delta_rule(specs, implementation=("triton", "xla"))[0].shape == (B, H, T, 5)
+    assert attention(specs, implementation=["mosaic_tpu", "xla"])[0].shape == (B, H, T, 5)
+    assert windowed(32, implementation=("triton", "mosaic_tpu", "xla"))[0].shape == (B, H, T, 16)
+
+
+# ---- falcon(impl=...) -------------------------------------------------------------------------------------
+
+def select(monkeypatch, platform, variant="1", dtype=jnp.bfloat16, dk=64, hopper=False, **rule_kw):
+    from falcon_jax.falcon import select_kernel
+
+    on_backend(monkeypatch, platform)
+    monkeypatch.setattr(common, "on_hopper", lambda: hopper)
+    rule = baseline_rule(variant) if variant in ("gated_deltanet", "deltanet") else falcon_rule(variant, **rule_kw)
+    gates = {"beta": jnp.zeros((1, 8, 1)), "lam": jnp.zeros((1, 8, 1))}
+    return select_kernel("auto", rule, gates, dk, 64, dtype, 64)
+
+
+@pytest.mark.parametrize("platform,hopper,variant,want", [
+    ("gpu", True, "1", "mosaic_gpu"),  # the decayed delta rule has Mosaic GPU passes
+    ("gpu", True, "1A", "triton"),  # decayed attention has none
+    ("gpu", False, "1", "triton"),
+    ("gpu", False, "3", "triton"),
+    ("tpu", False, "1", "mosaic_tpu"),
+    ("tpu", False, "3A", "mosaic_tpu"),
+    ("cpu", False, "1", "xla"),
+])
+def test_falcon_auto_picks_per_platform(monkeypatch, platform, hopper, variant, want):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kernel serves it: no fallback warning
+        assert select(monkeypatch, platform, variant, hopper=hopper) == want
+
+
+def test_falcon_auto_falls_back_to_xla_on_a_gpu_with_one_warning_per_reason(monkeypatch):
+    """Gated DeltaNet (residual on the decayed state) has no kernel: on an accelerator "auto" takes the XLA chunk
+    form and warns once, however many kernels declined and however often it is called; on a CPU, where "auto"
+    is XLA anyway, it says nothing."""
+    falcon_mod = importlib.import_module("falcon_jax.falcon")  # the package exports the function by that name
+    monkeypatch.setattr(falcon_mod, "_warned", set())
+    q, k, v, beta, lam = falcon_specs()
+    with pytest.warns(UserWarning) as record:
+        on_backend(monkeypatch, "gpu")
+        for _ in range(2):  # the public call: XLA's chunk form, no kernel traced
+            assert pallas_calls(lambda *a: gated_deltanet(*a, chunk_size=16),
+                                *(jnp.ones(s.shape, s.dtype) for s in (q, k, v, beta, lam))) == []
+        assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"
+    assert len(record) == 1
+    assert "no Pallas kernel for the residual on the decayed state (Gated DeltaNet)" in str(record[0].message)
+    assert "using the XLA chunk form" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"  # said once
+        assert select(monkeypatch, "cpu", "gated_deltanet") == "xla"
+    monkeypatch.setattr(falcon_mod, "_warned", set())
+    with pytest.warns(UserWarning, match="dk=24: the Triton kernel needs a power of two"):
+        assert select(monkeypatch, "gpu", "1", dk=24) == "xla"  # another reason: its own warning
+
+
+def test_falcon_names_a_kernel_or_says_why_not():
+    q, k, v, beta, lam = falcon_specs()
+    log_decay = S(lam.shape, lam.dtype)
+    with pytest.raises(NotImplementedError, match="no Pallas kernel for the residual on the decayed state"):
+        trace(gated_deltanet, (q, k, v, beta, log_decay), impl="triton", chunk_size=16)
+    with pytest.raises(NotImplementedError,
+                       match=r"^falcon: impl='triton' declined: falcon-1: chunk_size=8: the Triton kernel needs a power"):
+        trace(falcon, (q, k, v, beta, lam), variant="1", chunk_size=8, impl="triton")
+    with pytest.raises(NoImplementation) as info:
+        falcon_call(variant="3", window=32, impl=("triton", "mosaic_tpu"))
+    assert [("window=32" in str(e)) for e in info.value.exceptions] == [True, True]
+    # a sequence ending in "xla" serves what no kernel does, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = trace(gated_deltanet, (q, k, v, beta, log_decay), impl=("triton", "xla"), chunk_size=16)
+    assert out.shape == (B, T, H, 16)
+
+
+def test_falcon_runs_named_kernels_interpreted_off_their_accelerator(monkeypatch):
+    """On a CPU ``impl="triton"`` / ``"mosaic_tpu"`` run the Pallas kernels in interpret mode; on their own
+    accelerator compiled; "xla" and, on a CPU, "auto" run none."""
+    args = [jnp.zeros(s.shape, s.dtype) for s in falcon_specs()]
+
+    def kernels(impl):
+        return pallas_calls(lambda *a: falcon(*a, variant="1A", chunk_size=16, impl=impl), *args, param="interpret")
+
+    for name, platform, suffix in (("triton", "gpu", ""), ("mosaic_tpu", "tpu", "_tpu")):
+        ((kernel, interpreted),) = kernels(name)
+        assert kernel == f"falcon_decayed_attention_fwd{suffix}" and interpreted
+        on_backend(monkeypatch, platform)
+        assert [interpreted for _, interpreted in kernels(name)] == [False], name
+        on_backend(monkeypatch, "cpu")
+    assert kernels("xla") == kernels("auto") == []
+
+
+# ---- falcon(kernel_config=...) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant,per_column,config", [
+    ("1", False, delta_rule_op.KernelConfig()), ("3", False, delta_rule_op.KernelConfig(block_v=16)),
+    ("1A", False, attention_op.KernelConfig()), ("3A", False, attention_op.KernelConfig(block_v=16)),
+    ("2", True, per_column_op.KernelConfig()), ("2A", True, per_column_op.KernelConfig()),
+    ("2A", False, attention_op.KernelConfig()),  # one gain per head: decayed attention serves 2A
+])
+def test_kernel_config_of_the_op_serving_the_rule_is_taken(variant, per_column, config):
+    falcon_call(variant, falcon_specs(per_column=per_column), impl="triton", kernel_config=config)
+
+
+@pytest.mark.parametrize("variant,per_column,config,want", [
+    ("1", False, attention_op.KernelConfig(), "decayed_delta_rule.config.KernelConfig"),
+    ("3", False, per_column_op.KernelConfig(), "decayed_delta_rule.config.KernelConfig"),
+    ("1A", False, delta_rule_op.KernelConfig(), "decayed_attention.config.KernelConfig"),
+    ("2", True, delta_rule_op.KernelConfig(), "per_column.config.KernelConfig"),
+    ("1", False, {"block_v": 32}, "decayed_delta_rule.config.KernelConfig"),
+])
+def test_kernel_config_of_another_op_is_a_type_error(variant, per_column, config, want):
+    with pytest.raises(TypeError, match=rf"`kernel_config` must be a .*{want} for this rule"):
+        falcon_call(variant, falcon_specs(per_column=per_column), impl="triton", kernel_config=config)
+    with pytest.raises(TypeError, match="`kernel_config`"):  # whatever implementation runs
+        falcon_call(variant, falcon_specs(per_column=per_column), impl="xla", kernel_config=config)
+
+
+def test_baselines_take_the_kernel_config_of_their_op():
+    q, k, v, beta, lam = falcon_specs()
+    trace(deltanet, (q, k, v, beta), impl="triton", chunk_size=16, kernel_config=delta_rule_op.KernelConfig())
+    with pytest.raises(TypeError, match="decayed_delta_rule.config.KernelConfig"):
+        trace(deltanet, (q, k, v, beta), impl="triton", chunk_size=16, kernel_config=attention_op.KernelConfig())
