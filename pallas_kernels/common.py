@@ -183,52 +183,6 @@ def mosaic_mma(a, b, shape, init=None):
     return out if init is None else out + init
 
 
-def _mpmd_map():
-    """jax's own ``mpmd_map`` with ``input_output_aliases`` (jax >= 0.11, where ``plgpu.kernel`` is built on it and
-    ``pallas_call`` no longer lowers to Mosaic GPU; its public wrapper takes no aliases), or None."""
-    try:
-        from jax._src.pallas import mpmd
-    except ImportError:
-        return None
-    return getattr(mpmd, "_mpmd_map", None)
-
-
-def mosaic_gpu_call(body, *, out_shape, grid, grid_names, scratch, aliases, name):
-    """A Mosaic GPU kernel over ``grid`` whose outputs may be written over inputs (``aliases``: {input index:
-    output index}), which ``plgpu.kernel`` does not offer.  Returns ``(call, grid_ids)``: ``call(*args)`` runs
-    ``body(*in_refs, *out_refs, **scratch_refs)`` (GMEM refs; ``scratch`` a dict of SMEM / barrier types, allocated
-    per block), and ``grid_ids()``, inside the body, gives the block's index along each grid axis.
-
-    jax >= 0.11: ``mpmd_map`` on a ``plgpu.Mesh``, as ``plgpu.kernel`` does; older jax: ``pallas_call`` with
-    GMEM operands."""
-    params = plgpu.CompilerParams(approx_math=True)
-
-    def kernel_body(*refs):
-        pl.run_scoped(lambda **s: body(*refs, **s), **scratch)
-
-    mpmd_map = _mpmd_map()
-    if mpmd_map is not None:
-        mesh = plgpu.Mesh(grid=tuple(grid), grid_names=tuple(grid_names))
-        from jax._src import config as jax_config
-
-        def call(*args):
-            # plgpu.kernel traces its body with this check off too
-            no_vma = getattr(jax_config, "_check_vma", None)
-            with no_vma(False) if no_vma is not None else contextlib.nullcontext():
-                return mpmd_map([(mesh, kernel_body)], out_types=tuple(out_shape), input_output_aliases=aliases,
-                                compiler_params=params, name=name)(*args)
-
-        return call, lambda: tuple(lax.axis_index(n) for n in grid_names)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-
-    def call(*args):
-        return pl.pallas_call(kernel_body, grid=tuple(grid), in_specs=[gmem] * len(args),
-                              out_specs=[gmem] * len(out_shape), out_shape=list(out_shape),
-                              input_output_aliases=aliases, compiler_params=params, name=name)(*args)
-
-    return call, lambda: tuple(pl.program_id(i) for i in range(len(grid)))
-
-
 def triton_params(num_warps, num_stages):
     """Compiler params that select the Pallas Triton lowering (without them a GPU kernel goes to Mosaic GPU)."""
     if pltriton is None:
@@ -237,15 +191,15 @@ def triton_params(num_warps, num_stages):
 
 
 def unsupported_dims_reason(dk: int, dv: int, chunk_size: int, dtype, interpret: bool) -> str | None:
-    """Shapes and dtypes the Triton kernels take: every ``tl.dot`` dimension must be a power of two
-    ≥ 16 (Triton's MMA tiles), so dk, dv and the chunk are."""
+    """Shapes and dtypes the kernels take: every matrix-product dimension must be a power of two ≥ 16 (the
+    tensor cores' tiles), so dk, dv and the chunk are."""
     for name, d in (("dk", dk), ("dv", dv)):
         if d < 16 or d & (d - 1):
-            return f"{name}={d}: the Triton kernel needs a power of two >= 16"
+            return f"{name}={d}: the kernels need a power of two >= 16"
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        return f"chunk_size={chunk_size}: the Triton kernel needs a power of two >= 16"
+        return f"chunk_size={chunk_size}: the kernels need a power of two >= 16"
     if not interpret and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        return f"dtype {dtype}: the Triton kernel takes bf16, fp16 or fp32"
+        return f"dtype {dtype}: the kernels take bf16, fp16 or fp32"
     return None
 
 
@@ -255,7 +209,8 @@ def column_block(j, width):
 
 
 def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
-    """Cut the sequence into pieces until batch·heads·value-blocks·pieces fills the GPU (132 SMs × 2)."""
+    """Pieces (a power of two, at most a quarter of the chunks) to cut the sequence into so that
+    batch·heads · value blocks · pieces reaches ``target_programs``."""
     P = 1
     while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
         P *= 2

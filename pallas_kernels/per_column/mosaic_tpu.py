@@ -297,11 +297,11 @@ def _check(dv, block_v):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=None,
-                 num_stages=None, residual=True, blocked=False):
-    """See :func:`.triton.forward_pass` (the same inputs and outputs; ``num_warps``, ``num_stages`` and
-    ``blocked`` are GPU choices, ignored: the TPU kernel is the row-by-row form).  Grid (batch·head, value block,
+                 num_stages=None, residual=True):
+    """See :func:`.triton.forward_pass` (the same inputs and outputs; ``num_warps`` and ``num_stages`` are GPU
+    choices, ignored; the TPU kernel solves row by row, not in 16-row blocks).  Grid (batch·head, value block,
     chunk).  Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv])."""
-    del num_warps, num_stages, blocked
+    del num_warps, num_stages
     BH, L, dk = q.shape
     dv = y.shape[-1]
     _check(dv, block_v)
@@ -332,7 +332,7 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
 
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=None,
-                  num_stages=None, residual=True, blocked=False):
+                  num_stages=None, residual=True):
     """See :func:`.triton.backward_pass`: the reverse walk (grid step i visits chunk n-1-i) with every
     gradient.  h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
@@ -340,7 +340,7 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
     [BH, L, dv]: deta, dg (w.r.t. the chunk-local inclusive cumsum g), dgp (the exclusive one; None with
     ``residual=False``), and ds_start [BH, dk, dv].
     """
-    del num_warps, num_stages, blocked
+    del num_warps, num_stages
     BH, L, dk = q.shape
     dv = y.shape[-1]
     _check(dv, block_v)

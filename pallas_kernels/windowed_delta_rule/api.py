@@ -30,17 +30,15 @@ MAX_SLOTS = 16  # virtual writes per step: one step's rows must fit a 16-row blo
 
 def unsupported_reason(name: str, window: int, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
     """Why implementation ``name`` declines a windowed call (None: it serves it): the decayed delta rule's
-    reasons, and the ``next_pow2(window)`` virtual writes of a step must fit a 16-row block and a chunk."""
+    reasons, and the ``next_pow2(window)`` virtual writes of a step must fit a 16-row block."""
     if name == "xla":
         return None
     slots = next_pow2(window)
     if slots > MAX_SLOTS:
         return (f"window={window}: the kernel puts next_pow2(window) = {slots} virtual writes per step into its "
                 f"16-row blocks (at most {MAX_SLOTS})")
-    reason = delta_rule_reason(name, q, y, chunk_size, interpret)
-    if reason is None and chunk_size < slots:
-        reason = f"chunk_size={chunk_size} is below next_pow2(window) = {slots} rows (one step)"
-    return reason
+    # (a chunk of at least 16 rows, a power of two, holds a whole number of steps of at most 16 rows)
+    return delta_rule_reason(name, q, y, chunk_size, interpret)
 
 
 def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size: int = 64,
