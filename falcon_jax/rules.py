@@ -169,7 +169,7 @@ def window_lambda_max(x_win: jax.Array, gram_fn: Callable[[jax.Array], jax.Array
 
 def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, scale_coupled: bool,
                  eps: float, eps_gamma: float, per_column: bool):
-    """Falcon step size, decay and write weights (SPEC §2–3).
+    """Falcon step size, decay and write weights (docs/rules.md).
 
     ``E_t`` is ``mean_{j∈I_t} ‖x_j‖²`` (``statistic="mean_sq_norm"``; for
     ``W = 1`` this is ``‖x_t‖²``) or ``λ_max(X_tᵀX_t)/B_t``

@@ -1,7 +1,7 @@
 """The recurrent state a Falcon layer carries between calls and decode steps.
 
 One ``FalconState`` holds everything needed to continue a sequence exactly
-(SPEC §2, App. C.7):
+(docs/rules.md; the paper's App. C.7):
 
 * ``S``          ``[B, H, dk, dv]`` the fast-weight matrix (fp32, fp64 under x64).
 * ``last_key``   ``[B, H, dk]`` the last key seen; under the shifted alignment it

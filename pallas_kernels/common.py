@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # the Triton lowering is chosen by its compiler params (SPEC §8)
+try:  # the Triton lowering is chosen by its compiler params (without them a GPU kernel goes to Mosaic GPU)
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
     pltriton = None

@@ -1,4 +1,4 @@
-"""Mixers and blocks of falcon_jax.nn: shapes, dtypes, the SPEC §5 layer equation, gate
+"""Mixers and blocks of falcon_jax.nn: shapes, dtypes, the layer equation of docs/layers.md, gate
 parameterization, packed sequences, gradients and configuration errors."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_mixer_bf16_forward_is_finite(mixer, rng):
     assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
 
 
-# ------------------------------------------------------------------ the SPEC §5 equation
+# ------------------------------------------------------------ the layer equation (docs/layers.md)
 def _np(a):
     return np.asarray(a, np.float64)
 
@@ -86,7 +86,7 @@ def _conv(x, w):
 
 
 def reference_falcon_attention(m: FalconAttention, h):
-    """An independent NumPy transcription of SPEC §5 from the module's parameters; the rule
+    """An independent NumPy transcription of docs/layers.md from the module's parameters; the rule
     itself through falcon(form="recurrent") (the core is tested elsewhere)."""
     B, T, _ = h.shape
     Hh, dk, dv = m.n_heads, m.dk, m.dv

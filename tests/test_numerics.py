@@ -69,7 +69,7 @@ def test_extreme_gates_finite_and_exact(rng, variant):
 
 def test_zero_denominator_eps0(rng):
     """eps = 0, lam = 0 and zero keys make E + lam + eps = 0.  The paper (Eq. 3.4) sets eta := 0
-    there; SPEC §2 is silent.  Acceptable: follow that convention, or reject eps = 0 with an
+    there; the rules do not say.  Acceptable: follow that convention, or reject eps = 0 with an
     error naming `eps`.  Not acceptable: silent NaN/inf (zero keys occur, e.g. in padding)."""
     q, k, v, beta, lam = make_inputs(rng, variant="1", B=B, T=T, H=H, dk=DK, dv=DV)
     k[:, 3:6] = 0.0

@@ -1,4 +1,4 @@
-"""Self-checks of the NumPy reference (tests/reference.py): identities from SPEC §3,
+"""Self-checks of the NumPy reference (tests/reference.py): identities of the rules (docs/rules.md),
 hand-computed examples, and internal consistency (segments, continuation)."""
 import numpy as np
 import pytest

@@ -27,7 +27,7 @@ from falcon_jax.nn import LMConfig
 
 @dataclasses.dataclass
 class DataConfig:
-    """``kind="addition"``: SPEC §6 (train widths uniform in [train_min_width, train_max_width],
+    """``kind="addition"``: the paper's task (docs/results.md; train widths uniform in [train_min_width, train_max_width],
     eval widths split into in-distribution and longer-than-trained by the training range).
     ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens.
     ``loader``: "grain" (Grain pipeline, per-host rows, iterator state in checkpoints) or
@@ -257,7 +257,7 @@ _ADDITION_TINY = {
     "checkpoint": dict(every=500, keep=2),
 }
 _ADDITION_PAPER = {
-    # SPEC §6 protocol: train widths 1..32 uniform, held-out widths 33..48, loss on the target;
+    # the paper's protocol (docs/results.md): train widths 1..32 uniform, held-out widths 33..48, loss on the target;
     # the paper's best step is ~2,000.  Model size and batch are this project's choice (the
     # paper does not state them): 4 layers of width 256, batch 256, bf16 compute.
     "model": dict(mixer="falcon-1A.3", d_model=256, n_layers=4, n_heads=8, chunk_size=64,
@@ -279,7 +279,7 @@ _LM_TINY = {
     "checkpoint": dict(every=100, keep=2),
 }
 _LM_130M = {
-    # SPEC §5 / App. B.1: AdamW lr 1e-3 cosine, 2,000 warm-up, betas (0.9, 0.95), wd 0.1,
+    # the paper's LM recipe (App. B.1; docs/layers.md): AdamW lr 1e-3 cosine, 2,000 warm-up, betas (0.9, 0.95), wd 0.1,
     # clip 1.0, bf16, seq 1,024, global batch 480, 100k steps.  data.paths must be set.
     "model": dict(mixer="falcon-1A.3", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, chunk_size=64,
                   dtype="bfloat16", param_dtype="float32"),

@@ -1,4 +1,4 @@
-"""Data for the trainer: the addition task (SPEC §6), local text corpora, packing, loaders.
+"""Data for the trainer: the addition task (docs/results.md), local text corpora, packing, loaders.
 
 Two loaders feed the training loop (``data.loader``, see :mod:`falcon_jax.train.loader`):
 

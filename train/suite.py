@@ -34,7 +34,7 @@ import time
 from falcon_jax.train.report import ACCURACY_PLOT, LOSS_PLOT
 from falcon_jax.train.rundir import CONFIG, METRICS, REPORT, metric_records
 
-# ---------------------------------------------------------------- the addition suite (SPEC §6)
+# ---------------------------------------------------------------- the addition suite (docs/results.md)
 # Same model size, data, steps and optimizer for every row: the addition-paper preset (4 layers,
 # d_model 256, 8 heads, batch 256, bf16 compute), shortened to 2,000 steps (the paper's best step
 # is about 2,000), evaluated every 250 steps on widths 1-48.

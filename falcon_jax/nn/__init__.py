@@ -1,6 +1,6 @@
 """Flax NNX layers and language models built on the Falcon rules.
 
-* mixers: :class:`FalconAttention` (SPEC §5) and the baselines :class:`SoftmaxAttention`
+* mixers: :class:`FalconAttention` (docs/layers.md) and the baselines :class:`SoftmaxAttention`
   (RoPE Transformer), :class:`RetNetMixer`, :class:`Mamba2Mixer`, :class:`DeltaNetMixer`,
   :class:`GatedDeltaNetMixer`;
 * blocks: :class:`RMSNorm`, :class:`SwiGLU`, :class:`DecoderBlock`;

@@ -1,4 +1,4 @@
-"""The Falcon token mixer (SPEC §5) and the skeleton it shares with the recurrent baselines.
+"""The Falcon token mixer (docs/layers.md) and the skeleton it shares with the recurrent baselines.
 
 Every recurrent mixer in this package computes, from its input ``h [B, T, D]``::
 
@@ -167,7 +167,7 @@ def lam_init_values(n_heads: int, low: float, high: float) -> np.ndarray:
 
 
 class FalconAttention(RecurrentMixer):
-    """Falcon fast-weight attention as a token mixer (SPEC §5: "Falcon-1A.3, QK-RMSNorm,
+    """Falcon fast-weight attention as a token mixer (docs/layers.md: "Falcon-1A.3, QK-RMSNorm,
     ctxη-ctxλ" means ``variant="1A", qk_norm="rms", gain="ctx_eta", lam="ctx"``).
 
     On top of the shared skeleton (:class:`RecurrentMixer`)::
@@ -175,7 +175,7 @@ class FalconAttention(RecurrentMixer):
         q, k <- per head, weightless: RMSNorm (qk_norm="rms", ‖k‖² ≈ dk) or ℓ2 (qk_norm="l2", ‖k‖² ≈ 1)
         gain="ctx_beta":  β = 2σ(W_β h)              step="normalized": η = β/(E + λ + ε)
         gain="ctx_eta":   η = 2σ(W_η h) / dk         step="direct"; dk is the expected energy ‖k‖² of
-                                                     an RMS-normed key (SPEC §5).  It stays dk with ℓ2
+                                                     an RMS-normed key (docs/layers.md).  It stays dk with ℓ2
                                                      keys (‖k‖² = 1): their steps and decays are dk
                                                      times smaller, which is what separates the
                                                      paper's .2 (ℓ2) from .3 (RMS) setting; with

@@ -105,7 +105,7 @@ class LMConfig:
     Shapes: ``d_model = D``; ``n_heads = H``; ``head_dim = dk`` (default ``D // H``);
     ``v_head_dim = dv`` (default ``dk``); ``mlp_hidden = F`` (default :func:`swiglu_hidden`).
 
-    Falcon layer options (SPEC §5): ``window`` (B for 3/3A), ``qk_norm`` ("rms" | "l2"),
+    Falcon layer options (docs/layers.md): ``window`` (B for 3/3A), ``qk_norm`` ("rms" | "l2"),
     ``gain`` ("ctx_beta": β = 2σ(W_β h), normalized step | "ctx_eta": η = 2σ(W_η h)/dk,
     direct step), ``lam`` ("ctx": scale-coupled λ̄ = lam_max·σ(W_λ h + b) | "const": learned
     per-head λ = softplus(p) | "none"), ``lam_init`` (low, high): the initial λ̄ of the heads,
