@@ -8,13 +8,13 @@ overruns is reported and skipped; results are written as they come):
 
 ``bench``    median ms of the forward and the forward+backward at the standard shapes — bf16 q, k, v, fp32 gates,
              H = 16, d = 128, (B, T) = (8, 2048), (2, 8192), (1, 32768) — of ``falcon(...)`` for Falcon-1A, 3A
-             (W = 4), 1, 3 (W = 4), 2 and 2A (per-column gains; these two slow rules at the first shape only), of the
-             library's baselines (decayed linear attention, DeltaNet, Gated DeltaNet), and of the peers that import
-             in the same process: jax-linear-attention 0.1.0 (``simple_gla`` ≈ Falcon-1A's recurrence,
-             ``gated_deltanet`` ≈ Falcon-1, ``deltanet``), fla 0.6.0 (``chunk_simple_gla``,
-             ``chunk_gated_delta_rule`` — its backward refuses Triton < 3.7.1: recorded as refused —,
-             ``chunk_delta_rule``) and cuDNN causal softmax attention.  ``benchmarks/ops.py`` says how each is
-             called.
+             (W = 4), 1, 3 (W = 4), 2 and 2A (per-column gains; these two slow rules at the first shape only
+             unless ``--rules`` names them), of the library's baselines (decayed linear attention, DeltaNet, Gated
+             DeltaNet), and of the peers that import in the same process: jax-linear-attention 0.1.0
+             (``simple_gla`` ≈ Falcon-1A's recurrence, ``gated_deltanet`` ≈ Falcon-1, ``deltanet``), fla 0.6.0
+             (``chunk_simple_gla``, ``chunk_gated_delta_rule`` — its backward refuses Triton < 3.7.1: recorded as
+             refused —, ``chunk_delta_rule``) and cuDNN causal softmax attention.  ``benchmarks/ops.py`` says how
+             each is called.
 ``memory``   compiled peak bytes (temporaries + outputs, ``compiled.memory_analysis()``) of the forward+backward
              of Falcon-1A, Falcon-1 and the jla peers at 1×32768 and 1×131072 (compiled, not run).
 ``profile``  GPU time per kernel of one forward+backward (CUPTI through ``torch.profiler``), one table per rule,
@@ -105,8 +105,9 @@ class Log:
 class Worker:
     """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash."""
 
-    def __init__(self, name, pythonpath, harness, smoke, log):
+    def __init__(self, name, pythonpath, harness, smoke, log, torch=False):
         self.name, self.pythonpath, self.harness, self.smoke, self.log = name, pythonpath, harness, smoke, log
+        self.torch = torch  # whether the process may run torch ops (fla)
         self.proc, self.lines, self.environment = None, None, None
 
     def _start(self):
@@ -121,7 +122,7 @@ class Worker:
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
-        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke}, HELLO_LIMIT)
+        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke, "torch": self.torch}, HELLO_LIMIT)
         if status != "ok" or "error" in env_info:
             raise RuntimeError(f"the {self.name} worker did not start: {status} {env_info.get('error', '')}")
         self.environment = self.environment or env_info
@@ -251,9 +252,10 @@ def plan(args, environment):
                                   step_limit("compare", op, args.smoke)))
         return steps, skipped
     tree = next(iter(args.trees))
+    named = {name.strip() for name in (args.rules or "").split(",")}
     for i, shape in enumerate(args.shapes):
-        for op in args.ops:
-            slow_here = op.slow and i > 0 and args.suite == "bench"
+        for op in args.ops:  # the slow rules at the first shape only, unless --rules names them
+            slow_here = op.slow and i > 0 and args.suite == "bench" and op.name not in named
             if not slow_here and runnable(op, shape):
                 steps.append((f"{op.name} @ {'x'.join(map(str, shape))}", tree, [request(op, shape)],
                               step_limit(args.suite, op, args.smoke)))
@@ -353,7 +355,8 @@ def main(argv=None) -> int:
         if args.commit and args.suite != "compare":
             trees[name]["commit"] = args.commit
         import_path = source_tree.import_path(path, os.path.join(scratch, f"tree-{len(workers)}"))
-        workers[name] = Worker(name, import_path, harness, args.smoke, log)
+        workers[name] = Worker(name, import_path, harness, args.smoke, log,
+                               torch=any(op.torch for op in args.ops) and not args.smoke)
     payload = {"suite": args.suite, "smoke": args.smoke, "date": datetime.datetime.now(datetime.timezone.utc)
                .isoformat(timespec="seconds"), "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
                "shapes": ["x".join(map(str, s)) for s in args.shapes],

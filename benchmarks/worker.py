@@ -75,7 +75,8 @@ def _driver():
 
 
 def hello(req):
-    """Set up the process (smoke or not) and describe it."""
+    """Set up the process (``smoke`` or not) and describe it (``torch``: whether fla can run, which imports
+    torch)."""
     import falcon_jax
     from falcon_jax import validation
 
@@ -96,9 +97,10 @@ def hello(req):
             "versions": {p: v for p in PACKAGES if (v := _version(p))},
             "falcon_jax": falcon_jax.__file__, "api": "impl='pallas'" if old_api else "impl='auto'",
             "impl": list(STATE["impl"]) if isinstance(STATE["impl"], tuple) else STATE["impl"],
-            "available": {"jla": importlib.util.find_spec("jla") is not None,
-                          "fla": importlib.util.find_spec("fla") is not None and _torch_cuda(),
-                          "torch_cuda": _torch_cuda(), "gpu": backend == "gpu"}}
+            "available": {"jla": importlib.util.find_spec("jla") is not None, "gpu": backend == "gpu",
+                          # importing torch takes seconds: only where a torch op or the profiler may run
+                          "fla": bool(req.get("torch")) and importlib.util.find_spec("fla") is not None
+                          and _torch_cuda()}}
 
 
 def _torch_cuda() -> bool:

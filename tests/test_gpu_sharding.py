@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
