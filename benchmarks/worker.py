@@ -134,7 +134,7 @@ def _impl_label(name, shape):
         return {"jla": "mosaic_gpu", "fla": "triton (torch)", "gpu": "cudnn"}[op.needs]
     if not STATE["candidates"]:
         return STATE["impl"]
-    return ops.served_by(name, _inputs(shape), STATE["candidates"])
+    return ops.served_by(name, _inputs(shape, abstract=True), STATE["candidates"])  # traced, nothing allocated
 
 
 def _failure(e: BaseException) -> str:
