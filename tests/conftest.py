@@ -1,4 +1,4 @@
-"""Shared pytest configuration: fp64 on, the ``slow`` marker, a per-test seeded generator.
+"""Shared pytest configuration: fp64 on, the ``slow`` and ``gpu`` markers, a per-test seeded generator.
 
 Compile time: these tests are dominated by XLA compilations of small programs (each
 variant x form x option is a new program).  On CPU, LLVM's backend optimization is most of
@@ -23,6 +23,8 @@ jax.config.update("jax_enable_x64", True)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "gpu: checks the kernels' real GPU lowering (skipped without a GPU; "
+                            "run with -m gpu on a GPU machine)")
 
 
 @pytest.fixture

@@ -1,0 +1,435 @@
+"""Benchmarks of falcon-jax on one GPU, through one entry point.
+
+    python -m benchmarks.run --suite {bench,memory,profile,compare} [--shapes BxTxHxD,...] [--rules PATTERNS]
+                             [--out DIR] [--budget SECONDS] [--smoke] [--tree NAME=PATH ...] [--rounds N]
+
+Suites — each a list of named steps, run one after another, each under its own time limit (a step that
+overruns is reported and skipped; results are written as they come):
+
+``bench``    median ms of the forward and the forward+backward at the standard shapes — bf16 q, k, v, fp32 gates,
+             H = 16, d = 128, (B, T) = (8, 2048), (2, 8192), (1, 32768) — of ``falcon(...)`` for Falcon-1A, 3A
+             (W = 4), 1, 3 (W = 4), 2 and 2A (per-column gains; these two slow rules at the first shape only
+             unless ``--rules`` names them), of the library's baselines (decayed linear attention, DeltaNet, Gated
+             DeltaNet), and of the peers that import in the same process: jax-linear-attention 0.1.0
+             (``simple_gla`` ≈ Falcon-1A's recurrence, ``gated_deltanet`` ≈ Falcon-1, ``deltanet``), fla 0.6.0
+             (``chunk_simple_gla``, ``chunk_gated_delta_rule`` — its backward refuses Triton < 3.7.1: recorded as
+             refused —, ``chunk_delta_rule``) and cuDNN causal softmax attention.  ``benchmarks/ops.py`` says how
+             each is called.
+``memory``   compiled peak bytes (temporaries + outputs, ``compiled.memory_analysis()``) of the forward+backward
+             of Falcon-1A, Falcon-1 and the jla peers at 1×32768 and 1×131072 (compiled, not run).
+``profile``  GPU time per kernel of one forward+backward (CUPTI through ``torch.profiler``), one table per rule,
+             at 8×2048.
+``compare``  the ``bench`` rows of Falcon-1A, 3A, 1, 3 (forward and forward+backward, the standard shapes) for
+             two or more source trees, ``--tree NAME=PATH`` (e.g. ``--tree old=benchmarks/trees/5798878 --tree
+             new=.``), each in its own process importing that tree (``benchmarks/source_tree.py``; the older API's
+             ``impl="pallas"`` is detected), the trees interleaved per rule (old, new, old, new with ``--rounds
+             2``) so that drift shows; one table with every tree's times and their ratio to the first tree's.
+
+Timing (one method for everything): a jitted call is warmed up twice (the first call compiles), then timed as
+the median over 7 samples of the mean time per call of 20 back-to-back calls; torch ops (fla) by
+``triton.testing.do_bench`` (median).  Forward+backward is the gradient of every floating input under a
+cotangent of ones.  Measurements run in a child process (``benchmarks/worker.py``) with the measured tree on
+``PYTHONPATH``; the parent kills it when a step overruns and starts a fresh one for the next step.
+
+``--out DIR`` (default ``benchmarks/results/latest/``, git-ignored) receives ``SUITE.json`` — rows, steps, the
+GPU, driver, jax/jaxlib/triton/torch versions, each tree's git commit and source hash, the date, shapes,
+dtypes and the timing method — and ``SUITE.log``, the printed log.  ``--rules`` takes names or shell patterns
+(``'falcon-*,jla:*'``; names in ``benchmarks/ops.py``); ``--budget`` stops starting steps past that many
+seconds (a device call has a hard limit).  ``--smoke``: tiny shapes on the CPU, the Triton kernels in
+interpret mode, no peers — the whole entry point on any machine.
+
+The peers are optional wheels: ``pip install --no-deps --target /tmp/site .whl/*.whl`` and
+``PYTHONPATH=/tmp/site`` (the child processes inherit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from benchmarks import ops, source_tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITES = ("bench", "memory", "profile", "compare")
+STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
+MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]
+SMOKE_SHAPES = [(1, 128, 2, 16), (2, 64, 2, 16)]
+SMOKE_MEMORY_SHAPES = [(1, 128, 2, 16), (1, 256, 2, 16)]
+TIMING = {"calls": 20, "repeats": 7, "warmup": 2}
+SMOKE_TIMING = {"calls": 2, "repeats": 2, "warmup": 1}
+FALCON = [op.name for op in ops.OPS if op.family == "falcon"]
+DEFAULT_RULES = {"bench": [op.name for op in ops.OPS], "profile": FALCON,
+                 "memory": ["falcon-1A", "falcon-1", "jla:simple_gla", "jla:gated_deltanet", "jla:deltanet"],
+                 "compare": ["falcon-1A", "falcon-3A", "falcon-1", "falcon-3"]}
+ALLOWED = {"bench": lambda op: True, "profile": lambda op: True, "memory": lambda op: not op.torch,
+           "compare": lambda op: op.family == "falcon"}
+HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
+RESULT = "@@RESULT "
+
+
+def step_limit(suite: str, op: ops.Op, smoke: bool) -> float:
+    """Seconds a step may take: its compiles (fla autotunes its Triton kernels on first use: ~140 s on the H200)
+    and its timing."""
+    if smoke:
+        return 900
+    if op.needs == "fla":
+        return 420
+    if suite == "compare":
+        return 300  # three shapes, forward and forward+backward
+    return 300 if op.slow or suite in ("memory", "profile") else 180
+
+
+class Log:
+    """Prints, and keeps the same lines in ``path``."""
+
+    def __init__(self, path):
+        self.file = open(path, "w")
+
+    def __call__(self, text=""):
+        print(text, flush=True)
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+class Worker:
+    """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash."""
+
+    def __init__(self, name, pythonpath, harness, smoke, log, torch=False):
+        self.name, self.pythonpath, self.harness, self.smoke, self.log = name, pythonpath, harness, smoke, log
+        self.torch = torch  # whether the process may run torch ops (fla)
+        self.proc, self.lines, self.environment = None, None, None
+
+    def _start(self):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
+        if self.smoke:
+            env["JAX_PLATFORMS"] = "cpu"
+        # cwd: a folder holding only a link to this benchmarks/, so that neither it nor the tree's own
+        # benchmarks/ shadows the measured tree's falcon_jax
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "benchmarks.worker"],
+                                     cwd=self.harness, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke, "torch": self.torch}, HELLO_LIMIT)
+        if status != "ok" or "error" in env_info:
+            raise RuntimeError(f"the {self.name} worker did not start: {status} {env_info.get('error', '')}")
+        self.environment = self.environment or env_info
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    def _exchange(self, request, limit):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.stop()
+                return f"timed out after {limit:.0f} s", {}
+            if line is None:
+                code = self.proc.wait()
+                self.proc = None
+                return f"worker died (exit code {code})", {}
+            if line.startswith(RESULT):
+                return "ok", json.loads(line[len(RESULT):])
+            self.log(f"    [{self.name}] {line}")
+
+    def start(self) -> str:
+        """"ok", or why the process did not start (it is started again by the next request)."""
+        try:
+            if self.proc is None:
+                self._start()
+        except RuntimeError as e:
+            self.stop()
+            return str(e)
+        return "ok"
+
+    def request(self, request, limit):
+        """``(status, result)``: status "ok", or why there is no result."""
+        status = self.start()
+        return self._exchange(request, limit) if status == "ok" else (status, {})
+
+    def stop(self):
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+
+def parse_shapes(text):
+    try:
+        return [tuple(int(n) for n in item.strip().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BxTxHxD shapes such as 8x2048x16x128, got {text!r}") from None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=SUITES, required=True)
+    p.add_argument("--shapes", type=parse_shapes, help="comma-separated BxTxHxD (default: the suite's)")
+    p.add_argument("--rules", help="comma-separated op names or patterns, e.g. 'falcon-*,jla:*' (default: the "
+                   "suite's; names in benchmarks/ops.py)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "latest"))
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="compare: a source tree (two or more)")
+    p.add_argument("--rounds", type=int, default=2, help="compare: measurements of each tree per rule")
+    p.add_argument("--budget", type=float, help="start no step after this many seconds")
+    p.add_argument("--commit", help="the commit of this tree where it is no git checkout (recorded as given)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode, no peers")
+    args = p.parse_args(argv)
+    if args.suite == "compare":
+        if len(args.tree) < 2:
+            p.error("--suite compare needs two or more --tree NAME=PATH")
+        trees = {}
+        for item in args.tree:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not os.path.isdir(path) or name in trees:
+                p.error(f"--tree {item!r}: expected a new NAME=PATH with PATH a source tree folder")
+            trees[name] = path
+        args.trees = trees
+    elif args.tree:
+        p.error("--tree is for --suite compare")
+    else:
+        args.trees = {"measured": ROOT}
+    try:
+        args.ops = ops.select(args.rules, DEFAULT_RULES[args.suite], ALLOWED[args.suite])
+    except ValueError as e:
+        p.error(str(e))
+    if args.shapes is None:
+        default = {"memory": MEMORY_SHAPES, "profile": STANDARD_SHAPES[:1]}.get(args.suite, STANDARD_SHAPES)
+        smoke = SMOKE_MEMORY_SHAPES if args.suite == "memory" else SMOKE_SHAPES
+        args.shapes = (smoke[:1] if args.suite == "profile" else smoke) if args.smoke else default
+    return args
+
+
+def plan(args, environment):
+    """The suite's steps ``(name, tree, [requests], limit)`` and the rows of ops that cannot run here."""
+    steps, skipped = [], []
+    timing = SMOKE_TIMING if args.smoke else TIMING
+    available = environment.get("available", {})
+    cmd = {"bench": "time", "compare": "time", "memory": "memory", "profile": "profile"}[args.suite]
+
+    def request(op, shape):
+        return {"cmd": cmd, "op": op.name, "shape": list(shape), "timing": timing, "iters": 10}
+
+    def runnable(op, shape):
+        reason = None
+        if op.needs and args.smoke:
+            reason = "no peers in --smoke"
+        elif op.needs and not available.get(op.needs):
+            reason = {"jla": "jax-linear-attention not importable", "fla": "fla or torch with CUDA not importable",
+                      "gpu": "needs a GPU"}[op.needs]
+        if reason:
+            skipped.append({"op": op.name, "shape": "x".join(map(str, shape)), "notes": {"skipped": reason}})
+        return reason is None
+
+    if args.suite == "compare":
+        for op in args.ops:
+            for r in range(args.rounds):
+                for tree in args.trees:
+                    steps.append((f"{op.name} [{tree}, round {r + 1}]", tree,
+                                  [dict(request(op, s), round=r + 1) for s in args.shapes],
+                                  step_limit("compare", op, args.smoke)))
+        return steps, skipped
+    tree = next(iter(args.trees))
+    named = {name.strip() for name in (args.rules or "").split(",")}
+    for i, shape in enumerate(args.shapes):
+        for op in args.ops:  # the slow rules at the first shape only, unless --rules names them
+            slow_here = op.slow and i > 0 and args.suite == "bench" and op.name not in named
+            if not slow_here and runnable(op, shape):
+                steps.append((f"{op.name} @ {'x'.join(map(str, shape))}", tree, [request(op, shape)],
+                              step_limit(args.suite, op, args.smoke)))
+    return steps, skipped
+
+
+# ---- tables ------------------------------------------------------------------------------------------------
+
+def table(rows, columns):
+    """Right-aligned text table of ``rows`` (dicts) by ``columns`` (``(header, key or function)``)."""
+    def cell(row, key):
+        value = key(row) if callable(key) else row.get(key)
+        if value is None:
+            return "-"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    cells = [[cell(r, key) for _, key in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(columns)]
+    lines = [" | ".join(h.rjust(w) for (h, _), w in zip(columns, widths)),
+             "-+-".join("-" * w for w in widths)]
+    return "\n".join(lines + [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells])
+
+
+def note(row):
+    notes = row.get("notes") or {}
+    return "; ".join(f"{key}: {text}" if key != "skipped" else f"skipped: {text}" for key, text in notes.items())
+
+
+def mb(key):
+    return lambda row: None if row.get(key) is None else row[key] / 2**20
+
+
+def report(args, rows):
+    """The suite's tables as text, rows by shape, then op, as the catalogue lists them."""
+    shapes = ["x".join(map(str, s)) for s in args.shapes]
+    order = {op.name: i for i, op in enumerate(ops.OPS)}
+    rows = sorted(rows, key=lambda r: (shapes.index(r["shape"]) if r.get("shape") in shapes else len(shapes),
+                                       order.get(r.get("op"), len(order))))
+    if args.suite == "bench":
+        return table(rows, [("op", "op"), ("shape", "shape"), ("impl", "impl"), ("fwd ms", "fwd_ms"),
+                            ("fwd+bwd ms", "fwd_bwd_ms"), ("note", note)])
+    if args.suite == "memory":
+        return table(rows, [("op", "op"), ("shape", "shape"), ("impl", "impl"), ("peak MiB", mb("peak_bytes")),
+                            ("temp MiB", mb("temp_bytes")), ("output MiB", mb("output_bytes")), ("note", note)])
+    if args.suite == "profile":
+        parts = []
+        for row in rows:
+            head = f"== {row['op']} {row['shape']}"
+            if "kernels" not in row:
+                parts.append(f"{head}: {note(row) or row.get('error', 'no result')}")
+                continue
+            parts.append(f"{head} ({row.get('impl')}): wall {row['wall_ms']:.3f} ms, kernels {row['kernel_ms']:.3f} "
+                         f"ms per forward+backward ({len(row['kernels'])} kinds)")
+            parts.append(table(row["kernels"][:20], [("us", "us"), ("calls", "calls"), ("kernel", "name")]))
+        return "\n\n".join(parts)
+    return compare_table(args, rows)
+
+
+def compare_table(args, rows):
+    """One row per (op, shape, mode): each tree's median over the rounds (the rounds in brackets) and each
+    later tree's ratio to the first."""
+    trees = list(args.trees)
+    out = []
+    for op in args.ops:
+        for shape in ("x".join(map(str, s)) for s in args.shapes):
+            for key, mode in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd+bwd")):
+                line = {"op": op.name, "shape": shape, "mode": mode}
+                medians = {}
+                for tree in trees:
+                    times = [r[key] for r in rows if r.get("tree") == tree and r.get("op") == op.name
+                             and r.get("shape") == shape and r.get(key) is not None]
+                    if times:
+                        medians[tree] = statistics.median(times)
+                        line[tree] = f"{medians[tree]:.3f} ({', '.join(f'{t:.3f}' for t in times)})"
+                for tree in trees[1:]:
+                    if tree in medians and trees[0] in medians:
+                        line[f"{tree}/{trees[0]}"] = medians[tree] / medians[trees[0]]
+                out.append(line)
+    columns = [("op", "op"), ("shape", "shape"), ("mode", "mode")] + [(f"{t} ms", t) for t in trees]
+    columns += [(f"{t}/{trees[0]}", f"{t}/{trees[0]}") for t in trees[1:]]
+    return table(out, columns)
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log = Log(os.path.join(args.out, f"{args.suite}.log"))
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="falcon-bench-")
+    harness = os.path.join(scratch, "harness")
+    os.makedirs(harness)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    trees, workers = {}, {}
+    for name, path in args.trees.items():
+        trees[name] = source_tree.describe(path)
+        if args.commit and args.suite != "compare":
+            trees[name]["commit"] = args.commit
+        import_path = source_tree.import_path(path, os.path.join(scratch, f"tree-{len(workers)}"))
+        workers[name] = Worker(name, import_path, harness, args.smoke, log,
+                               torch=any(op.torch for op in args.ops) and not args.smoke)
+    payload = {"suite": args.suite, "smoke": args.smoke, "date": datetime.datetime.now(datetime.timezone.utc)
+               .isoformat(timespec="seconds"), "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
+               "shapes": ["x".join(map(str, s)) for s in args.shapes],
+               "dtype": {"q, k, v": "bfloat16", "beta, lam, log decay": "float32"},
+               "timing": {"jax": "median over {repeats} samples of the mean ms per call of {calls} back-to-back "
+                                 "calls of the jitted function, after {warmup} warm-up calls (the first compiles)"
+                                 .format(**(SMOKE_TIMING if args.smoke else TIMING)),
+                          "torch": "triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median')",
+                          "fwd+bwd": "gradients of every floating input under a cotangent of ones"},
+               "trees": trees, "environment": None, "steps": [], "rows": []}
+    out_json = os.path.join(args.out, f"{args.suite}.json")
+
+    def save():
+        payload["seconds"] = round(time.monotonic() - started, 1)
+        with open(out_json, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+
+    described = [f"{n} = {t['path']} ({t['commit'] or 'no git commit'}, source {t['source_sha1']})"
+                 for n, t in trees.items()]
+    log(f"benchmarks.run --suite {args.suite}{' --smoke' if args.smoke else ''}: {'; '.join(described)}")
+    failed = False
+    try:
+        for name, worker in workers.items():  # start every worker first: the environment shapes the plan
+            status = worker.start()
+            trees[name]["environment"] = worker.environment
+            if status != "ok":
+                log(f"{name}: {status}")
+                save()
+                return 1
+        env = payload["environment"] = workers[next(iter(workers))].environment
+        log(f"device {env['device']} ({env['backend']}), driver {env['driver']}, "
+            + ", ".join(f"{p} {v}" for p, v in env["versions"].items()))
+        steps, skipped = plan(args, env)
+        payload["rows"].extend(skipped)
+        for i, (name, tree, requests, limit) in enumerate(steps):
+            elapsed = time.monotonic() - started
+            if args.budget is not None and elapsed >= args.budget:
+                payload["steps"].append({"name": name, "tree": tree, "status": "skipped: past --budget"})
+                log(f"[{elapsed:5.0f} s] {name}: skipped (past --budget {args.budget:.0f} s)")
+                continue
+            if args.budget is not None:
+                limit = min(limit, args.budget - elapsed)
+            t0, status = time.monotonic(), "ok"
+            for req in requests:
+                status, result = workers[tree].request(req, max(limit - (time.monotonic() - t0), 1))
+                if status != "ok":
+                    payload["rows"].append({"op": req["op"], "shape": "x".join(map(str, req["shape"])),
+                                            "tree": tree, "notes": {"step": status}})
+                    break
+                row = {**result, "tree": tree}
+                if "round" in req:
+                    row["round"] = req["round"]
+                if "error" in result:
+                    row = {"op": req["op"], "shape": "x".join(map(str, req["shape"])), "tree": tree,
+                           "notes": {"error": result["error"]}}
+                    status = "error"
+                payload["rows"].append(row)
+            failed |= status != "ok"
+            seconds = round(time.monotonic() - t0, 1)
+            payload["steps"].append({"name": name, "tree": tree, "status": status, "seconds": seconds,
+                                     "limit_s": round(limit)})
+            save()
+            log(f"[{time.monotonic() - started:5.0f} s] {i + 1}/{len(steps)} {name}: {status} ({seconds} s)")
+        rows = payload["rows"] if args.suite != "compare" else [r for r in payload["rows"] if "round" in r]
+        log("\n" + report(args, rows))
+    finally:
+        for worker in workers.values():
+            worker.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        save()
+    log(f"\n{args.suite}: {len(payload['steps'])} steps in {payload['seconds']:.0f} s; wrote {out_json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
