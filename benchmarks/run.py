@@ -194,7 +194,8 @@ def parse_args(argv):
                    help="compare: a source tree (two or more)")
     p.add_argument("--rounds", type=int, default=2, help="compare: measurements of each tree per rule")
     p.add_argument("--budget", type=float, help="start no step after this many seconds")
-    p.add_argument("--commit", help="the commit of this tree where it is no git checkout (recorded as given)")
+    p.add_argument("--commit", help="the commit of this checkout where its git metadata is missing or stale "
+                   "(recorded as given)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode, no peers")
     args = p.parse_args(argv)
     if args.suite == "compare":
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
     trees, workers = {}, {}
     for name, path in args.trees.items():
         trees[name] = source_tree.describe(path)
-        if args.commit and args.suite != "compare":
+        if args.commit and os.path.abspath(path) == ROOT:  # this checkout (compare: the tree given as ".")
             trees[name]["commit"] = args.commit
         import_path = source_tree.import_path(path, os.path.join(scratch, f"tree-{len(workers)}"))
         workers[name] = Worker(name, import_path, harness, args.smoke, log,

@@ -40,6 +40,7 @@ def _env(**extra):
     return env
 
 
+@pytest.mark.slow  # ~30-60 s of training subprocesses; CI keeps the in-process signal and bit-flip tests
 def test_two_processes_train_then_restore_on_one_device(tmp_path):
     a, b = str(tmp_path / "two-proc"), str(tmp_path / "resumed")
     cmd = [sys.executable, "-m", "falcon_jax.train.launch", "--processes", "2", "--cpu-devices", "2", "--",

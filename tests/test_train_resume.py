@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from falcon_jax.train.rundir import read_metrics
 
@@ -48,6 +49,7 @@ def _wait_for(run_dir, proc, ready, timeout=200):
     return False
 
 
+@pytest.mark.slow  # ~30-60 s of training subprocesses; CI keeps the in-process signal and bit-flip tests
 def test_sigterm_then_sigkill_and_resume_reproduce_losses(tmp_path):
     """SIGTERM mid-run (a cluster's preemption): the step finishes, its checkpoint is written, the last line
     says how to resume, exit code 143.  The resumed run is then killed with SIGKILL (no chance to save) and
@@ -96,6 +98,7 @@ def test_sigterm_then_sigkill_and_resume_reproduce_losses(tmp_path):
     assert meta["data"] == {"step": steps, "loader": "grain", "state": {"next_index": steps}}
 
 
+@pytest.mark.slow  # ~30-60 s of training subprocesses; CI keeps the in-process signal and bit-flip tests
 def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(tmp_path):
     run_dir = tmp_path / "run"
     first = _run(_cmd(run_dir, 6, "checkpoint.keep=3"))
