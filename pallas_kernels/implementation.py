@@ -85,3 +85,19 @@ def accelerator_reason(name: str, interpret: bool | None) -> str | None:
     if name == "triton" and interpret is False and jax.default_backend() != "gpu":
         return "interpret=False off a GPU"
     return None
+
+
+def kernel_reason(name: str, q, y, chunk_size: int, interpret: bool | None, *, no_mosaic_gpu: str | None = None
+                  ) -> str | None:
+    """Why implementation ``name`` declines an op's call with these q, y (``[..., dk]``, ``[..., dv]``) and
+    chunk: "xla" never does; ``no_mosaic_gpu`` is the reason of an op without Mosaic GPU passes; then the
+    accelerator (:func:`accelerator_reason`) and the kernels' shape rule (every matrix-product dimension a power
+    of two ≥ 16)."""
+    from falcon_jax.kernels.common import unsupported_dims_reason
+
+    if name == "xla":
+        return None
+    if name == "mosaic_gpu" and no_mosaic_gpu is not None:
+        return no_mosaic_gpu
+    return accelerator_reason(name, interpret) or unsupported_dims_reason(
+        q.shape[-1], y.shape[-1], chunk_size, q.dtype, interpret_mode(name, interpret))

@@ -10,6 +10,19 @@ import pytest
 from falcon_jax.sharding import kernel_sharding
 from tests.helpers import run_on_simulated_devices
 
+# defines kernel_shapes(jaxpr, acc): the first operand shape of every pallas_call, anywhere in a program
+KERNEL_SHAPES = """def kernel_shapes(jaxpr, acc):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                acc.append(list(e.invars[0].aval.shape))
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        kernel_shapes(inner, acc)
+        return acc
+"""
+
 SCRIPT = textwrap.dedent(r"""
     import json, warnings
     import jax, jax.numpy as jnp, numpy as np
@@ -21,17 +34,7 @@ SCRIPT = textwrap.dedent(r"""
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     out = {}
 
-    def kernel_shapes(jaxpr, acc):
-        # the first operand shape of every pallas_call, anywhere in the program
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                acc.append(list(e.invars[0].aval.shape))
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        kernel_shapes(inner, acc)
-        return acc
+    KERNEL_SHAPES
 
     for variant, window, per_col in (("1A", 4, False), ("3A", 3, False), ("1", 4, False), ("2", 4, True)):
         B, T, H, D = 4, 40, 4, 16
@@ -74,7 +77,7 @@ SCRIPT = textwrap.dedent(r"""
     out["fallback_warning"] = [str(x.message) for x in w if "replicated" in str(x.message)]
     out["fallback_err"] = float(jnp.max(jnp.abs(got - ref)))
     print("RESULT" + json.dumps(out))
-""")
+""").replace("KERNEL_SHAPES", KERNEL_SHAPES)
 
 
 def test_kernels_run_per_shard_with_the_same_values_and_gradients():
@@ -211,16 +214,7 @@ STEP_SCRIPT = textwrap.dedent(r"""
     from falcon_jax.train.optim import make_optimizer
     from falcon_jax.train.trainer import make_train_step, place_like_params
 
-    def kernel_shapes(jaxpr, acc):  # the first operand shape of every pallas_call, anywhere in the program
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                acc.append(list(e.invars[0].aval.shape))
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        kernel_shapes(inner, acc)
-        return acc
+    KERNEL_SHAPES
 
     B, T = 8, 32
     out = {}
@@ -260,7 +254,7 @@ STEP_SCRIPT = textwrap.dedent(r"""
                       "kernel_first_dims": [one["kernel_first_dims"], sh["kernel_first_dims"]],
                       "whole_batch_gathers": sh["whole_batch_gathers"]}
     print("RESULT" + json.dumps(out))
-""")
+""").replace("KERNEL_SHAPES", KERNEL_SHAPES)
 
 
 @pytest.mark.parametrize("mixer", ["falcon-1A.3", pytest.param("falcon-1.3", marks=pytest.mark.slow)])

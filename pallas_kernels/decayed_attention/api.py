@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
 from falcon_jax.kernels.common import (check_layout, chunk_local, kernel_operands, next_pow2, pieces_for,
-                                       reverse_chunk_cumsum, swap_time_heads, token_dims, unsupported_dims_reason)
+                                       reverse_chunk_cumsum, swap_time_heads, token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
 from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
 from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
@@ -32,15 +32,8 @@ _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 def unsupported_reason(name: str, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
     """Why implementation ``name`` declines a call (None: it serves it): every Triton dot dimension (dk, dv, the
     chunk) must be a power of two ≥ 16."""
-    if name == "xla":
-        return None
-    if name == "mosaic_gpu":
-        return "no Mosaic GPU kernel for decayed_attention; 'triton' serves the GPU"
-    reason = impl.accelerator_reason(name, interpret)
-    if reason is None:
-        reason = unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype,
-                                         impl.interpret_mode(name, interpret))
-    return reason
+    return impl.kernel_reason(name, q, y, chunk_size, interpret,
+                              no_mosaic_gpu="no Mosaic GPU kernel for decayed_attention; 'triton' serves the GPU")
 
 
 @dataclasses.dataclass(frozen=True)

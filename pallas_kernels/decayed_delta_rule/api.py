@@ -13,8 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_layout, kernel_operands, next_pow2, shift_time, swap_time_heads,
-                                       unsupported_dims_reason)
+from falcon_jax.kernels.common import check_layout, kernel_operands, next_pow2, shift_time, swap_time_heads
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -27,13 +26,7 @@ OP_IMPLEMENTATIONS = ("mosaic_gpu", "triton", "mosaic_tpu", "xla")
 def unsupported_reason(name: str, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
     """Why implementation ``name`` declines a call with these q, y and chunk (None: it serves it).  The kernels'
     dots need every dimension (dk, dv, the chunk, the triangular inverse's 16-row blocks) a power of two ≥ 16."""
-    if name == "xla":
-        return None
-    reason = impl.accelerator_reason(name, interpret)
-    if reason is None:
-        reason = unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype,
-                                         impl.interpret_mode(name, interpret))
-    return reason
+    return impl.kernel_reason(name, q, y, chunk_size, interpret)
 
 
 def keys_read_in_place(config: KernelConfig, implementation: str, bh: int, dv: int, pieces: int) -> bool:

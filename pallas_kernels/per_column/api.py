@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, reverse_chunk_cumsum, unsupported_dims_reason
+from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, reverse_chunk_cumsum
 from falcon_jax.kernels.per_column import mosaic_tpu, triton
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -32,15 +32,8 @@ _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 def unsupported_reason(name: str, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
     """Why implementation ``name`` declines a per-column call (None: it serves it)."""
-    if name == "xla":
-        return None
-    if name == "mosaic_gpu":
-        return "no Mosaic GPU kernel for per-column gates; 'triton' serves the GPU"
-    reason = impl.accelerator_reason(name, interpret)
-    if reason is None:
-        reason = unsupported_dims_reason(q.shape[-1], y.shape[-1], chunk_size, q.dtype,
-                                         impl.interpret_mode(name, interpret))
-    return reason
+    return impl.kernel_reason(name, q, y, chunk_size, interpret,
+                              no_mosaic_gpu="no Mosaic GPU kernel for per-column gates; 'triton' serves the GPU")
 
 
 @dataclasses.dataclass(frozen=True)
