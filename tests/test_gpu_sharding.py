@@ -111,7 +111,7 @@ def _compile(name):
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """The result of every case this session selected, compiled side by side: ``{name: {returncode, result,
+    """The result of every case this pytest run selected, compiled side by side: ``{name: {returncode, result,
     log}}``."""
     names = sorted({item.callspec.params["case"] for item in request.session.items
                     if item.module is request.module and "case" in getattr(getattr(item, "callspec", None),
