@@ -159,13 +159,18 @@ def _leaf_specs(specs, tree) -> list:
     return out
 
 
-def _local_shape(shape, spec: P, mesh: Mesh) -> tuple:
-    """The per-device shape of a global ``shape`` split by ``spec`` over ``mesh``."""
-    local = list(shape)
+def _shards_per_dim(ndim: int, spec: P, mesh: Mesh) -> list[int]:
+    """How many devices ``spec`` splits each of ``ndim`` dimensions over on ``mesh``."""
+    shards = [1] * ndim
     for dim, entry in enumerate(spec):
         names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        local[dim] //= math.prod(mesh.shape[n] for n in names)
-    return tuple(local)
+        shards[dim] = math.prod(mesh.shape[n] for n in names)
+    return shards
+
+
+def _local_shape(shape, spec: P, mesh: Mesh) -> tuple:
+    """The per-device shape of a global ``shape`` split by ``spec`` over ``mesh``."""
+    return tuple(n // k for n, k in zip(shape, _shards_per_dim(len(shape), spec, mesh)))
 
 
 def _empty(a) -> bool:
@@ -228,11 +233,8 @@ def shard_map_nonempty(fn, mesh: Mesh, in_specs, out_specs, stack_axes: tuple[st
             return full
 
         def global_zeros(local_aval, spec):  # a zero-size output made again outside
-            shape = list(local_aval.shape)
-            for dim, entry in enumerate(spec):
-                names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-                shape[dim] *= math.prod(mesh.shape[n] for n in names)
-            return jnp.zeros(shape, local_aval.dtype)
+            shards = _shards_per_dim(len(local_aval.shape), spec, mesh)
+            return jnp.zeros([n * k for n, k in zip(local_aval.shape, shards)], local_aval.dtype)
 
         def smap(body, body_in_specs, body_out_specs):
             return jax.shard_map(body, mesh=mesh, in_specs=tuple(body_in_specs), out_specs=tuple(body_out_specs),
