@@ -5,7 +5,8 @@
     falcon-train --config run.toml --set optim.lr=3e-4 --set mesh.fsdp=4
     falcon-train --run-dir runs/addition-tiny --resume      # config from the run's config.json
 
-Exit codes: 0 done; 2 a config or run-directory error (nothing trained); 1 a failure while training (a
+Exit codes: 0 done, or stopped before train.time_limit_s with a checkpoint (the last line says how to
+continue); 2 a config or run-directory error (nothing trained); 1 a failure while training (a
 checkpoint that could not be written, a disk error); 130 / 143 stopped by SIGINT / SIGTERM after writing a
 checkpoint (the last line says how to resume).
 """

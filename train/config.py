@@ -29,6 +29,8 @@ from falcon_jax.nn import LMConfig
 class DataConfig:
     """``kind="addition"``: the paper's task (docs/results.md; train widths uniform in [train_min_width, train_max_width],
     eval widths split into in-distribution and longer-than-trained by the training range).
+    ``pack=true`` fills rows of ``seq_len`` tokens with many problems, each its own segment, widths drawn per
+    problem by ``width_sampling`` ("uniform" or "token_balanced": the same share of tokens per width).
     ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens.
     ``loader``: "grain" (Grain pipeline, per-host rows, iterator state in checkpoints) or
     "builtin" (index-based; every host builds the global batch); see :mod:`falcon_jax.train.loader`."""
@@ -47,7 +49,9 @@ class DataConfig:
     greedy_examples: int = 64
     heldout_frac: float = 0.05
     split_seed: int = 1234
-    # text
+    pack: bool = False  # many problems per row of seq_len tokens, one segment each (else one problem a row)
+    width_sampling: str = "uniform"  # packed rows: "uniform" width per problem, or "token_balanced"
+    # text (and packed addition: seq_len)
     paths: list = dataclasses.field(default_factory=list)
     seq_len: int = 256
     tokenizer: str = "byte"
@@ -95,6 +99,7 @@ class LoopConfig:
     plots: bool = True
     init: str = "eager"
     step_sleep: float = 0.0  # testing aid: seconds to sleep after every step (the SIGKILL test)
+    time_limit_s: float = 0.0  # > 0: checkpoint and exit 0 before this many seconds (--resume continues)
 
 
 @dataclasses.dataclass
@@ -115,6 +120,7 @@ class CheckpointConfig:
     goes on (a failed write then stops the run at the first step after it, not at its own step)."""
 
     every: int = 500  # 0 = no periodic checkpoints (the final step is still saved)
+    every_s: float = 0.0  # > 0: also save when this many seconds have passed since the last save
     keep: int = 3
     async_save: bool = False
     enabled: bool = True
@@ -268,6 +274,30 @@ _ADDITION_PAPER = {
     "train": dict(steps=4000, batch_size=256, log_every=50, eval_every=250, run_dir="runs/addition-paper"),
     "checkpoint": dict(every=250, keep=3),
 }
+_ADDITION_PACKED = {
+    # the paper's protocol with packed rows: every row holds ~19 problems of widths 1..32 (uniform per problem),
+    # one segment each, the loss on the sum digits and EOS.  Scale from the paper's LM recipe (App. B.1), which
+    # its addition "best step" (~2,000) suggests it reused: seq 1,024, 512 rows (0.5M tokens a step), AdamW
+    # lr 1e-3 cosine, 2,000 steps = 1.07B tokens.  Model: Falcon-1A.3 with 8 layers of width 512 (28M).
+    "model": dict(mixer="falcon-1A.3", d_model=512, n_layers=8, n_heads=8, chunk_size=64,
+                  dtype="bfloat16", param_dtype="float32"),
+    "data": dict(kind="addition", pack=True, seq_len=1024, width_sampling="uniform", train_min_width=1,
+                 train_max_width=32, eval_widths=list(range(1, 49)), eval_examples=256,
+                 greedy_widths=[8, 16, 32, 33, 40, 48], greedy_examples=128),
+    "optim": dict(lr=1e-3, warmup_steps=200, weight_decay=0.1, min_lr_ratio=0.1),
+    "train": dict(steps=2000, batch_size=512, log_every=25, eval_every=100, run_dir="runs/addition-packed"),
+    "checkpoint": dict(every=250, every_s=240.0, keep=2),
+}
+_ADDITION_PACKED_TINY = {
+    # packed rows on CPU: addition-tiny's model on rows of 64 tokens (~6 problems of widths 1-3 each)
+    "model": dict(mixer="falcon-1A.3", d_model=192, n_layers=2, n_heads=6, mlp_hidden=128, chunk_size=16,
+                  form="chunk", dtype="float32", param_dtype="float32"),
+    "data": dict(kind="addition", pack=True, seq_len=64, train_min_width=1, train_max_width=3,
+                 eval_widths=[1, 2, 3, 4, 5], eval_examples=128, greedy_widths=[2, 3], greedy_examples=32),
+    "optim": dict(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.05),
+    "train": dict(steps=400, batch_size=16, log_every=50, eval_every=200, run_dir="runs/addition-packed-tiny"),
+    "checkpoint": dict(every=200, keep=1),
+}
 _LM_TINY = {
     # Byte-level LM on local text (by default this repository's docs); CPU-sized.
     "model": dict(mixer="falcon-1A.3", d_model=128, n_layers=2, n_heads=4, chunk_size=32,
@@ -289,7 +319,8 @@ _LM_130M = {
     "train": dict(steps=100_000, batch_size=480, log_every=50, eval_every=2000, run_dir="runs/lm-130m"),
     "checkpoint": dict(every=1000, keep=3),
 }
-PRESETS = {"addition-tiny": _ADDITION_TINY, "addition-paper": _ADDITION_PAPER, "lm-tiny": _LM_TINY,
+PRESETS = {"addition-tiny": _ADDITION_TINY, "addition-packed-tiny": _ADDITION_PACKED_TINY,
+           "addition-paper": _ADDITION_PAPER, "addition-packed": _ADDITION_PACKED, "lm-tiny": _LM_TINY,
            "lm-130m": _LM_130M}
 
 
@@ -349,9 +380,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
           "must be a directory path.")
     _choice("train.init", t.init, ("eager", "jit"))
     _need(_is_num(t.step_sleep) and t.step_sleep >= 0, "train.step_sleep", t.step_sleep, "must be >= 0 seconds.")
+    _need(_is_num(t.time_limit_s) and t.time_limit_s >= 0, "train.time_limit_s", t.time_limit_s,
+          "must be >= 0 seconds (0 = no limit).")
+    _need(t.time_limit_s == 0 or c.enabled, "train.time_limit_s", t.time_limit_s,
+          "needs checkpoints to continue from (checkpoint.enabled is false).")
     # checkpoints
     _int_at_least("checkpoint.every", c.every, 0, " (0 = only the final step is saved)")
     _int_at_least("checkpoint.keep", c.keep, 1, " (the number of newest checkpoints kept; 1 keeps the last)")
+    _need(_is_num(c.every_s) and c.every_s >= 0, "checkpoint.every_s", c.every_s,
+          "must be >= 0 seconds (0 = save by steps only).")
     # mesh
     for key, value in (("mesh.data", m.data), ("mesh.fsdp", m.fsdp), ("mesh.tensor", m.tensor)):
         _need(_is_int(value) and (value >= 1 or value == -1), key, value,
@@ -375,6 +412,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
           "must be in (0, 1) (the share of problems held out for evaluation).")
     _int_at_least("data.split_seed", d.split_seed, 0)
+    _choice("data.width_sampling", d.width_sampling, ("uniform", "token_balanced"))
+    if d.kind == "addition" and d.pack:
+        need = 3 * d.train_max_width + 4  # one problem of the widest width (its last token is only a target)
+        _need(_is_int(d.seq_len) and d.seq_len >= need, "data.seq_len", d.seq_len,
+              f"must be >= {need} for packed addition rows: one problem of data.train_max_width="
+              f"{d.train_max_width} has {need + 1} tokens.")
     _need(isinstance(d.paths, (list, tuple)) and all(isinstance(p, str) and p for p in d.paths),
           "data.paths", d.paths, "must be a list of files, directories or glob patterns.")
     _need(d.kind != "text" or len(d.paths) > 0, "data.paths", d.paths, "is empty: data.kind='text' needs "

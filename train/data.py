@@ -177,6 +177,82 @@ def encode_addition(a: np.ndarray, b: np.ndarray, seq_len: int) -> dict[str, np.
     return {"tokens": tokens, "segment_ids": np.zeros((N, seq_len), np.int32), "loss_mask": loss_mask}
 
 
+WIDTH_SAMPLING = ("uniform", "token_balanced")
+
+
+def _hash_digits(key: np.ndarray, count: int) -> np.ndarray:
+    """``count`` uniform decimal digits per uint64 ``key`` ``[P]`` -> ``[P, count]`` int64.
+
+    Each splitmix64 value gives a 53-bit fraction u; its first 8 decimal digits are read off
+    by ``d = floor(10 u), u = 10 u - d`` (in integers), which leaves every digit uniform to within
+    ``10**8 / 2**53 ≈ 1e-8``."""
+    per = 8
+    words = -(-count // per)
+    with np.errstate(over="ignore"):
+        h = _mix64(_mix64(key[:, None] ^ (np.arange(words, dtype=np.uint64)[None, :] + np.uint64(0xD16175))))
+        u = h >> np.uint64(11)
+        mask, ten = np.uint64((1 << 53) - 1), np.uint64(10)
+        out = np.empty((len(key), words, per), np.int64)
+        for i in range(per):
+            u = u * ten
+            out[:, :, i] = (u >> np.uint64(53)).astype(np.int64)
+            u &= mask
+    return out.reshape(len(key), words * per)[:, :count]
+
+
+def _draw_train_operands(key: np.ndarray, n: np.ndarray, wmax: int, split_seed: int, heldout_frac: float):
+    """Operands of problems with keys ``key`` ``[P]`` and widths ``n`` ``[P]``, none in the held-out
+    bucket: ``a, b [P, wmax]`` digits, MSD first, zero after each problem's width.  Attempt i of
+    problem p draws from ``key[p]`` and i alone, so a problem does not depend on its neighbours."""
+    P = len(key)
+    a = np.zeros((P, wmax), np.int64)
+    b = np.zeros((P, wmax), np.int64)
+    pending = np.arange(P)
+    pos = np.arange(wmax)[None, :]
+    for attempt in range(10_000):
+        if not len(pending):
+            return a, b
+        with np.errstate(over="ignore"):
+            k = _mix64(key[pending] + np.uint64(attempt + 1) * np.uint64(0xBF58476D1CE4E5B9))
+        digits = _hash_digits(k, 2 * wmax)
+        m = n[pending, None]
+        ca = np.where(pos < m, digits[:, :wmax], 0)
+        cb = np.where(pos < m, digits[:, wmax:], 0)
+        ok = np.ones(len(pending), bool)
+        for w in np.unique(n[pending]):  # the hash per width: 2n columns each, not 2 * wmax
+            r = np.nonzero(n[pending] == w)[0]
+            ok[r] = ~is_heldout(ca[r, :w], cb[r, :w], split_seed, heldout_frac)
+        a[pending[ok]], b[pending[ok]] = ca[ok], cb[ok]
+        pending = pending[~ok]
+    raise RuntimeError(f"could not draw training problems (heldout_frac={heldout_frac}).")
+
+
+def _encode_ragged(a: np.ndarray, b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Problems of mixed widths -> ``(tokens, loss_mask)`` ``[P, 3*wmax + 5]``, problem p laid out
+    as :func:`encode_addition` in its first ``addition_seq_len(n[p])`` columns (PAD after)."""
+    P, wmax = a.shape
+    rows = np.arange(P)[:, None]
+    col = np.arange(wmax)[None, :]
+    # right-align the operands (zeros in front) to add them column by column
+    src = np.clip(col - (wmax - n[:, None]), 0, wmax - 1)
+    lead = col < (wmax - n[:, None])
+    ar = np.where(lead, 0, a[rows, src])
+    br = np.where(lead, 0, b[rows, src])
+    s = add_digits(ar, br)  # [P, wmax + 1], LSD first; digit n is the carry, zeros after it
+    j = np.arange(3 * wmax + 5)[None, :]
+    m = n[:, None]
+    tok = np.full((P, 3 * wmax + 5), PAD, np.int64)
+    tok = np.where(j == 0, BOS, tok)
+    tok = np.where((j >= 1) & (j <= m), a[rows, np.clip(j - 1, 0, wmax - 1)] + DIGIT0, tok)
+    tok = np.where(j == m + 1, PLUS, tok)
+    tok = np.where((j >= m + 2) & (j <= 2 * m + 1), b[rows, np.clip(j - m - 2, 0, wmax - 1)] + DIGIT0, tok)
+    tok = np.where(j == 2 * m + 2, EQUALS, tok)
+    target = (j >= 2 * m + 3) & (j <= 3 * m + 3)
+    tok = np.where(target, s[rows, np.clip(j - 2 * m - 3, 0, wmax)] + DIGIT0, tok)
+    tok = np.where(j == 3 * m + 4, EOS, tok)
+    return tok.astype(np.int32), target | (j == 3 * m + 4)
+
+
 def target_slice(width: int) -> slice:
     """Columns of the n+1 sum digits in a row of :func:`encode_addition` (EOS excluded)."""
     return slice(3 + 2 * width, 4 + 3 * width)
@@ -186,8 +262,14 @@ def target_slice(width: int) -> slice:
 class AdditionData:
     """The addition task: training stream and fixed evaluation sets.
 
-    * training: every row has its own width, uniform in ``[train_min_width, train_max_width]``;
-      rows are padded to ``seq_len = addition_seq_len(train_max_width)``;
+    * training, one problem a row (``pack=False``): every row has its own width, uniform in
+      ``[train_min_width, train_max_width]``; rows are padded to
+      ``seq_len = addition_seq_len(train_max_width)``;
+    * training, packed (``pack=True``): rows of ``pack_len + 1`` tokens (the model reads
+      ``pack_len``), each filled with problems one after another, each problem its own segment
+      (:meth:`packed_rows`); ``width_sampling`` draws every problem's width: ``"uniform"`` (each
+      width equally likely, so longer widths get more tokens) or ``"token_balanced"`` (width n with
+      probability ∝ 1 / addition_seq_len(n): each width gets about the same share of tokens);
     * evaluation: ``eval_examples`` held-out problems per width in ``eval_widths``, all padded
       to one length (one compiled program for every width).  Eval problems come from the
       held-out bucket of the hash split at *every* width, so they are disjoint from training
@@ -201,6 +283,9 @@ class AdditionData:
     eval_examples: int = 256
     heldout_frac: float = 0.05
     split_seed: int = 1234
+    pack: bool = False
+    pack_len: int = 1024
+    width_sampling: str = "uniform"
 
     def __post_init__(self):
         if not 1 <= self.train_min_width <= self.train_max_width:
@@ -208,17 +293,34 @@ class AdditionData:
                              f"{self.train_min_width}, {self.train_max_width}.")
         if not 0 < self.heldout_frac < 1:
             raise ValueError(f"data.heldout_frac={self.heldout_frac} must be in (0, 1).")
+        if self.width_sampling not in WIDTH_SAMPLING:
+            raise ValueError(f"data.width_sampling={self.width_sampling!r}: use one of "
+                             f"{', '.join(repr(w) for w in WIDTH_SAMPLING)}.")
+        if self.pack and self.pack_len + 1 < addition_seq_len(self.train_max_width):
+            raise ValueError(f"data.seq_len={self.pack_len}: a packed row must hold one problem of "
+                             f"train_max_width={self.train_max_width} ({addition_seq_len(self.train_max_width)} "
+                             f"tokens); use data.seq_len >= {addition_seq_len(self.train_max_width) - 1}.")
 
     @property
     def seq_len(self) -> int:
-        return addition_seq_len(self.train_max_width)
+        """Columns of a training row (the model reads ``seq_len - 1`` of them)."""
+        return self.pack_len + 1 if self.pack else addition_seq_len(self.train_max_width)
+
+    def width_probs(self) -> np.ndarray:
+        """Probability of each width ``train_min_width..train_max_width`` for one problem."""
+        n = np.arange(self.train_min_width, self.train_max_width + 1)
+        p = np.ones(len(n)) if self.width_sampling == "uniform" else 1.0 / addition_seq_len(n)
+        return p / p.sum()
 
     @property
     def eval_seq_len(self) -> int:
         return addition_seq_len(max((*self.eval_widths, self.train_max_width)))
 
     def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
-        """The training batch of ``step`` (a pure function of ``seed`` and ``step``): ``[B, seq_len]``."""
+        """The training batch of ``step`` (a pure function of ``seed`` and ``step``): ``[B, seq_len]``.
+        Packed: the rows ``[step*B, (step+1)*B)`` of :meth:`packed_rows`."""
+        if self.pack:
+            return self.packed_rows(int(step) * batch_size + np.arange(batch_size))
         rng = np.random.default_rng([self.seed, 0xADD, int(step)])
         widths = rng.integers(self.train_min_width, self.train_max_width + 1, size=batch_size)
         out = {k: np.empty((batch_size, self.seq_len), dt) for k, dt in
@@ -239,7 +341,9 @@ class AdditionData:
         Row ``g`` depends on ``(seed, g)`` only -- not on the batch size, the host count or the
         rows it is computed with -- through counter-based hashing (splitmix64): its width, then
         candidate operands per attempt, the first candidate outside the held-out bucket kept.
-        Vectorised over the rows, so one call per batch is cheap."""
+        Vectorised over the rows, so one call per batch is cheap.  Packed data: :meth:`packed_rows`."""
+        if self.pack:
+            return self.packed_rows(idx)
         idx = np.asarray(idx, np.int64).reshape(-1)
         N, wmax = len(idx), self.train_max_width
         with np.errstate(over="ignore"):
@@ -276,9 +380,83 @@ class AdditionData:
                 out[k][r] = enc[k]
         return out
 
+    def packed_rows(self, idx, *, with_widths: bool = False) -> dict[str, np.ndarray]:
+        """Packed training rows ``idx`` ``[N]``: ``[N, pack_len + 1]``; ``with_widths`` adds
+        ``widths`` ``[N, K]`` (the width of each row's problems in order, 0 after the last one).
+
+        Row layout: problems ``BOS a + b = s EOS`` (as :func:`encode_addition`) one after another,
+        problem k in segment k (the recurrent state resets and attention stops at every
+        problem), then PAD to the end in a segment of its own.  Problems are added while they
+        fit: a row ends at the first drawn problem that does not.  ``loss_mask`` is true on every
+        problem's n+1 sum digits and EOS.  Row ``g`` depends on ``(seed, g)`` only
+        (counter-based splitmix64, as :meth:`rows`): slot k's width, then per attempt its
+        operands, the first candidate outside the held-out bucket kept."""
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        N, L, wmax = len(idx), self.pack_len + 1, self.train_max_width
+        slots = -(-L // addition_seq_len(self.train_min_width))  # the most problems a row can hold
+        with np.errstate(over="ignore"):
+            key = _mix64(_mix64(np.full(N, np.uint64(self.seed) ^ np.uint64(0x9ACCED)))
+                         + idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+            pkey = _mix64(key[:, None] ^ (np.arange(slots, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
+                                          + np.uint64(0x51075)))  # [N, slots]: one key per problem slot
+            u = (_mix64(pkey ^ np.uint64(0xA11CE)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        cdf = np.cumsum(self.width_probs())
+        widths = self.train_min_width + np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+        ends = np.cumsum(addition_seq_len(widths), axis=1)
+        fits = ends <= L  # a prefix of every row's slots (ends grow along a row)
+        widths = np.where(fits, widths, 0)
+        K = max(int(fits.sum(axis=1).max()), 1)
+        widths, fits, ends, pkey = widths[:, :K], fits[:, :K], ends[:, :K], pkey[:, :K]
+        rows_p, slot_p = np.nonzero(fits)  # the problems, row-major
+        n_p, key_p = widths[rows_p, slot_p], pkey[rows_p, slot_p]
+        start_p = ends[rows_p, slot_p] - addition_seq_len(n_p)
+        a, b = _draw_train_operands(key_p, n_p, wmax, self.split_seed, self.heldout_frac)
+        tmpl, tmask = _encode_ragged(a, b, n_p)  # [P, 3*wmax + 5]
+        out = {"tokens": np.full((N, L), PAD, np.int32), "loss_mask": np.zeros((N, L), bool)}
+        j = np.arange(tmpl.shape[1])
+        inside = j[None, :] < addition_seq_len(n_p)[:, None]
+        flat = (rows_p * L + start_p)[:, None] + j[None, :]
+        out["tokens"].reshape(-1)[flat[inside]] = tmpl[inside]
+        out["loss_mask"].reshape(-1)[flat[inside]] = tmask[inside]
+        # segment of column c = the number of problems that end at or before c
+        used = np.where(fits, ends, L + 1)
+        seg = np.zeros((N, L + 1), np.int32)
+        np.add.at(seg, (np.repeat(np.arange(N), K), np.minimum(used, L).reshape(-1)), 1)
+        out["segment_ids"] = np.cumsum(seg[:, :L], axis=1, dtype=np.int32)
+        if with_widths:
+            out["widths"] = widths.astype(np.int32)
+        return out
+
+    def width_shares(self, rows: int = 4096) -> dict[int, dict[str, float]]:
+        """Measured over the first ``rows`` training rows: per width, its share of the problems
+        and of the row tokens (problem tokens over all columns, padding included), and
+        ``"padding"``: the share of columns that are padding."""
+        w = self.packed_rows(np.arange(rows), with_widths=True)["widths"] if self.pack else None
+        if w is None:  # one problem a row: the width of row g, read back from its tokens
+            toks = self.rows(np.arange(rows))["tokens"]
+            w = ((toks == PLUS).argmax(axis=1) - 1)[:, None]
+            cols = toks.shape[1]
+        else:
+            cols = self.seq_len
+        w = w[w > 0]
+        total = rows * cols
+        out = {}
+        for n in range(self.train_min_width, self.train_max_width + 1):
+            k = int((w == n).sum())
+            out[n] = {"problems": k / max(len(w), 1), "tokens": k * addition_seq_len(n) / total}
+        out["padding"] = 1.0 - float(addition_seq_len(w).sum()) / total
+        return out
+
     def eval_set(self, width: int) -> dict[str, np.ndarray]:
         """The fixed held-out set of ``width``: ``eval_examples`` rows of ``eval_seq_len``, plus
-        ``a``/``b`` digit arrays (for checks).  Independent of the training seed's stream."""
+        ``a``/``b`` digit arrays (for checks).  Independent of the training seed's stream; drawn once
+        per width and kept (every evaluation of a run reads the same set)."""
+        cache = self.__dict__.setdefault("_eval_sets", {})
+        if width not in cache:
+            cache[width] = self._draw_eval_set(width)
+        return cache[width]
+
+    def _draw_eval_set(self, width: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, 0xE7A1, int(width)])
         a, b = sample_problems(rng, width, self.eval_examples, split_seed=self.split_seed,
                                heldout_frac=self.heldout_frac, heldout=True)

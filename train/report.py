@@ -67,8 +67,14 @@ def summary_lines(cfg, rec: dict | None) -> list[str]:
             g = f"{100 * gr[k]:.1f}%" if k in gr else "-"
             out.append(f"{int(k):>5} | {split:<12} | {100 * tf[k]['exact']:>9.1f}% | "
                        f"{100 * tf[k]['digit']:>9.1f}% | {g:>12}")
-        out += ["-" * 62, f"mean teacher-forced exact: in-distribution {percent(rec.get('in_dist_exact'))}, "
-                          f"longer-than-trained {percent(rec.get('heldout_width_exact'))}"]
+        out += ["-" * 62, f"mean teacher-forced exact (per digit): in-distribution {percent(rec.get('in_dist_exact'))} "
+                          f"({percent(rec.get('in_dist_digit'))}), longer-than-trained "
+                          f"{percent(rec.get('heldout_width_exact'))} ({percent(rec.get('heldout_width_digit'))})"]
+        best = rec.get("best_in_dist")
+        if best:
+            out.append(f"checkpoint choice (best in-distribution exact, longer widths not looked at): step "
+                       f"{best['step']}: in-distribution {percent(best.get('in_dist_exact'))}, longer-than-trained "
+                       f"{percent(best.get('heldout_width_exact'))} ({percent(best.get('heldout_width_digit'))} per digit)")
         return out
     if "val_loss" in rec:
         return [f"Validation at step {rec['step']}: loss {rec['val_loss']:.4f} nats/token, ppl {rec['val_ppl']:.2f} "

@@ -53,7 +53,8 @@ def _build_data(cfg: TrainConfig):
     if d.kind == "addition":
         return AdditionData(seed=d.seed, train_min_width=d.train_min_width, train_max_width=d.train_max_width,
                             eval_widths=tuple(d.eval_widths), eval_examples=d.eval_examples,
-                            heldout_frac=d.heldout_frac, split_seed=d.split_seed)
+                            heldout_frac=d.heldout_frac, split_seed=d.split_seed, pack=d.pack,
+                            pack_len=d.seq_len, width_sampling=d.width_sampling)
     if d.kind == "text":
         if not d.paths:
             raise ValueError("data.paths is empty: give local text files, e.g. "
@@ -137,7 +138,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     ``resume``: continue from the latest good checkpoint, RunDirError if there is none;
     ``resume_or_start``: the same, but start from step 0 when there is none.  SIGINT / SIGTERM stop the
     run after the current step with a checkpoint of it: :class:`~falcon_jax.train.preemption.Interrupted`.
-    ``standalone``: this process ends when ``run`` raises (the command line; see ``Checkpointer``)."""
+    ``standalone``: this process ends when ``run`` raises (the command line; see ``Checkpointer``).
+    ``train.time_limit_s > 0``: before that many seconds from this call, the run saves a checkpoint and
+    returns with ``summary["stopped"] == "time_limit"`` (the command line exits 0); ``--resume`` continues
+    it with the same batches as an uninterrupted run."""
+    t_begin = time.perf_counter()
     validate(cfg)
     resume = resume or resume_or_start
     run_dir = cfg.train.run_dir
@@ -156,6 +161,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     mesh = make_mesh(cfg.mesh)
     micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
     data = build_data(cfg)
+    if cfg.data.kind == "addition" and is_main:
+        write_width_shares(data, run_dir, say)
     shard = host_shard(mesh, cfg.train.batch_size, cfg.train.grad_accum) if cfg.data.loader == "grain" else (0, 1)
     loader = make_loader(cfg.data.loader, data, cfg.train.batch_size, shard=shard,
                          threads=cfg.data.grain_threads, prefetch=cfg.data.grain_prefetch)
@@ -263,12 +270,17 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 gw = cfg.data.greedy_widths if cfg.data.greedy_widths is not None else cfg.data.eval_widths
                 greedy = ev.addition_greedy(model_state, data, gw, cfg.data.greedy_examples)
                 rec["greedy"] = {str(k): v for k, v in greedy.items()}
-            ind = [v["exact"] for k, v in acc.items() if k <= cfg.data.train_max_width]
-            ood = [v["exact"] for k, v in acc.items() if k > cfg.data.train_max_width]
-            rec["in_dist_exact"] = float(np.mean(ind)) if ind else None
-            rec["heldout_width_exact"] = float(np.mean(ood)) if ood else None
-            say(f"[eval step {step}] teacher-forced exact: in-distribution widths {percent(rec['in_dist_exact'])}, "
-                f"longer-than-trained widths {percent(rec['heldout_width_exact'])}")
+            for metric in ("exact", "digit"):
+                ind = [v[metric] for k, v in acc.items() if k <= cfg.data.train_max_width]
+                ood = [v[metric] for k, v in acc.items() if k > cfg.data.train_max_width]
+                rec[f"in_dist_{metric}"] = float(np.mean(ind)) if ind else None
+                rec[f"heldout_width_{metric}"] = float(np.mean(ood)) if ood else None
+            rec["best_in_dist"] = best_in_dist(metric_records(run_dir, "eval") + [rec])
+            say(f"[eval step {step}] teacher-forced exact (per digit): in-distribution widths "
+                f"{percent(rec['in_dist_exact'])} ({percent(rec['in_dist_digit'])}), longer-than-trained widths "
+                f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
+                f"so far: step {rec['best_in_dist']['step']}")
+            say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
         else:
             rec.update(ev.lm_validation(gd, st, data.val_batches(micro, cfg.data.val_batches), put=put))
             if "val_loss" in rec:
@@ -276,28 +288,50 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
         logger.write(rec)
         return rec
 
+    if cfg.data.kind == "addition" and cfg.train.eval_every and start % cfg.train.eval_every == 0 \
+            and 0 < start < cfg.train.steps and not any(r.get("step") == start for r in metric_records(run_dir, "eval")):
+        do_eval(start)  # a run stopped at an evaluation step before evaluating it
+
     tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
     every = max(cfg.train.log_every, 1)
     n_devices = mesh.devices.size
     t_last, steps_since = time.perf_counter(), 0
     last_eval = None
     step = start
+    # wall-clock budget (train.time_limit_s) and time-based checkpoints (checkpoint.every_s): the step is
+    # synchronised so its time is known; estimates start pessimistic (compilation) and follow measurements
+    limit, every_s = cfg.train.time_limit_s, cfg.checkpoint.every_s
+    timed = limit > 0 or every_s > 0
+    est = {"step": None, "save": 15.0, "eval": 30.0}
+    t_saved = time.perf_counter()
+    stopped = None
     # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard
     sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor")
     sharded_kernels.__enter__()
     stop = StopRequest(multiprocess=jax.process_count() > 1).__enter__()
     try:
         for step in range(start + 1, cfg.train.steps + 1):
+            t_step = time.perf_counter()
             batch = put_batch(next(loader), mesh, cfg.train.grad_accum, shard=loader.shard)
             params, opt_state, metrics = step_fn(params, rest, opt_state, batch)
             pending.append((step, metrics))
+            out_of_time = False
+            if timed:
+                jax.block_until_ready(metrics["loss"])
+                now = time.perf_counter()
+                est["step"] = now - t_step if step > start + 2 or est["step"] is None else min(est["step"], now - t_step)
+                # stop when the next step, a save and an evaluation might not fit before the limit
+                reserve = 2 * est["step"] + est["save"] + est["eval"] + 5.0
+                out_of_time = limit > 0 and step < cfg.train.steps and now - t_begin + reserve > limit
             steps_since += 1
             if cfg.train.step_sleep:
                 time.sleep(cfg.train.step_sleep)
             first = step == start + 1  # reported at once: its time is mostly compilation
             stopping = stop.requested(step) and step < cfg.train.steps
             log_now = first or step % every == 0 or step == cfg.train.steps or stopping
-            save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps or stopping)
+            save_now = ckpt is not None and (ckpt.should_save(step) or step == cfg.train.steps or stopping
+                                             or out_of_time or (every_s > 0 and time.perf_counter() - t_saved >= every_s))
+            log_now = log_now or out_of_time
             if ckpt is not None:
                 ckpt.poll()  # an asynchronous save that failed stops the run here
             if log_now or save_now or cfg.train.step_sleep:
@@ -326,19 +360,34 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                                   "peak_bytes_per_device": peak})
                     t_last, steps_since = time.perf_counter(), 0
             if save_now:
+                t_save = time.perf_counter()
                 ckpt.save(step, {"params": params, "opt_state": opt_state,
                                  "step": replicate(np.asarray(step, np.int32), mesh), "rng": state["rng"]},
-                          meta(step), force=step == cfg.train.steps)
+                          meta(step), force=step == cfg.train.steps or out_of_time)
+                t_saved = time.perf_counter()
+                est["save"] = t_saved - t_save
+            if out_of_time:
+                ckpt.wait()
+                elapsed = time.perf_counter() - t_begin
+                logger.write({"kind": "time_limit", "step": step, "elapsed_s": elapsed, "limit_s": limit})
+                say(f"[time limit] train.time_limit_s={limit:g} s: stopped after step {step}/{cfg.train.steps} "
+                    f"at {elapsed:.0f} s with a checkpoint of step {step}; continue with: "
+                    f"falcon-train --run-dir {run_dir} --resume")
+                stopped = "time_limit"
+                break
             if stopping:
                 if ckpt is not None:
                     ckpt.wait()
                 raise Interrupted(stop.signum, step, saved=ckpt is not None, run_dir=run_dir)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+                t_eval = time.perf_counter()
                 last_eval = do_eval(step)
                 t_last, steps_since = time.perf_counter(), 0
+                est["eval"] = t_last - t_eval if est["eval"] == 30.0 else max(est["eval"], t_last - t_eval)
         if pending:
             flush(0, 0, 0)
-        last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
+        if stopped is None:
+            last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
     finally:
         stop.__exit__(None, None, None)
         sharded_kernels.__exit__(None, None, None)
@@ -346,7 +395,36 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
         if ckpt is not None:
             ckpt.close()
 
-    summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval}
-    if is_main:
+    summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval, "stopped": stopped}
+    if is_main and stopped is None:
         finish(cfg, last_eval, say)
     return summary
+
+
+WIDTH_SHARES = "width_shares.json"
+
+
+def best_in_dist(evals: list[dict]) -> dict | None:
+    """The evaluation with the best in-distribution exact match (the later one on a tie): the checkpoint
+    choice, made without looking at the longer widths.  Returns its step and its summary numbers."""
+    evals = [e for e in evals if e.get("in_dist_exact") is not None]
+    if not evals:
+        return None
+    e = max(evals, key=lambda r: (r["in_dist_exact"], r["step"]))
+    return {k: e.get(k) for k in ("step", "in_dist_exact", "in_dist_digit", "heldout_width_exact",
+                                  "heldout_width_digit")}
+
+
+def write_width_shares(data: AdditionData, run_dir: str, say) -> dict:
+    """Measure the training stream's share of problems and tokens per width (and of padding) over its first
+    rows, say it in one line and save it as ``<run_dir>/width_shares.json``."""
+    shares = data.width_shares(rows=1024 if data.pack else 4096)
+    pad = shares.pop("padding")
+    layout = (f"packed rows of {data.pack_len} tokens, widths {data.width_sampling} per problem" if data.pack
+              else "one problem a row, widths uniform per row")
+    say(f"[data] {layout}; token share per width (padding {100 * pad:.1f}%): "
+        + " ".join(f"{n}:{100 * v['tokens']:.1f}%" for n, v in shares.items()))
+    out = {"layout": layout, "padding": pad, "widths": {str(n): v for n, v in shares.items()}}
+    with open(os.path.join(run_dir, WIDTH_SHARES), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
