@@ -1,0 +1,160 @@
+"""Packed addition rows: layout, loss mask, held-out split, determinism, width distribution; the model on a
+packed row equals each problem run alone; a run stopped by train.time_limit_s resumes on the same batches."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from falcon_jax.train import data as D
+
+
+def _packed(**kw):
+    args = dict(seed=3, train_min_width=1, train_max_width=9, pack=True, pack_len=200, heldout_frac=0.2)
+    args.update(kw)
+    return D.AdditionData(**args)
+
+
+def _problems(row):
+    """Split a packed row by segment and parse every problem: [(segment, a, b, sum_lsd_first, columns)]."""
+    out = []
+    for s in np.unique(row["segment_ids"]):
+        cols = np.nonzero(row["segment_ids"] == s)[0]
+        assert (np.diff(cols) == 1).all(), "a segment is one run of columns"
+        out.append((int(s), row["tokens"][cols], row["loss_mask"][cols], cols))
+    return out
+
+
+def test_packed_rows_decode_to_valid_problems_one_segment_each():
+    d = _packed()
+    b = d.packed_rows(np.arange(40), with_widths=True)
+    L = d.pack_len + 1
+    assert all(b[k].shape == (40, L) for k in ("tokens", "segment_ids", "loss_mask"))
+    assert (b["segment_ids"][:, 0] == 0).all() and (np.diff(b["segment_ids"], axis=1) >= 0).all()
+    n_problems = 0
+    for r in range(40):
+        row = {k: b[k][r] for k in b}
+        segs = _problems(row)
+        widths = [w for w in row["widths"] if w > 0]
+        assert len(widths) >= 1
+        for s, tok, mask, cols in segs:
+            text = D.decode_addition(tok)
+            if s == len(widths):  # the padding after the last problem: its own segment, no targets
+                assert set(tok.tolist()) == {D.PAD} and not mask.any() and cols[-1] == L - 1
+                continue
+            n = widths[s]
+            assert text.startswith("<bos>") and text.endswith("<eos>") and len(tok) == D.addition_seq_len(n)
+            lhs, rhs = text[len("<bos>"):-len("<eos>")].split("=")
+            x, y = lhs.split("+")
+            assert len(x) == len(y) == n and len(rhs) == n + 1
+            assert int(rhs[::-1]) == int(x) + int(y)
+            # the loss mask: exactly the n+1 sum digits and EOS
+            assert mask.tolist() == [False] * (2 * n + 3) + [True] * (n + 2)
+            n_problems += 1
+        assert len([s for s in segs if s[0] < len(widths)]) == len(widths)
+        # packing stops at the first problem that does not fit: the padding is shorter than that problem
+        pad = L - sum(D.addition_seq_len(w) for w in widths)
+        assert 0 <= pad < D.addition_seq_len(d.train_max_width)
+    assert n_problems > 40 * 5
+
+
+def test_packed_rows_hold_no_heldout_problem_and_depend_on_the_row_index_only():
+    d = _packed(train_max_width=3, pack_len=300, heldout_frac=0.3)
+    b = d.packed_rows(np.arange(64), with_widths=True)
+    seen = 0
+    for r in range(64):
+        for s, tok, mask, cols in _problems({k: b[k][r] for k in ("tokens", "segment_ids", "loss_mask")}):
+            if tok[0] != D.BOS:
+                continue
+            text = D.decode_addition(tok)[len("<bos>"):]
+            x, y = text.split("=")[0].split("+")
+            a = np.array([[int(c) for c in x]])
+            bb = np.array([[int(c) for c in y]])
+            assert not D.is_heldout(a, bb, d.split_seed, d.heldout_frac)[0]
+            assert not D.is_heldout(bb, a, d.split_seed, d.heldout_frac)[0]
+            seen += 1
+    assert seen > 64 * 20
+    # held-out problems do exist at these widths (30 %): the rejection is what keeps them out
+    some = d.eval_set(2)
+    assert D.is_heldout(some["a"], some["b"], d.split_seed, d.heldout_frac).all()
+    # row g is a function of (seed, g): other neighbours, other order, other batch -> the same rows
+    again = d.packed_rows(np.array([63, 5, 20]))
+    for k in again:
+        np.testing.assert_array_equal(again[k], b[k][[63, 5, 20]])
+    assert not np.array_equal(_packed(seed=4, train_max_width=3, pack_len=300, heldout_frac=0.3)
+                              .packed_rows(np.arange(64))["tokens"], b["tokens"])
+    # a step's batch is rows [step*B, (step+1)*B) of the stream
+    np.testing.assert_array_equal(d.batch(2, 16)["tokens"], b["tokens"][32:48])
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "token_balanced"])
+def test_packed_width_distribution(sampling):
+    """uniform: each width about equally often (the problem that does not fit at a row's end is dropped, which
+    takes a little from the longer widths); token_balanced: each width about the same share of tokens."""
+    d = _packed(train_min_width=2, train_max_width=12, pack_len=512, width_sampling=sampling, seed=0)
+    w = d.packed_rows(np.arange(1500), with_widths=True)["widths"]
+    w = w[w > 0]
+    count = np.array([(w == n).sum() for n in range(2, 13)], float)
+    tokens = count * D.addition_seq_len(np.arange(2, 13))
+    if sampling == "uniform":
+        p = count / count.sum()
+        np.testing.assert_allclose(p, 1 / 11, rtol=0.12)
+    else:
+        t = tokens / tokens.sum()
+        np.testing.assert_allclose(t, 1 / 11, rtol=0.12)
+        assert count[0] > 2.5 * count[-1]  # short widths drawn far more often
+    shares = d.width_shares(rows=300)
+    assert abs(sum(v["tokens"] for k, v in shares.items() if k != "padding") + shares["padding"] - 1) < 1e-9
+    assert abs(sum(v["problems"] for k, v in shares.items() if k != "padding") - 1) < 1e-9
+
+
+def test_packed_config_errors_name_the_key():
+    from falcon_jax.train.config import ConfigError, build_config
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        build_config("addition-packed", overrides=["data.seq_len=64"])
+    with pytest.raises(ConfigError, match="data.width_sampling"):
+        build_config("addition-packed", overrides=["data.width_sampling=balanced"])
+    with pytest.raises(ConfigError, match="train.time_limit_s"):
+        build_config("addition-packed", overrides=["train.time_limit_s=-1"])
+    with pytest.raises(ValueError, match="width_sampling"):
+        D.AdditionData(width_sampling="by-length")
+    cfg = build_config("addition-packed", overrides=["model.mixer=transformer"])
+    assert cfg.train.batch_size * cfg.data.seq_len * cfg.train.steps > 1e9
+
+
+@pytest.mark.parametrize("mixer", ["falcon-1A.3", "transformer", "mamba2"])
+def test_model_on_a_packed_row_equals_each_problem_alone(mixer):
+    """The logits of every problem of a packed addition row equal those of the problem run alone, and the
+    packed loss is the sum of the problems' losses (float32, small shapes)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from falcon_jax.nn import FalconLM, LMConfig
+    from falcon_jax.train.evaluate import loss_terms
+
+    cfg = LMConfig(mixer=mixer, vocab_size=16, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                   chunk_size=8, dtype="float32", param_dtype="float32")
+    model = FalconLM(cfg, rngs=nnx.Rngs(1))
+    d = _packed(train_max_width=5, pack_len=60, seed=7)
+    row = d.packed_rows(np.array([11]))
+    seg = row["segment_ids"][0]
+    logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))
+    packed = np.asarray(logits(model, jnp.asarray(row["tokens"]), jnp.asarray(row["segment_ids"])))
+    # problems exclude the trailing padding (its positions see only padding)
+    n_seg = int(seg.max()) + (1 if row["tokens"][0, -1] != D.PAD else 0)
+    assert n_seg >= 3
+    lt = jax.jit(lambda m, *a: loss_terms(m, *a))
+    total_s, total_n = 0.0, 0.0
+    for s in range(n_seg):
+        cols = np.nonzero(seg == s)[0]
+        toks = row["tokens"][:, cols]
+        alone = np.asarray(model(jnp.asarray(toks)))
+        np.testing.assert_allclose(packed[0, cols], alone[0], atol=5e-5, rtol=1e-5)
+        s_, n_ = lt(model, jnp.asarray(toks), jnp.zeros_like(jnp.asarray(toks)), jnp.asarray(row["loss_mask"][:, cols]))
+        total_s, total_n = total_s + float(s_), total_n + float(n_)
+    s_all, n_all = lt(model, jnp.asarray(row["tokens"]), jnp.asarray(row["segment_ids"]), jnp.asarray(row["loss_mask"]))
+    assert float(n_all) == total_n == row["loss_mask"].sum()  # every target's pair lies inside its problem
+    np.testing.assert_allclose(float(s_all), total_s, rtol=1e-5)
