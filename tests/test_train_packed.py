@@ -158,3 +158,59 @@ def test_model_on_a_packed_row_equals_each_problem_alone(mixer):
     s_all, n_all = lt(model, jnp.asarray(row["tokens"]), jnp.asarray(row["segment_ids"]), jnp.asarray(row["loss_mask"]))
     assert float(n_all) == total_n == row["loss_mask"].sum()  # every target's pair lies inside its problem
     np.testing.assert_allclose(float(s_all), total_s, rtol=1e-5)
+
+
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=32", "model.chunk_size=8",
+        "data.seq_len=40", "data.eval_widths=[1,4]", "data.eval_examples=8", "data.greedy_widths=[]",
+        "train.batch_size=4", "train.plots=false", "train.log_every=1", "train.eval_every=2",
+        "optim.warmup_steps=1", "checkpoint.every=100", "checkpoint.keep=1"]
+
+
+def _main(run_dir, *extra, resume=False):
+    from falcon_jax.train.cli import main
+    if resume:
+        return main(["--run-dir", str(run_dir), "--resume"])
+    args = ["--preset", "addition-packed-tiny", "--run-dir", str(run_dir), "--set", "train.steps=4"]
+    for o in TINY + list(extra):
+        args += ["--set", o]
+    return main(args)
+
+
+def test_time_limit_stops_with_a_checkpoint_and_resume_continues_the_same_stream(tmp_path, capsys):
+    """train.time_limit_s=1 stops every command after its first step (exit 0, a checkpoint, a line saying how
+    to continue); the run dir, copied elsewhere, resumes command after command; every step's loss equals the
+    uninterrupted run's (so every batch does), and the evaluation skipped at the stop is made on resume."""
+    import shutil
+
+    from falcon_jax.train.rundir import metric_records, read_metrics
+
+    assert _main(tmp_path / "ref") == 0
+    ref, ref_evals = read_metrics(tmp_path / "ref")
+    assert sorted(ref) == [1, 2, 3, 4] and [e["step"] for e in ref_evals] == [2, 4]
+    capsys.readouterr()
+
+    first = tmp_path / "first"
+    assert _main(first, "train.time_limit_s=1") == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("[time limit] train.time_limit_s=1 s: stopped after step 1/4") \
+        and last.endswith(f"continue with: falcon-train --run-dir {first} --resume")
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(first, moved)  # the lead carries a run dir to another path: nothing absolute is baked in
+    shutil.rmtree(first)
+    for want in (2, 3):
+        assert _main(moved, resume=True) == 0
+        assert max(read_metrics(moved)[0]) == want
+        assert f"stopped after step {want}/4" in capsys.readouterr().out
+    assert _main(moved, resume=True) == 0  # the last step, then the final evaluation and report
+    got, evals = read_metrics(moved)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in ref:
+        assert got[s]["loss"] == ref[s]["loss"], (s, got[s]["loss"], ref[s]["loss"])
+    by_step = {e["step"]: e for e in evals}
+    assert sorted(by_step) == [2, 4]
+    assert by_step[4]["teacher_forced"] == ref_evals[-1]["teacher_forced"]
+    assert [r["step"] for r in metric_records(moved, "time_limit")] == [1, 2, 3]
+    assert (moved / "report.txt").exists() and not first.exists()
+    assert os.path.exists(moved / "width_shares.json")
+    shares = json.load(open(moved / "width_shares.json"))
+    assert set(shares["widths"]) == {"1", "2", "3"} and 0 <= shares["padding"] < 0.3
