@@ -289,14 +289,15 @@ _ADDITION_PACKED = {
     "checkpoint": dict(every=250, every_s=240.0, keep=2),
 }
 _ADDITION_PACKED_TINY = {
-    # packed rows on CPU: addition-tiny's model on rows of 64 tokens (~6 problems of widths 1-3 each)
+    # packed rows on CPU: addition-tiny's model on rows of 64 tokens (~6 problems of widths 1-3 each);
+    # ~1 minute on 2 cores (tests/test_train_packed.py checks that it learns widths 1-3)
     "model": dict(mixer="falcon-1A.3", d_model=192, n_layers=2, n_heads=6, mlp_hidden=128, chunk_size=16,
                   form="chunk", dtype="float32", param_dtype="float32"),
     "data": dict(kind="addition", pack=True, seq_len=64, train_min_width=1, train_max_width=3,
                  eval_widths=[1, 2, 3, 4, 5], eval_examples=128, greedy_widths=[2, 3], greedy_examples=32),
     "optim": dict(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.05),
-    "train": dict(steps=400, batch_size=16, log_every=50, eval_every=200, run_dir="runs/addition-packed-tiny"),
-    "checkpoint": dict(every=200, keep=1),
+    "train": dict(steps=700, batch_size=16, log_every=50, eval_every=350, run_dir="runs/addition-packed-tiny"),
+    "checkpoint": dict(every=350, keep=1),
 }
 _LM_TINY = {
     # Byte-level LM on local text (by default this repository's docs); CPU-sized.

@@ -7,7 +7,8 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
     metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
                             first step of a process took, compilation included), "speed" (log
                             points), "eval"; a resumed run appends, readers take the last record
-                            of each step
+                            of each step; "time_limit" (a stop by train.time_limit_s)
+    width_shares.json       addition: the training stream's share of problems and tokens per width
     checkpoints/<step>/     orbax checkpoints (:mod:`falcon_jax.train.checkpoint`)
     report.txt              the end-of-run table
     loss.png, accuracy_vs_width.png   plots (matplotlib, the ``train`` extra)
