@@ -68,7 +68,9 @@ def test_finish_saves_the_table_and_lists_the_files(tmp_path, monkeypatch, rng):
     cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={run_dir}"])
     exact = rng.uniform(size=8)
     rec = {"step": 1500, "teacher_forced": {str(w): {"exact": float(exact[w - 1]), "digit": 0.5} for w in range(1, 9)},
-           "greedy": {"2": 0.25}, "in_dist_exact": float(exact[:4].mean()), "heldout_width_exact": float(exact[4:].mean())}
+           "greedy": {"2": 0.25}, "in_dist_exact": float(exact[:4].mean()), "heldout_width_exact": float(exact[4:].mean()),
+           "in_dist_digit": 0.5, "heldout_width_digit": 0.5,
+           "best_in_dist": {"step": 750, "in_dist_exact": 0.9, "heldout_width_exact": 0.125, "heldout_width_digit": 0.25}}
     lines = []
     written = report.finish(cfg, rec, say=lines.append)
     assert written == [str(run_dir / "report.txt")]
@@ -76,8 +78,10 @@ def test_finish_saves_the_table_and_lists_the_files(tmp_path, monkeypatch, rng):
     assert table == lines[1:1 + len(table)] and table[0].startswith("Addition accuracy at step 1500")
     row2 = next(ln for ln in table if ln.split("|")[0].strip() == "2")
     assert f"{100 * exact[1]:.1f}%" in row2 and "25.0%" in row2
-    assert table[-1] == (f"mean teacher-forced exact: in-distribution {100 * exact[:4].mean():.1f}%, "
-                         f"longer-than-trained {100 * exact[4:].mean():.1f}%")
+    assert table[-2] == (f"mean teacher-forced exact (per digit): in-distribution {100 * exact[:4].mean():.1f}% "
+                         f"(50.0%), longer-than-trained {100 * exact[4:].mean():.1f}% (50.0%)")
+    assert table[-1] == ("checkpoint choice (best in-distribution exact, longer widths not looked at): step 750: "
+                         "in-distribution 90.0%, longer-than-trained 12.5% (25.0% per digit)")
     assert report.NO_MATPLOTLIB in lines
     listing = lines[lines.index(f"Files in {run_dir}:") + 1:]
     assert [ln.split()[0] for ln in listing] == ["report.txt", "metrics.jsonl", "config.json", "checkpoints/"]
