@@ -281,7 +281,8 @@ _ADDITION_PACKED = {
     # lr 1e-3 cosine, 2,000 steps = 1.07B tokens.  Model: Falcon-1A.3 with 8 layers of width 512 (28M).
     "model": dict(mixer="falcon-1A.3", d_model=512, n_layers=8, n_heads=8, chunk_size=64,
                   dtype="bfloat16", param_dtype="float32"),
-    "data": dict(kind="addition", pack=True, seq_len=1024, width_sampling="uniform", train_min_width=1,
+    "data": dict(kind="addition", pack=True, seq_len=1024, width_sampling="uniform", grain_threads=2, grain_prefetch=4,
+                 train_min_width=1,
                  train_max_width=32, eval_widths=list(range(1, 49)), eval_examples=256,
                  greedy_widths=[8, 16, 32, 33, 40, 48], greedy_examples=128),
     "optim": dict(lr=1e-3, warmup_steps=200, weight_decay=0.1, min_lr_ratio=0.1),
