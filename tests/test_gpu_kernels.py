@@ -14,7 +14,11 @@ with every kernel output poisoned first (NaN where a kernel fails to write):
 * bf16 gradients at d = 128 within ``BF16_ERROR_MULTIPLE`` times the XLA chunk form's error (on the same GPU) on
   the same bf16 inputs (both against float64 on those inputs);
 * extreme gates (β·‖x‖² near 2, γ at its clamp on a tenth of the steps) and T = 65536 (finite);
-* the Mosaic GPU passes (a Hopper GPU): ``implementation="mosaic_gpu"`` against ``"triton"`` on the same inputs.
+* Gated DeltaNet (the residual on the decayed state) and DeltaNet through the decayed delta rule: values against
+  the float64 recurrences of ``falcon_jax.reference``, fp32 gradients (log γ = −30 and 0 among them for Gated
+  DeltaNet), bf16 gradients as above, and ``impl="auto"`` serving both from the kernels;
+* the Mosaic GPU passes (a Hopper GPU): ``implementation="mosaic_gpu"`` against ``"triton"`` on the same inputs,
+  for Falcon-1's call and Gated DeltaNet's.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from falcon_jax import FalconState, falcon
+from falcon_jax import FalconState, deltanet, falcon, gated_deltanet, init_state
 from falcon_jax.kernels.common import on_hopper, poisoned_outputs
+from falcon_jax.reference import reference_deltanet, reference_gated_deltanet
 from tests.helpers import (assert_close, assert_state_close, make_initial_state, make_inputs, make_segment_ids,
                            rel_err, to_lib_state)
 from tests.reference import reference_falcon
@@ -212,17 +217,144 @@ class TestPerColumn(KernelOpChecks):
     RULES = {"2": dict(variant="2", timing="raw"), "2A": dict(variant="2A", timing="rbw")}
 
 
+class TestDeltaRuleBaselines:
+    """Gated DeltaNet (``decay_before_residual``: the residual on the decayed state) and DeltaNet through
+    ``decayed_delta_rule`` (same-step pairs, the model's layout in place), with unit keys (β‖k‖² = β < 2), packed
+    segments, a continued state and a read scale."""
+
+    BASELINES = {"gated_deltanet": (gated_deltanet, reference_gated_deltanet, ("beta", "log_decay")),
+                 "deltanet": (deltanet, reference_deltanet, ("beta",))}
+    SCALE = 0.7
+
+    def inputs(self, rng, name, B, T, H, D, extreme=False, edge_beta=False):
+        """float64 (q, k, v, *gates), segment ids, S0.  log γ ~ −U(0.001, 0.1), or with ``extreme`` −30 (γ ≈
+        1e-13) on a third of the steps, 0 on a third and −U(0, 1) on the rest; β ~ U(0.1, 1.9), or 1.99 with
+        ``edge_beta`` (the step at the edge of contraction)."""
+        q = rng.standard_normal((B, T, H, D)) / np.sqrt(D)
+        k = rng.standard_normal((B, T, H, D))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        v = rng.standard_normal((B, T, H, D))
+        beta = np.full((B, T, H), 1.99) if edge_beta else rng.uniform(0.1, 1.9, (B, T, H))
+        if extreme:
+            u = rng.uniform(size=(B, T, H))
+            log_decay = np.where(u < 1 / 3, -30.0, np.where(u < 2 / 3, 0.0, -rng.uniform(0, 1, u.shape)))
+        else:
+            log_decay = -rng.uniform(0.001, 0.1, (B, T, H))
+        gates = (beta, log_decay) if name == "gated_deltanet" else (beta,)
+        s0 = 0.3 * rng.standard_normal((B, H, D, D)) / np.sqrt(D)
+        return (q, k, v, *gates), make_segment_ids(rng, B, T), s0
+
+    def fn(self, name, impl):
+        """``(out, final S)`` of the baseline from ``(*tokens and gates, S0)`` and segment ids."""
+        baseline = self.BASELINES[name][0]
+
+        def run(*args, seg):
+            *xs, S = args
+            state = init_state(S.shape[0], S.shape[1], S.shape[2], S.shape[3], variant="1", dtype=S.dtype)
+            out, final = baseline(*xs, initial_state=state.replace(S=S), segment_ids=seg, scale=self.SCALE,
+                                  impl=impl, return_final_state=True)
+            return out, final.S
+        return run
+
+    @pytest.mark.parametrize("name,extreme", [("gated_deltanet", False), ("gated_deltanet", True),
+                                              ("deltanet", False)])
+    def test_forward_values(self, name, extreme, rng):
+        """fp32 against the float64 recurrence; ``extreme``: log γ −30 and 0 among the steps and β = 1.99."""
+        B, T, H, D = SHAPES["extreme" if extreme else "values"]
+        xs, seg, s0 = self.inputs(rng, name, B, T, H, D, extreme=extreme, edge_beta=extreme)
+        want, want_state = self.BASELINES[name][1](*xs, scale=self.SCALE, segment_ids=seg, initial_state=s0)
+        with poisoned_outputs():
+            got, got_s = jax.jit(self.fn(name, KERNELS))(*(jnp.asarray(a, F32) for a in (*xs, s0)),
+                                                          seg=jnp.asarray(seg))
+        assert_close(got, want, TOL, f"{name} output")
+        assert_close(got_s, want_state["S"], TOL, f"{name} final S")
+
+    @pytest.mark.parametrize("name,extreme", [("gated_deltanet", False), ("gated_deltanet", True),
+                                              ("deltanet", False)])
+    def test_fp32_gradients(self, name, extreme, rng):
+        """Against the XLA chunk form in float64 on the host: the gradients w.r.t. q, k, v, the gates (log γ's
+        through the kernels' reverse cumulative sums, γ ≈ 1e-13 among them with ``extreme``) and S0."""
+        B, T, H, D = SHAPES["fp32 grads"]
+        xs, seg, s0 = self.inputs(rng, name, B, T, H, D, extreme=extreme)
+        floats = [*xs, s0]
+        ct_o, ct_s = rng.standard_normal((B, T, H, D)), rng.standard_normal((B, H, D, D))
+
+        def grads(impl):
+            run = self.fn(name, impl)
+
+            def loss(*a):
+                *args, seg, ct_o, ct_s = a
+                out, S = run(*args, seg=seg)
+                return jnp.sum(out * ct_o) + jnp.sum(S * ct_s)
+            return jax.jit(jax.grad(loss, argnums=tuple(range(len(floats)))))
+
+        want = grads("xla")(*jax.device_put([*floats, seg, ct_o, ct_s], HOST))  # float64, host
+        with poisoned_outputs():
+            got = grads(KERNELS)(*(jnp.asarray(a, F32) for a in floats), jnp.asarray(seg), jnp.asarray(ct_o, F32),
+                                 jnp.asarray(ct_s, F32))
+        names = ("q", "k", "v", *self.BASELINES[name][2], "S0")
+        errors = {n: rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
+        assert all(np.isfinite(np.asarray(g)).all() for g in got), errors
+        assert max(errors.values()) <= TOL, errors
+
+    @pytest.mark.parametrize("name", ["gated_deltanet", "deltanet"])
+    def test_bf16_gradients(self, name, rng):
+        """bf16 q, k, v at d = 128: the kernels' gradient errors against float64 on the same rounded inputs
+        within ``BF16_ERROR_MULTIPLE`` times the XLA chunk form's on this GPU."""
+        B, T, H, D = SHAPES["bf16 grads"]
+        (q, k, v, *gates), _, _ = self.inputs(rng, name, B, T, H, D)
+        tokens = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
+        gates = [jnp.asarray(a, F32) for a in gates]
+        ct = rng.standard_normal((B, T, H, D))
+        baseline = self.BASELINES[name][0]
+
+        def grads(impl, args, ct):
+            def loss(*a):
+                return jnp.sum(baseline(*a, impl=impl).astype(ct.dtype) * ct)
+            return jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+
+        exact = grads("xla", jax.device_put([jnp.asarray(a, jnp.float64) for a in tokens + gates], HOST),
+                      jax.device_put(jnp.asarray(ct), HOST))
+        xla = grads("xla", tokens + gates, jnp.asarray(ct, F32))
+        with poisoned_outputs():
+            got = grads(KERNELS, tokens + gates, jnp.asarray(ct, F32))
+        names = ("q", "k", "v", *self.BASELINES[name][2])
+        errors = {n: (rel_err(g, e), rel_err(x, e)) for n, g, x, e in zip(names, got, xla, exact, strict=True)}
+        assert all(kernel <= BF16_ERROR_MULTIPLE * xla_err for kernel, xla_err in errors.values()), errors
+
+    @pytest.mark.parametrize("name", ["gated_deltanet", "deltanet"])
+    def test_auto_serves_them_from_the_kernels(self, name, rng):
+        """``impl="auto"`` at the benchmark's 8×2048×16×128 bf16 lowers the decayed delta rule's kernels (the
+        Mosaic GPU walks on a Hopper GPU) forward and backward, no XLA chunk form."""
+        B, T, H, D = 8, 2048, 16, 128
+        n_gates = len(self.BASELINES[name][2])
+        specs = ([jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3
+                 + [jax.ShapeDtypeStruct((B, T, H), F32)] * n_gates)
+        baseline = self.BASELINES[name][0]
+        text = jax.jit(jax.grad(lambda *a: jnp.sum(baseline(*a).astype(F32)), argnums=(0, 1, 2))).lower(
+            *specs).as_text()
+        for kernel in ("falcon_delta_tri_inverse", "falcon_delta_chunk_grads"):
+            assert kernel in text, kernel
+        if on_hopper():
+            for kernel in TestMosaicGpuPasses.MOSAIC_KERNELS:
+                assert kernel in text, kernel
+
+
 @pytest.mark.skipif(ON_GPU and not on_hopper(), reason="the Mosaic GPU passes run on a Hopper GPU (sm_90)")
 class TestMosaicGpuPasses:
     """``decayed_delta_rule`` with ``implementation="mosaic_gpu"`` — the Mosaic GPU forward walk (forward and the
     backward's recompute), prepare_v and reverse walk at 64 value columns — against ``"triton"`` (the Triton
     walks at 64 columns) on the same bf16 inputs: Falcon-1's call (the model's [B, T, H, d] in place, keys one row
-    back, a first key), packed segments, a nonzero initial state, an odd length.  Each output and gradient's error
+    back, a first key) and Gated DeltaNet's (same-step keys, the residual on the decayed state), packed segments,
+    a nonzero initial state, an odd length.  Each output and gradient's error
     against float64 on the same inputs is within 2x the Triton passes' plus half a bf16 unit."""
 
     MOSAIC_KERNELS = ("falcon_delta_walk_mgpu", "falcon_delta_dstate_prepare_mgpu", "falcon_delta_dstate_walk_mgpu")
 
-    def test_mosaic_passes_match_the_triton_passes(self, rng):
+    @pytest.mark.parametrize("call", ["falcon-1", "gated_deltanet"])
+    def test_mosaic_passes_match_the_triton_passes(self, call, rng):
+        """``call``: Falcon-1's (the keys one row back, a first key) or Gated DeltaNet's (same-step keys, the
+        residual on the decayed state)."""
         from falcon_jax.kernels.decayed_delta_rule import KernelConfig, decayed_delta_rule
 
         B, T, H, D = SHAPES["mosaic"]
@@ -238,11 +370,16 @@ class TestMosaicGpuPasses:
         # 64-column walks in one piece, fused (no split forward however few programs walk)
         config = KernelConfig(block_v=64, split_block_v=64, fill_programs=1)
 
+        gdn = call == "gated_deltanet"
+        if gdn:
+            log_gamma = jnp.asarray(-rng.uniform(0.0, 1.0, (B, T, H)), F32)  # the two residuals far apart
+
         def fn(implementation):
             def loss(q, x, y, eta, log_gamma, s0, first_key, run, ct_o, ct_s):
+                keys = dict(decay_before_residual=True) if gdn else dict(shifted_keys=True, first_key=first_key)
                 o, final = decayed_delta_rule(q, x, y, eta, log_gamma, run, s0, implementation=implementation,
                                               config=config if implementation != "xla" else None, pieces=1,
-                                              layout="BTHD", shifted_keys=True, first_key=first_key)
+                                              layout="BTHD", **keys)
                 return jnp.sum(o.astype(ct_o.dtype) * ct_o) + jnp.sum(final * ct_s), (o, final)
             return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True))
 
@@ -256,8 +393,8 @@ class TestMosaicGpuPasses:
             assert taken == (set(self.MOSAIC_KERNELS) if implementation == "mosaic_gpu" else set()), taken
             with poisoned_outputs():
                 (_, out), grads = fn(implementation)(*args)
+            names = ("o", "final", "dq", "dk", "dy", "deta", "dlog_gamma", "ds0") + (() if gdn else ("dfirst_key",))
             errors[implementation] = {name: rel_err(g, e) for name, g, e in zip(
-                ("o", "final", "dq", "dk", "dy", "deta", "dlog_gamma", "ds0", "dfirst_key"),
-                (*out, *grads), (*exact_out, *exact_grads))}
+                names, (*out, *grads), (*exact_out, *exact_grads))}
         bound = {name: 2 * err + 2.0**-9 for name, err in errors["triton"].items()}
         assert all(errors["mosaic_gpu"][name] <= bound[name] for name in bound), errors

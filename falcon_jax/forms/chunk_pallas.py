@@ -1,9 +1,12 @@
 """Chunk form through the Pallas kernels (``falcon(impl=...)`` any of ``"mosaic_gpu"``, ``"triton"``,
 ``"mosaic_tpu"``; :mod:`falcon_jax.kernels.implementation`).
 
-Falcon-1 and DeltaNet go through the regression op ``falcon_jax.kernels.decayed_delta_rule``::
+Falcon-1, DeltaNet and Gated DeltaNet go through the regression op ``falcon_jax.kernels.decayed_delta_rule``::
 
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+Gated DeltaNet (``rule.decay_before_residual``) reads the residual from the decayed state,
+``p_t = η_t (y_t − e^{a_t} S_{t-1}ᵀ x_t)``: the op's ``decay_before_residual=True``.
 
 (Falcon-2 with per-column gains: ``η``, ``a`` one value per value column, ``⊙`` in place of the scalar
 products: ``falcon_jax.kernels.per_column.decayed_delta_rule_per_column``.)
@@ -90,9 +93,10 @@ def supports(rule: Rule, inputs: dict, implementation: str, dv: int, dk: int, dt
              interpret: bool | None = None) -> str | None:
     """None if kernel ``implementation`` serves this call, else the reason."""
     q, y = jax.ShapeDtypeStruct((0, dk), dtype), jax.ShapeDtypeStruct((0, dv), dtype)
-    if rule.regression and rule.decay_before_residual:
-        return f"{rule.name}: no Pallas kernel for the residual on the decayed state (Gated DeltaNet) yet"
     op = kernel_op_name(rule, inputs)
+    if rule.regression and rule.decay_before_residual and op != "decayed_delta_rule":
+        return (f"{rule.name}: the residual on the decayed state has a Pallas kernel for scalar gates and window 1 "
+                f"only (decayed_delta_rule), not {op}")
     if op == "per_column" and rule.window > 1:
         return f"{rule.name}: no Pallas kernel for per-column gains of windowed rules yet"
     if op == "per_column":
@@ -196,7 +200,7 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
 
 def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, op_kw: dict, kernel_dtype=None,
                 time_major: bool = False):
-    """Falcon-1 / DeltaNet (window 1, residual on the undecayed state) through the decayed delta rule; per-column
+    """Falcon-1 / DeltaNet / Gated DeltaNet (window 1) through the decayed delta rule; per-column
     gates (``G = dv``: Falcon-2, and Falcon-2A without the residual) through the per-column op; Falcon-3
     (window > 1) through the windowed op."""
     ax = 1 if time_major else 2
@@ -217,14 +221,15 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
         first_key = jax.lax.index_in_dim(stream.x_ext, 0, axis=ax, keepdims=False)
         o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), k.astype(kd), v.astype(kd), eta, lg, run, state.S,
                                                 shifted_keys=True, first_key=first_key,
-                                                layout="BTHD" if time_major else "BHTD", **op_kw)
+                                                layout="BTHD" if time_major else "BHTD",
+                                                decay_before_residual=rule.decay_before_residual, **op_kw)
     elif eta.ndim == 4:  # per-column gates ([B, H, T, dv]; never time-major)
         op = per_column_op.decayed_delta_rule_per_column if rule.regression else per_column_op.decayed_attention_per_column
         o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S, **op_kw)
-    else:  # DeltaNet and the same-step ablation of Falcon-1
+    else:  # DeltaNet, Gated DeltaNet (the residual on the decayed state) and the same-step ablation of Falcon-1
         o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                                 eta, lg, run, state.S, layout="BTHD" if time_major else "BHTD",
-                                                **op_kw)
+                                                decay_before_residual=rule.decay_before_residual, **op_kw)
     o = o.astype(q.dtype)
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)

@@ -1,5 +1,6 @@
-"""The decayed delta rule with the residual on the undecayed state: the chunk kernel behind Falcon-1 and DeltaNet
-(and, over virtual writes, Falcon-3's windowed form)."""
+"""The decayed delta rule: the chunk kernel behind Falcon-1 and DeltaNet (the residual on the undecayed state),
+Gated DeltaNet (``decay_before_residual=True``: on the decayed state) and, over virtual writes, Falcon-3's windowed
+form."""
 
 from falcon_jax.kernels.decayed_delta_rule.api import decayed_delta_rule
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig

@@ -1,8 +1,10 @@
-"""``decayed_delta_rule``: the chunked decayed delta rule (Falcon-1's recurrence; DeltaNet with γ = 1).
+"""``decayed_delta_rule``: the chunked decayed delta rule (Falcon-1's recurrence; DeltaNet with γ = 1; Gated
+DeltaNet with ``decay_before_residual=True``).
 
     p_t = η_t (y_t − S_{t-1}ᵀ x_t),   S_t = [same segment] · e^{a_t} S_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
 
-(:mod:`.reference`; the residual is measured on the *undecayed* previous state, as Falcon-1 does.)  The passes
+(:mod:`.reference`; the residual is measured on the *undecayed* previous state, as Falcon-1 does, or with
+``decay_before_residual=True`` on the decayed one, ``p_t = η_t (y_t − e^{a_t} S_{t-1}ᵀ x_t)``.)  The passes
 and their order are in :mod:`.op`; the launch parameters in :mod:`.config` and :mod:`.tuned`.
 """
 
@@ -40,8 +42,8 @@ def keys_read_in_place(config: KernelConfig, implementation: str, bh: int, dv: i
 def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                        implementation="auto", config: KernelConfig | None = None, pieces: int | None = None,
                        interpret: bool | None = None, layout: str = "BHTD", shifted_keys: bool = False,
-                       first_key=None):
-    """Chunked decayed delta rule (residual on the undecayed state).
+                       first_key=None, decay_before_residual: bool = False):
+    """Chunked decayed delta rule (residual on the undecayed state, or on the decayed one).
 
     Args:
       q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
@@ -64,6 +66,9 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         Falcon's prefix-aligned pair ``(k_{t−1}, v_t)`` without a shifted copy of k where the GPU passes read k
         one row back in place (:func:`keys_read_in_place`); elsewhere k is shifted in XLA.  x's gradient is k's.
       first_key: ``[B, H, dk]``, row 0's write feature under ``shifted_keys`` (None: zero).
+      decay_before_residual: measure the residual on the decayed state, ``p_t = η_t (y_t − e^{a_t} S_{t-1}ᵀ x_t)``
+        (Gated DeltaNet: ``x = k``, ``η = β``).  Every lowering serves it (the passes read the residual's decay
+        as an operand, here the row's own inclusive decay); scalar gates only.
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
@@ -77,6 +82,10 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
             raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
                              f"leading dims), got {list(first_key.shape)}.")
     in_place = layout == "BTHD"
+    if decay_before_residual and (eta.ndim == 4 or log_gamma.ndim == 4):
+        raise NotImplementedError("decayed_delta_rule: decay_before_residual=True takes scalar gates (eta and "
+                                  "log_gamma [B, H, T]); the per-column kernels measure the residual on the "
+                                  "undecayed state only.")
     if eta.ndim == 4 or log_gamma.ndim == 4:  # per-column gates: their own kernels
         from falcon_jax.kernels.per_column import decayed_delta_rule_per_column
 
@@ -95,18 +104,21 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         if shifted_keys:
             x = keys_one_row_later(x, first_key, 2)
         if name == "xla":
-            o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state)
+            o, final = decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state,
+                                                    decay_before_residual=decay_before_residual)
             o = o.astype(y.dtype)
         else:
             o, final = _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, config, pieces,
-                                interpret, in_place=False, shifted_keys=False, first_key=None)
+                                interpret, in_place=False, shifted_keys=False, first_key=None,
+                                decay_before_residual=decay_before_residual)
         return (swap_time_heads(o) if in_place else o), final
     return _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, config, pieces, interpret,
-                    in_place=in_place, shifted_keys=shifted_keys, first_key=first_key)
+                    in_place=in_place, shifted_keys=shifted_keys, first_key=first_key,
+                    decay_before_residual=decay_before_residual)
 
 
 def _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, config, pieces, interpret, *, in_place,
-             shifted_keys, first_key):
+             shifted_keys, first_key, decay_before_residual):
     """The kernel op for implementation ``name``: pad, flatten (or keep ``[B, T, H, d]`` in place on the GPU),
     resolve the config, and read the keys one row back in place or shift them."""
     interpret = impl.interpret_mode(name, interpret)
@@ -134,9 +146,10 @@ def _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, conf
     if key_shift:  # the op folds row 0's step itself, so that the kernels form its dy row
         s0 = (s0, jnp.zeros((B * H, dk), f32) if x0 is None else x0)
     elif shifted_keys and x0 is not None:  # the shifted copy's row 0 is zero: row 0's step folded here
-        (s0, eta_k, lg_k, run_k), _ = fold_first_row(s0, x0, y_k, eta_k, lg_k, run_k, heads)
+        (s0, eta_k, lg_k, run_k), _ = fold_first_row(s0, x0, y_k, eta_k, lg_k, run_k, heads,
+                                                     decay_before_residual)
     st = Static(chunk=chunk_size, config=config, pieces=P, interpret=interpret, implementation=name, group=1,
-                heads=heads, key_shift=key_shift)
+                heads=heads, key_shift=key_shift, decay_before_residual=decay_before_residual)
     o, final = kernel_op(tokens(q.astype(dtype)), tokens(x.astype(dtype)), y_k, eta_k, lg_k, run_k, s0, st)
     o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
     return o, final.reshape(B, H, dk, dv)

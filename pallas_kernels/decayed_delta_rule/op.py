@@ -3,7 +3,9 @@
 
 Operands are the kernels' (padded, flattened) arrays: tokens ``[BH, L, d]`` or, with ``heads=H``, the model's
 ``[B, L, H, d]`` read in place; gates ``[BH, L]``; the initial state ``[BH, dk, dv]`` fp32.  With ``group > 1``
-every step has ``group`` rows (Falcon-3's virtual writes, :mod:`..windowed_delta_rule`).
+every step has ``group`` rows (Falcon-3's virtual writes, :mod:`..windowed_delta_rule`).  With
+``decay_before_residual`` (Gated DeltaNet's residual on the decayed state) every pass is the same with the residual
+decay ``g⁻`` replaced by ``g`` (:func:`_gates`), and the log-decay gradient sums accordingly (:func:`_log_gamma_grad`).
 
 Forward: per chunk ``T = (I + A)⁻¹`` (parallel over chunks), then a walk over the chunks carrying the fp32
 state and writing the outputs — fused, or split (``W``, ``U`` per chunk, a state-only walk, then the outputs in
@@ -43,7 +45,9 @@ F32 = jnp.float32
 class Static:
     """The op's static arguments: chunk rows, the config (its ``block_v`` and ``grad_block_v`` resolved for the
     call), pieces, interpret mode, the implementation ("mosaic_gpu", "triton" or "mosaic_tpu"), rows per step
-    (``group``), heads (tokens read in place) and whether x holds the keys read one row back (``key_shift``)."""
+    (``group``), heads (tokens read in place), whether x holds the keys read one row back (``key_shift``) and
+    whether the residual is read from the decayed state (``decay_before_residual``: every pass gets ``gp = g``,
+    :func:`_gates`)."""
 
     chunk: int
     config: KernelConfig
@@ -53,6 +57,7 @@ class Static:
     group: int = 1
     heads: int | None = None
     key_shift: bool = False
+    decay_before_residual: bool = False
 
     @property
     def tpu(self) -> bool:
@@ -93,25 +98,31 @@ def _tri_inverse(st: Static, x, eta, g, gp, rl, dtype):
                             key_shift=st.key_shift)
 
 
-def _gates(log_gamma, run, chunk, group=1):
-    """Per-row chunk-local g, gp = g − log γ and run index.  ``group > 1``: ``log_gamma`` and ``run`` are per
-    *step* ``[BH, L / group]`` and every step has ``group`` rows, which all share the step's g (write decay) and
-    gp (residual decay)."""
+def _gates(log_gamma, run, chunk, group=1, decay_before_residual=False):
+    """Per-row chunk-local g, gp and run index: ``gp = g − log γ``, the decay from the chunk's start to the
+    residual of the row, read from the undecayed state; with ``decay_before_residual`` (the residual read from
+    the decayed state, Gated DeltaNet) the row's own decay is in it, ``gp = g``, and every pass runs unchanged.
+    ``group > 1``: ``log_gamma`` and ``run`` are per *step* ``[BH, L / group]`` and every step has ``group``
+    rows, which all share the step's g (write decay) and gp (residual decay)."""
+    steps = chunk // group
+    g, rl = chunk_local(log_gamma, run, steps)
+    gp = g if decay_before_residual else g - log_gamma
     if group == 1:
-        g, rl = chunk_local(log_gamma, run, chunk)
-        return g, g - log_gamma, rl
-    g, rl = chunk_local(log_gamma, run, chunk // group)
+        return g, gp, rl
     rows = functools.partial(jnp.repeat, repeats=group, axis=1)
-    return rows(g), rows(g - log_gamma), rows(rl)
+    return rows(g), rows(gp), rows(rl)
 
 
-def _log_gamma_grad(dg, dgp, chunk, group):
-    """Gradient w.r.t. log γ from those w.r.t. the rows' g and gp (g = chunk-local inclusive cumsum,
-    gp = g − log γ)."""
+def _log_gamma_grad(dg, dgp, chunk, group, decay_before_residual=False):
+    """Gradient w.r.t. log γ from the kernels' gradients w.r.t. the rows' g and gp (each taken as its own
+    operand).  ``log γ_t`` is in ``g_s`` for every row s ≥ t of its chunk, and in ``gp_s = g_s − log γ_s`` for
+    s > t only, so ``∂/∂log γ_t = Σ_{s ≥ t} (dg_s + dgp_s) − dgp_t``; with ``decay_before_residual`` (``gp = g``)
+    it is in ``gp_s`` for s ≥ t as well and the ``− dgp_t`` goes: a reverse cumulative sum, no division by γ."""
     if group > 1:
         BH, L = dg.shape
         dg, dgp = (a.reshape(BH, L // group, group).sum(-1) for a in (dg, dgp))
-    return reverse_chunk_cumsum(dg + dgp, chunk // group) - dgp
+    total = reverse_chunk_cumsum(dg + dgp, chunk // group)
+    return total if decay_before_residual else total - dgp
 
 
 def _piece_starts(M, E, s0):
@@ -143,10 +154,11 @@ def _forward(q, x, y, eta, log_gamma, run, s0, st: Static):
     fold = None
     if st.key_shift:  # s0 is (s0, first_key): row 0's step is folded into s0 here, so that the backward forms its
         # gradient w.r.t. y's row 0 through the chunk gradients' dy (an XLA sum would copy all of dy)
-        (s0, eta, log_gamma, run), fold = fold_first_row(*s0, y, eta, log_gamma, run, st.heads)
+        (s0, eta, log_gamma, run), fold = fold_first_row(*s0, y, eta, log_gamma, run, st.heads,
+                                                         st.decay_before_residual)
     BH, _, dk = token_dims(q, st.heads)
     dv = y.shape[-1]
-    g, gp, rl = _gates(log_gamma, run, st.chunk, st.group)
+    g, gp, rl = _gates(log_gamma, run, st.chunk, st.group, st.decay_before_residual)
     tinv = _tri_inverse(st, x, eta, g, gp, rl, q.dtype)
     kw = _walk_kw(st, q.dtype, cfg.fwd_warps, cfg.walk_stages(), cfg.block_v)
     M = wu = None
@@ -184,7 +196,7 @@ def _backward(st: Static, res, cts):
     ds_final = ds_final.astype(F32)
     grads = (_backward_tpu if st.tpu else _backward_gpu)(st, q, x, y, eta, g, gp, rl, starts, M, fold, do, ds_final)
     dq, dx, dy, deta, dg, dgp, ds0, fold_grads = grads
-    dlog_gamma = _log_gamma_grad(dg, dgp, st.chunk, st.group)
+    dlog_gamma = _log_gamma_grad(dg, dgp, st.chunk, st.group, st.decay_before_residual)
     if st.key_shift:  # the kernels' dx is by write-feature row: x[t] = k[t − 1]
         ds0, dx0, _, deta0, dlg0 = fold_grads
         dx = shift_time(dx, -1, axis=1)
@@ -241,7 +253,7 @@ def _backward_gpu(st: Static, q, x, y, eta, g, gp, rl, starts, M, fold, do, ds_f
         # all its products being with the zero feature)
         row0 = jnp.einsum("bk,bkd->bd", x0, ds0, precision=jax.lax.Precision.HIGHEST)  # [BH, dv]
         dr = dr.at[:, 0].set(row0.reshape(dr[:, 0].shape).astype(dr.dtype))  # dR is like y (either layout)
-        fold_grads = first_row_grads(fold, ds0)
+        fold_grads = first_row_grads(fold, ds0, st.decay_before_residual)
     # 3) every chunk's gradients from the stored P and dR
     dq, dx, dy, deta, dg, dgp = chunk_grads.chunk_grad_pass(
         q, x, y, eta, g, gp, rl, do, h, dh, p, dr, chunk=st.chunk, block_v=cfg.grad_block_v, interpret=st.interpret,

@@ -9,8 +9,11 @@ index ``r_t`` (number of segment starts up to t; the state resets where it chang
     o_t = S_tᵀ q_t
 
 Falcon-1 is this op with ``x_t = k_{t-1}`` (0 at the sentinel), ``y_t = v_t``,
-``η_t`` its step size and ``a_t = log γ_t``.  Gated DeltaNet differs: it
-measures the residual on the *decayed* state ``e^{a_t} S_{t-1}``.
+``η_t`` its step size and ``a_t = log γ_t``; DeltaNet with ``x_t = k_t``, ``a = 0``.
+``decay_before_residual=True`` measures the residual on the *decayed* state, as
+Gated DeltaNet does (``x_t = k_t``, ``η_t = β_t``)::
+
+    p_t = η_t (y_t − e^{a_t} S'_{t-1}ᵀ x_t)
 
 Per-column gates (Falcon-2): ``η`` and ``a`` may be ``[B, H, T, dv]``, one value per
 value column c: ``p_{t,c} = η_{t,c} (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)``,
@@ -23,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 
-def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
+def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state, *, decay_before_residual=False):
     """q, x [B,H,T,dk]; y [B,H,T,dv]; eta, log_gamma [B,H,T] or [B,H,T,dv] (per column); run [B,H,T] int;
-    initial_state [B,H,dk,dv].
+    initial_state [B,H,dk,dv]; decay_before_residual: the residual read from the decayed state (Gated DeltaNet).
 
     Returns (o [B,H,T,dv], final_state [B,H,dk,dv]) in fp32 (fp64 for fp64 inputs).
     """
@@ -41,8 +44,9 @@ def decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, initial_state):
     def step(S, inp):
         q_t, x_t, y_t, eta_t, a_t, keep_t = inp
         S = keep_t[..., None, None] * S
-        p = eta_t * (y_t - jnp.einsum("...k,...kd->...d", x_t, S))
-        S = jnp.exp(a_t)[..., None, :] * S + x_t[..., :, None] * p[..., None, :]
+        decayed = jnp.exp(a_t)[..., None, :] * S
+        p = eta_t * (y_t - jnp.einsum("...k,...kd->...d", x_t, decayed if decay_before_residual else S))
+        S = decayed + x_t[..., :, None] * p[..., None, :]
         return S, jnp.einsum("...k,...kd->...d", q_t, S)
 
     seq = [jnp.moveaxis(a, 2, 0) for a in (q, x, y, eta, log_gamma, keep)]

@@ -19,15 +19,18 @@ def _first_row(a, heads):
     return row.reshape(-1, row.shape[-1]) if heads is not None else row
 
 
-def _state_after_first_row(s0, x0, y0, eta0, lg0, keep):
-    """``[BH, dk, dv]``: the state after row 0, ``e^{log γ₀} S + η₀ x₀ (y₀ − Sᵀ x₀)ᵀ`` with ``S = s0``, or
-    ``S = 0`` where row 0 starts a segment (``keep`` False).  x0 ``[BH, dk]``, y0 ``[BH, dv]``, gates ``[BH]``."""
+def _state_after_first_row(s0, x0, y0, eta0, lg0, keep, decay_before_residual=False):
+    """``[BH, dk, dv]``: the state after row 0, ``e^{log γ₀} S + η₀ x₀ (y₀ − Ŝᵀ x₀)ᵀ`` with ``S = s0``, or
+    ``S = 0`` where row 0 starts a segment (``keep`` False); ``Ŝ = S``, or ``e^{log γ₀} S`` with
+    ``decay_before_residual``.  x0 ``[BH, dk]``, y0 ``[BH, dv]``, gates ``[BH]``."""
     prev = jnp.where(keep[:, None, None], s0, 0.0)
-    resid = y0 - jnp.einsum("bk,bkd->bd", x0, prev, precision=jax.lax.Precision.HIGHEST)
-    return jnp.exp(lg0)[:, None, None] * prev + (eta0[:, None] * x0)[:, :, None] * resid[:, None, :]
+    decayed = jnp.exp(lg0)[:, None, None] * prev
+    seen = decayed if decay_before_residual else prev
+    resid = y0 - jnp.einsum("bk,bkd->bd", x0, seen, precision=jax.lax.Precision.HIGHEST)
+    return decayed + (eta0[:, None] * x0)[:, :, None] * resid[:, None, :]
 
 
-def fold_first_row(s0, x0, y, eta, log_gamma, run, heads):
+def fold_first_row(s0, x0, y, eta, log_gamma, run, heads, decay_before_residual=False):
     """Row 0's step (write feature ``x0`` ``[BH, dk]``: ``first_key``) done in XLA: returns the kernel operands
     ``(s0, eta, log_gamma, run)`` with s0 the state after row 0 and row 0 an identity step for the kernels
     (log γ = 0 and run index 0, so they neither decay nor reset there; their row-0 feature is zero — the masked
@@ -37,15 +40,16 @@ def fold_first_row(s0, x0, y, eta, log_gamma, run, heads):
     eta0, lg0, run0 = eta[:, 0], log_gamma[:, 0], run[:, 0]
     keep = run0 == 0
     y0 = _first_row(y, heads).astype(jnp.float32)
-    folded = _state_after_first_row(s0, x0, y0, eta0, lg0, keep)
+    folded = _state_after_first_row(s0, x0, y0, eta0, lg0, keep, decay_before_residual)
     operands = (folded, eta, log_gamma.at[:, 0].set(0.0), run - run0[:, None])
     return operands, (s0, x0, y0, eta0, lg0, keep)
 
 
-def first_row_grads(residuals, ds_folded):
-    """The backward of :func:`fold_first_row`: gradients w.r.t. s0, x0, y's row 0, η₀ and log γ₀."""
+def first_row_grads(residuals, ds_folded, decay_before_residual=False):
+    """The backward of :func:`fold_first_row` (called with the same ``decay_before_residual``): gradients
+    w.r.t. s0, x0, y's row 0, η₀ and log γ₀."""
     *primals, keep = residuals
-    _, vjp = jax.vjp(lambda *a: _state_after_first_row(*a, keep), *primals)
+    _, vjp = jax.vjp(lambda *a: _state_after_first_row(*a, keep, decay_before_residual), *primals)
     return vjp(ds_folded)
 
 

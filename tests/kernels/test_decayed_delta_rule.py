@@ -1,6 +1,10 @@
-"""``decayed_delta_rule`` (Falcon-1, DeltaNet) against its definition in float64.
+"""``decayed_delta_rule`` (Falcon-1, DeltaNet, Gated DeltaNet) against its definition in float64.
 
     p_t = η_t (y_t − S'_{t-1}ᵀ x_t),   S_t = e^{a_t} S'_{t-1} + x_t p_tᵀ,   o_t = S_tᵀ q_t
+
+and with ``decay_before_residual=True`` (Gated DeltaNet) ``p_t = η_t (y_t − e^{a_t} S'_{t-1}ᵀ x_t)``; that
+definition is itself checked against the float64 NumPy recurrence of Gated DeltaNet
+(``falcon_jax.reference.reference_gated_deltanet``).
 
 One class of checks per lowering with that lowering's settings (``IMPLEMENTATION``, ``INTERPRET = False``); the
 ``Test...Interpret`` subclasses run them in Pallas's interpret mode on a CPU (small shapes: dk = 16, dv ≤ 32,
@@ -21,9 +25,10 @@ import pytest
 
 from falcon_jax.kernels.decayed_delta_rule import KernelConfig, decayed_delta_rule
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
+from falcon_jax.reference import reference_gated_deltanet
 from tests.helpers import rel_err
-from tests.kernels.helpers import (check_op, clamped_decays, delta_inputs, f32, nearly_parallel, pallas_call_avals,
-                                   pallas_calls, time_major, value_and_grads)
+from tests.kernels.helpers import (check_op, clamped_decays, delta_inputs, f32, f64, nearly_parallel,
+                                   pallas_call_avals, pallas_calls, time_major, value_and_grads)
 
 NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
 SHIFTED_NAMES = ("q", "k", "y", "eta", "log_gamma", "initial_state", "first_key")
@@ -42,12 +47,25 @@ def keys_one_row_later(k, first_key=None):
     return jnp.concatenate([row0, k[:, :, :-1]], axis=2)
 
 
-def reference(run, shifted=False):
+def reference(run, shifted=False, decay_before_residual=False):
     def ref(q, x, y, eta, log_gamma, s0, first_key=None):
         if shifted:
             x = keys_one_row_later(x, first_key)
-        return decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, s0)
+        return decayed_delta_rule_reference(q, x, y, eta, log_gamma, run, s0,
+                                            decay_before_residual=decay_before_residual)
     return ref
+
+
+def gdn_inputs(rng, **kw):
+    """:func:`delta_inputs` with decays up to e^{-1} per step, so that reading the residual from the decayed or
+    the undecayed state makes a difference of order one."""
+    return delta_inputs(rng, decay_range=(0.0, 1.0), **kw)
+
+
+def extreme_decays(rng, shape):
+    """log γ = −30 (γ ≈ 1e-13) on a third of the steps, 0 (γ = 1) on a third, U(−1, 0) on the rest."""
+    u = rng.uniform(size=shape)
+    return np.where(u < 1 / 3, -30.0, np.where(u < 2 / 3, 0.0, -rng.uniform(0, 1, size=shape)))
 
 
 def shifted_inputs(rng, first_key="random", **kw):
@@ -121,6 +139,39 @@ class DeltaRuleChecks:
         q, x, y, eta, _, run, s0 = delta_inputs(rng, T=40, segments=False)
         log_gamma = np.full(eta.shape, np.log(1e-6))
         check_op(rng, self.op(run, chunk=32), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
+
+    # ---- decay_before_residual=True: the residual on the decayed state (Gated DeltaNet) -------------------------
+
+    def test_decayed_state_residual_matches_float64(self, rng):
+        """Values and every gradient (log γ's included: the passes read ``g`` where the undecayed rule reads
+        ``g⁻``, and log γ_t reaches the residuals of rows ≥ t) at an odd length with segment starts inside
+        chunks, a nonzero initial state and dv = 32 in value blocks."""
+        q, x, y, eta, log_gamma, run, s0 = gdn_inputs(rng, T=53)
+        check_op(rng, self.op(run, decay_before_residual=True), reference(run, decay_before_residual=True),
+                 (q, x, y, eta, log_gamma, s0), NAMES)
+
+    def test_decayed_state_residual_extreme_gates(self, rng):
+        """log γ = −30 (γ ≈ 1e-13: the chunk-local sums reach hundreds below zero), 0 and U(−1, 0), mixed, with
+        segments: values and gradients, the log decay's too — it is a reverse cumulative sum of the kernels'
+        gradients w.r.t. g, never a quotient by γ, so the tiny γ lose nothing to cancellation."""
+        q, x, y, eta, _, run, s0 = gdn_inputs(rng, T=45)
+        log_gamma = extreme_decays(rng, eta.shape)
+        check_op(rng, self.op(run, decay_before_residual=True), reference(run, decay_before_residual=True),
+                 (q, x, y, eta, log_gamma, s0), NAMES)
+
+    def test_decayed_state_residual_continues_its_state(self, rng):
+        """Two calls (the second from the first's final state, the split inside a chunk, segment starts in both)
+        equal one call over the whole sequence in float64: values and gradients through the carried state."""
+        q, x, y, eta, log_gamma, run, s0 = gdn_inputs(rng, T=45)
+
+        def two_calls(q, x, y, eta, log_gamma, s0):
+            first = self.op(run[:, :, :21], decay_before_residual=True)
+            second = self.op(run[:, :, 21:] - run[:, :, 20:21], decay_before_residual=True)  # 0: continues
+            o1, s1 = first(*(a[:, :, :21] for a in (q, x, y, eta, log_gamma)), s0)
+            o2, s2 = second(*(a[:, :, 21:] for a in (q, x, y, eta, log_gamma)), s1)
+            return jnp.concatenate([o1, o2], axis=2), s2
+
+        check_op(rng, two_calls, reference(run, decay_before_residual=True), (q, x, y, eta, log_gamma, s0), NAMES)
 
 
 class TritonDeltaRule(DeltaRuleChecks):
@@ -200,6 +251,28 @@ class TritonDeltaRule(DeltaRuleChecks):
         check_op(rng, op, reference(run, shifted=True), args, names,
                  unreached=("initial_state",) if first_key == "reset" else ())
 
+    @pytest.mark.parametrize("config,layout,shifted,forward", [
+        (FUSED, "BTHD", False, ["tri_inverse", "masked_scores", "fwd"]),
+        (KernelConfig(fill_programs=1, pieces_below=1, few_output_programs=0), "BTHD", True, ["tri_inverse", "fwd"]),
+        pytest.param(SPLIT, "BHTD", False, ["tri_inverse", "prepare_wu", "state_walk", "outputs"],
+                     marks=pytest.mark.slow),
+    ], ids=["fused-in-place", "shifted-keys-in-place", "split"])
+    def test_decayed_state_residual_branches(self, rng, config, layout, shifted, forward):
+        """``decay_before_residual=True`` through the forward branches the tuned values do not take at these
+        shapes (:meth:`test_decayed_state_residual_matches_float64` runs pieces and the split forward): the fused
+        walk on the model's ``[B, T, H, d]`` in place (Gated DeltaNet's call), and with the keys read one row
+        back, whose row 0 is folded into the initial state in XLA (its residual on the decayed state too).
+        Values and every gradient."""
+        if shifted:
+            args, run, names = shifted_inputs(rng, B=2, T=45, decay_range=(0.0, 1.0))
+        else:
+            q, x, y, eta, log_gamma, run, s0 = gdn_inputs(rng, T=53)
+            args, names = (q, x, y, eta, log_gamma, s0), NAMES
+        op = self.op(run, layout=layout, shifted=shifted, config=config, decay_before_residual=True)
+        passes = [n for n in self.kernels(op, *args) if not n.startswith("gate_transpose")]  # [B, T, H] gates
+        assert passes == forward + ["tri_inverse", "fwd", "dstate_prepare", "dstate_walk", "chunk_grads"]
+        check_op(rng, op, reference(run, shifted=shifted, decay_before_residual=True), args, names)
+
     @pytest.mark.parametrize("config", [FUSED, pytest.param(KernelConfig(), marks=pytest.mark.slow)],
                              ids=["fused", "tuned"])
     def test_bf16_within_the_fp32_operand_error(self, rng, config):
@@ -267,6 +340,21 @@ class MosaicTPUDeltaRule(DeltaRuleChecks):
 
 class TestMosaicTPUDeltaRuleInterpret(MosaicTPUDeltaRule):
     INTERPRET = True
+
+
+def test_decayed_state_reference_is_gated_deltanet(rng):
+    """The op's definition with ``decay_before_residual=True`` is Gated DeltaNet's float64 NumPy recurrence
+    (``S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ`` with x = k, η = β; segment starts, an initial
+    state), and reading the residual from the undecayed state instead changes the outputs by order one."""
+    q, x, y, eta, log_gamma, run, s0 = gdn_inputs(rng, T=30)
+    o, s = decayed_delta_rule_reference(*f64(q, x, y, eta, log_gamma), run, jnp.asarray(s0),
+                                        decay_before_residual=True)
+    swap = lambda a: np.swapaxes(np.asarray(a), 1, 2)  # noqa: E731  [B, H, T, ...] <-> [B, T, H, ...]
+    want_o, want_state = reference_gated_deltanet(swap(q), swap(x), swap(y), swap(eta), swap(log_gamma),
+                                                  segment_ids=np.asarray(run[:, 0]), initial_state=s0)
+    assert rel_err(swap(o), want_o) < 1e-12 and rel_err(s, want_state["S"]) < 1e-12
+    undecayed, _ = decayed_delta_rule_reference(*f64(q, x, y, eta, log_gamma), run, jnp.asarray(s0))
+    assert rel_err(undecayed, o) > 0.05
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """``falcon(impl=...)`` and the baselines through the kernel ops, against the XLA chunk form (itself checked
-against the float64 reference in ``test_forms.py``): every rule's mapping onto its op (Falcon-1 and DeltaNet onto
-the decayed delta rule with the keys one row back, 1A / 3A and linear attention onto decayed attention with the
-window's corrections, 3 onto the windowed op, 2 / 2A onto the per-column ops), continuing from a state, with
-segments, gradients w.r.t. every input; ``kernel_config`` reaching the op; bf16 error bounds."""
+against the float64 reference in ``test_forms.py``) or the float64 recurrence: every rule's mapping onto its op
+(Falcon-1 onto the decayed delta rule with the keys one row back, DeltaNet and Gated DeltaNet onto it with
+same-step pairs and Gated DeltaNet's residual on the decayed state, 1A / 3A and linear attention onto decayed
+attention with the window's corrections, 3 onto the windowed op, 2 / 2A onto the per-column ops), continuing from
+a state, with segments, gradients w.r.t. every input; ``kernel_config`` reaching the op; bf16 error bounds."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import falcon_jax.kernels.decayed_attention as attention_op
 import falcon_jax.kernels.decayed_delta_rule as delta_rule_op
 import falcon_jax.kernels.per_column as per_column_op
 import falcon_jax.kernels.windowed_delta_rule as windowed_op
-from falcon_jax import decayed_linear_attention, deltanet, falcon
+from falcon_jax import decayed_linear_attention, deltanet, falcon, gated_deltanet, init_state
 from falcon_jax.kernels.common import poisoned_outputs
+from falcon_jax.reference import reference_deltanet, reference_gated_deltanet
 from tests.helpers import rel_err
 from tests.kernels.helpers import FP32_TOL
 
@@ -161,6 +163,64 @@ def test_baselines_through_the_kernels(rng):
         with poisoned_outputs():
             got = run(q, k, v, *gates, impl="triton")
         assert rel_err(got, run(q, k, v, *gates, impl="xla")) < FP32_TOL, baseline.__name__
+
+
+DELTA_BASELINES = {"gated_deltanet": (gated_deltanet, reference_gated_deltanet),
+                   "deltanet": (deltanet, reference_deltanet)}
+
+
+@pytest.mark.parametrize("name,impl,config,extreme", [
+    ("gated_deltanet", "triton", None, False),  # at these shapes: pieces and the split forward
+    ("gated_deltanet", "triton", IN_PLACE, True),  # the fused walk on [B, T, H, d] in place; log γ −30 and 0
+    ("gated_deltanet", "mosaic_tpu", None, False),
+    ("deltanet", "triton", IN_PLACE, False),
+])
+def test_delta_rule_baselines_through_the_kernels(rng, name, impl, config, extreme):
+    """Gated DeltaNet (the residual on the decayed state) and DeltaNet through the decayed delta rule at an odd
+    length, with segments inside chunks, a continued state and a read scale: outputs and final state against
+    the float64 recurrence (``falcon_jax.reference``), and the gradients w.r.t. q, k, v, β, log γ and the state
+    against the XLA chunk form in float64.  ``extreme``: log γ = −30 (γ ≈ 1e-13) on a third of the steps and
+    0 on a third."""
+    fn, reference = DELTA_BASELINES[name]
+    B, T, H, d = 2, 45, 2, 16
+    q = rng.normal(size=(B, T, H, d))
+    k = rng.normal(size=(B, T, H, d))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)  # β‖k‖² = β < 2: contractive
+    v = rng.normal(size=(B, T, H, d))
+    beta = rng.uniform(0.1, 1.9, size=(B, T, H))
+    u = rng.uniform(size=(B, T, H))
+    log_decay = (np.where(u < 1 / 3, -30.0, np.where(u < 2 / 3, 0.0, -rng.uniform(0, 1, size=u.shape))) if extreme
+                 else -rng.uniform(0, 1, size=u.shape))
+    s0 = rng.normal(size=(B, H, d, d)) / 4
+    seg = np.sort(rng.integers(0, 3, size=(B, T)), axis=1)
+    gates, gate_names = ((beta, log_decay), ("beta", "log_decay")) if name == "gated_deltanet" else ((beta,), ("beta",))
+    kw = dict(chunk_size=16, scale=0.7, segment_ids=jnp.asarray(seg), return_final_state=True)
+
+    def run(*args, impl, kernel_config=None):
+        *xs, S = args
+        state = init_state(B, H, d, d, variant="1", dtype=S.dtype).replace(S=S)
+        out, final = fn(*xs, initial_state=state, impl=impl, kernel_config=kernel_config, **kw)
+        return out, final.S
+
+    floats = (q, k, v, *gates, s0)
+    want, want_s = reference(q, k, v, *gates, scale=0.7, segment_ids=seg, initial_state=s0)
+    kernel = jax.jit(lambda *a: run(*a, impl=impl, kernel_config=config))
+    with poisoned_outputs():
+        got, got_s = kernel(*(jnp.asarray(a, jnp.float32) for a in floats))
+    assert rel_err(got, want) < FP32_TOL and rel_err(got_s, want_s["S"]) < FP32_TOL, name
+    ct, ct_s = rng.normal(size=want.shape), rng.normal(size=s0.shape)
+
+    def grads(impl, dtype, config=None):
+        def loss(*a):
+            out, S = run(*a, impl=impl, kernel_config=config)
+            return jnp.sum(out * ct.astype(dtype)) + jnp.sum(S * ct_s.astype(dtype))
+        return jax.jit(jax.grad(loss, argnums=tuple(range(len(floats)))))(*(jnp.asarray(a, dtype) for a in floats))
+
+    with poisoned_outputs():
+        got_grads = grads(impl, jnp.float32, config)
+    for gname, g, w in zip(("q", "k", "v", *gate_names, "S"), got_grads, grads("xla", jnp.float64), strict=True):
+        assert float(jnp.max(jnp.abs(w))) > 0, gname
+        assert rel_err(g, w) < 1e-4, (name, gname, rel_err(g, w))
 
 
 @pytest.mark.parametrize("variant,per_column,module,name", [

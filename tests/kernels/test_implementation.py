@@ -241,6 +241,13 @@ def select(monkeypatch, platform, variant="1", dtype=jnp.bfloat16, dk=64, hopper
     ("tpu", False, "1", "mosaic_tpu"),
     ("tpu", False, "3A", "mosaic_tpu"),
     ("cpu", False, "1", "xla"),
+    # the baselines through the decayed delta rule (Gated DeltaNet: its residual on the decayed state)
+    ("gpu", True, "deltanet", "mosaic_gpu"),
+    ("gpu", False, "deltanet", "triton"),
+    ("gpu", True, "gated_deltanet", "mosaic_gpu"),
+    ("gpu", False, "gated_deltanet", "triton"),
+    ("tpu", False, "gated_deltanet", "mosaic_tpu"),
+    ("cpu", False, "gated_deltanet", "xla"),
 ])
 def test_falcon_auto_picks_per_platform(monkeypatch, platform, hopper, variant, want):
     with warnings.catch_warnings():
@@ -249,35 +256,36 @@ def test_falcon_auto_picks_per_platform(monkeypatch, platform, hopper, variant, 
 
 
 def test_falcon_auto_falls_back_to_xla_on_a_gpu_with_one_warning_per_reason(monkeypatch):
-    """Gated DeltaNet (residual on the decayed state) has no kernel: on an accelerator "auto" takes the XLA chunk
-    form and warns once, however many kernels declined and however often it is called; on a CPU, where "auto"
-    is XLA anyway, it says nothing."""
+    """Head dimensions the kernels cannot tile (dk = 24): on an accelerator "auto" takes the XLA chunk form and
+    warns once, however many kernels declined and however often it is called; on a CPU, where "auto" is XLA
+    anyway, it says nothing."""
     falcon_mod = importlib.import_module("falcon_jax.falcon")  # the package exports the function by that name
     monkeypatch.setattr(falcon_mod, "_warned", set())
-    q, k, v, beta, lam = falcon_specs()
+    q, k, v, beta, lam = falcon_specs(dk=24)
     with pytest.warns(UserWarning) as record:
         on_backend(monkeypatch, "gpu")
         for _ in range(2):  # the public call: XLA's chunk form, no kernel traced
             assert pallas_calls(lambda *a: gated_deltanet(*a, chunk_size=16),
                                 *(jnp.ones(s.shape, s.dtype) for s in (q, k, v, beta, lam))) == []
-        assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"
+        assert select(monkeypatch, "gpu", "gated_deltanet", dk=24) == "xla"
     assert len(record) == 1
-    assert "no Pallas kernel for the residual on the decayed state (Gated DeltaNet)" in str(record[0].message)
+    assert "gated_deltanet: dk=24: the kernels need a power of two" in str(record[0].message)
     assert "using the XLA chunk form" in str(record[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select(monkeypatch, "gpu", "gated_deltanet") == "xla"  # said once
-        assert select(monkeypatch, "cpu", "gated_deltanet") == "xla"
+        assert select(monkeypatch, "gpu", "gated_deltanet", dk=24) == "xla"  # said once
+        assert select(monkeypatch, "cpu", "gated_deltanet", dk=24) == "xla"
     monkeypatch.setattr(falcon_mod, "_warned", set())
-    with pytest.warns(UserWarning, match="dk=24: the kernels need a power of two"):
-        assert select(monkeypatch, "gpu", "1", dk=24) == "xla"  # another reason: its own warning
+    with pytest.warns(UserWarning, match="falcon-1: dk=24: the kernels need a power of two"):
+        assert select(monkeypatch, "gpu", "1", dk=24) == "xla"  # another rule, another reason: its own warning
 
 
 def test_falcon_names_a_kernel_or_says_why_not():
     q, k, v, beta, lam = falcon_specs()
     log_decay = S(lam.shape, lam.dtype)
-    with pytest.raises(NotImplementedError, match="no Pallas kernel for the residual on the decayed state"):
-        trace(gated_deltanet, (q, k, v, beta, log_decay), impl="triton", chunk_size=16)
+    odd = falcon_specs(dk=24)
+    with pytest.raises(NotImplementedError, match="gated_deltanet: dk=24: the kernels need a power of two"):
+        trace(gated_deltanet, (*odd[:4], log_decay), impl="triton", chunk_size=16)
     with pytest.raises(NotImplementedError,
                        match=r"^falcon: impl='triton' declined: falcon-1: chunk_size=8: the kernels need a power"):
         trace(falcon, (q, k, v, beta, lam), variant="1", chunk_size=8, impl="triton")
@@ -288,7 +296,7 @@ def test_falcon_names_a_kernel_or_says_why_not():
     # a sequence ending in "xla" serves what no kernel does, without a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = trace(gated_deltanet, (q, k, v, beta, log_decay), impl=("triton", "xla"), chunk_size=16)
+        out = trace(gated_deltanet, (*odd[:4], log_decay), impl=("triton", "xla"), chunk_size=16)
     assert out.shape == (B, T, H, 16)
 
 
@@ -340,3 +348,22 @@ def test_baselines_take_the_kernel_config_of_their_op():
     trace(deltanet, (q, k, v, beta), impl="triton", chunk_size=16, kernel_config=delta_rule_op.KernelConfig())
     with pytest.raises(TypeError, match="decayed_delta_rule.config.KernelConfig"):
         trace(deltanet, (q, k, v, beta), impl="triton", chunk_size=16, kernel_config=attention_op.KernelConfig())
+
+
+def test_residual_on_the_decayed_state_is_served_by_the_scalar_gate_op_only():
+    """The decayed delta rule takes ``decay_before_residual`` (Gated DeltaNet) with scalar gates on every lowering;
+    the per-column and windowed ops measure the residual on the undecayed state, so a rule that would need them
+    declines with the op's name, and the op refuses per-column gates."""
+    import dataclasses
+
+    from falcon_jax.forms.chunk_pallas import supports
+
+    for name in ("triton", "mosaic_tpu", "xla"):
+        assert delta_rule(op_specs(), implementation=name, decay_before_residual=True)[0].shape == (B, H, T, 16)
+    with pytest.raises(NotImplementedError, match="decay_before_residual=True takes scalar gates"):
+        delta_rule(op_specs(per_column=True), implementation="triton", decay_before_residual=True)
+    windowed_gdn = dataclasses.replace(falcon_rule("3", window=4), decay_before_residual=True)
+    got = supports(windowed_gdn, {}, "triton", 16, 16, jnp.float32, 16)
+    assert got.endswith("has a Pallas kernel for scalar gates and window 1 only (decayed_delta_rule), not "
+                        "windowed_delta_rule"), got
+    assert supports(baseline_rule("gated_deltanet"), {}, "triton", 16, 16, jnp.float32, 16) is None
