@@ -149,7 +149,7 @@ def _profile(steps: int, notes: dict) -> dict:
         return {}
     try:
         with tempfile.TemporaryDirectory(prefix="falcon-lm-trace-") as log_dir:
-            jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+            jax.profiler.start_trace(log_dir)
             try:
                 start = time.perf_counter()
                 jax.block_until_ready(_steps(steps))

@@ -154,11 +154,13 @@ def kernel_families(hlo_text: str, scope: str, names: dict[str, str] | None = No
 
 
 def load_trace(log_dir: str) -> list[dict]:
-    """The events of the ``perfetto_trace.json.gz`` that ``jax.profiler`` wrote under ``log_dir``."""
-    paths = [os.path.join(base, f) for base, _, files in os.walk(log_dir) for f in files
-             if f == "perfetto_trace.json.gz"]
+    """The events of the trace ``jax.profiler`` wrote under ``log_dir`` (``HOST.trace.json.gz``, else
+    ``perfetto_trace.json.gz``: the same events)."""
+    found = [os.path.join(base, f) for base, _, files in os.walk(log_dir) for f in files]
+    paths = ([p for p in found if p.endswith(".trace.json.gz") and not p.endswith("perfetto_trace.json.gz")]
+             or [p for p in found if p.endswith("perfetto_trace.json.gz")])
     if len(paths) != 1:
-        raise FileNotFoundError(f"expected one perfetto_trace.json.gz under {log_dir}, found {len(paths)}")
+        raise FileNotFoundError(f"expected one trace (*.trace.json.gz) under {log_dir}, found {sorted(found)}")
     with gzip.open(paths[0], "rt") as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
