@@ -2,6 +2,8 @@
 
     python -m benchmarks.run --suite {bench,memory,profile,compare} [--shapes BxTxHxD,...] [--rules PATTERNS]
                              [--out DIR] [--budget SECONDS] [--smoke] [--tree NAME=PATH ...] [--rounds N]
+    python -m benchmarks.run --suite lm [--mixers PATTERNS] [--lengths T|BxT,...] [--jobs N] [--packed]
+                             [--cold-compiles] [--out DIR] [--budget SECONDS] [--smoke]
 
 Suites — each a list of named steps, run one after another, each under its own time limit (a step that
 overruns is reported and skipped; results are written as they come):
@@ -19,6 +21,20 @@ overruns is reported and skipped; results are written as they come):
              of Falcon-1A, Falcon-1 and the jla peers at 1×32768 and 1×131072 (compiled, not run).
 ``profile``  GPU time per kernel of one forward+backward (CUPTI through ``torch.profiler``), one table per rule,
              at 8×2048.
+``lm``       the train step of the 130M language model (the ``lm-130m`` preset's shape: D = 768, 12 layers, 12 heads
+             of 64, vocabulary 50304, bf16 compute, fp32 parameters; the trainer's ``make_train_step``:
+             forward, backward, clipping, AdamW) for each mixer of the paper's tables — Falcon-1A.3, 1.3,
+             Transformer, Gated DeltaNet, Mamba-2, RetNet, DeltaNet, Falcon-3A.3, 3.3, 2A.3, 2.3 (``--mixers``
+             takes names or patterns) — at T = 4096, 16384, 32768 with B = 32768 / T (``--lengths``, e.g.
+             ``4096,2x16384``; 32,768 tokens per step): tokens/s, the allocator's peak device memory, the
+             compile time, and the mixers' share of the step's device time from a profile (``mixer``: the
+             whole mixer layer; ``core``: its rule or attention alone; ``benchmarks/trace_scopes.py``).  Rows
+             are one sequence each (no ``segment_ids``: the Transformer takes cuDNN attention on a GPU);
+             ``--packed`` passes the trainer's ``segment_ids``.  Every configuration runs in a fresh process
+             (the peak is its own).  ``--jobs N`` builds and compiles N configurations at once (CPU-bound),
+             then times them one after another with nothing else running; rows are written as each finishes.
+             On a GPU the first configuration compiles alone and the others read its GEMMs' autotuning
+             results (``--cold-compiles``: each tunes its own).  docs/kernels.md#benchmarks has the table.
 ``compare``  the ``bench`` rows of Falcon-1A, 3A, 1, 3 (forward and forward+backward, the standard shapes) for
              two or more source trees, ``--tree NAME=PATH`` (e.g. ``--tree old=benchmarks/trees/5798878 --tree
              new=.``), each in its own process importing that tree (``benchmarks/source_tree.py``; the older API's
@@ -46,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
 import queue
@@ -61,7 +78,7 @@ import time
 from benchmarks import ops, source_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITES = ("bench", "memory", "profile", "compare")
+SUITES = ("bench", "memory", "profile", "compare", "lm")
 STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
 MEMORY_SHAPES = [(1, 32768, 16, 128), (1, 131072, 16, 128)]
 SMOKE_SHAPES = [(1, 128, 2, 16), (2, 64, 2, 16)]
@@ -75,6 +92,18 @@ DEFAULT_RULES = {"bench": [op.name for op in ops.OPS], "profile": FALCON,
 ALLOWED = {"bench": lambda op: True, "profile": lambda op: True, "memory": lambda op: not op.torch,
            "compare": lambda op: op.family == "falcon"}
 HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
+# the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
+# that a run cut short has the rows that matter most
+LM_MIXERS = ("falcon-1A.3", "falcon-1.3", "transformer", "gated_deltanet", "mamba2", "retnet", "deltanet",
+             "falcon-3A.3", "falcon-3.3", "falcon-2A.3", "falcon-2.3")
+LM_REFERENCE = "falcon-1A.3"
+LM_TOKENS, LM_LENGTHS = 32768, (4096, 16384, 32768)  # B = tokens per step // T: 8, 2, 1
+SMOKE_LM_TOKENS, SMOKE_LM_LENGTHS = 128, (16, 64, 128)
+LM_TIMING = {"warmup": 2, "calls": 2, "repeats": 5, "profile_steps": 1}
+SMOKE_LM_TIMING = {"warmup": 1, "calls": 1, "repeats": 2, "profile_steps": 1}
+LM_LIMITS = {"prepare": 420, "measure": 180}  # seconds per configuration: build + compile, then timing + profile
+# processes share the GPU while others compile: each allocates as it goes (the peak is still per process)
+LM_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 RESULT = "@@RESULT "
 
 
@@ -95,23 +124,26 @@ class Log:
 
     def __init__(self, path):
         self.file = open(path, "w")
+        self.lock = threading.Lock()  # the lm suite's workers log from several threads
 
     def __call__(self, text=""):
-        print(text, flush=True)
-        self.file.write(text + "\n")
-        self.file.flush()
+        with self.lock:
+            print(text, flush=True)
+            self.file.write(text + "\n")
+            self.file.flush()
 
 
 class Worker:
     """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash."""
 
-    def __init__(self, name, pythonpath, harness, smoke, log, torch=False):
+    def __init__(self, name, pythonpath, harness, smoke, log, torch=False, env=None):
         self.name, self.pythonpath, self.harness, self.smoke, self.log = name, pythonpath, harness, smoke, log
         self.torch = torch  # whether the process may run torch ops (fla)
+        self.env = env or {}  # set in the process's environment (over the inherited one)
         self.proc, self.lines, self.environment = None, None, None
 
     def _start(self):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         if self.smoke:
             env["JAX_PLATFORMS"] = "cpu"
@@ -134,8 +166,9 @@ class Worker:
         lines.put(None)
 
     def _exchange(self, request, limit):
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        proc = self.proc  # the lm suite may stop this worker from another thread meanwhile
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
         deadline = time.monotonic() + limit
         while True:
             try:
@@ -144,8 +177,9 @@ class Worker:
                 self.stop()
                 return f"timed out after {limit:.0f} s", {}
             if line is None:
-                code = self.proc.wait()
-                self.proc = None
+                code = proc.wait()
+                if self.proc is proc:
+                    self.proc = None
                 return f"worker died (exit code {code})", {}
             if line.startswith(RESULT):
                 return "ok", json.loads(line[len(RESULT):])
@@ -167,13 +201,13 @@ class Worker:
         return self._exchange(request, limit) if status == "ok" else (status, {})
 
     def stop(self):
-        if self.proc is not None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.proc.wait()
-            self.proc = None
+            proc.wait()
 
 
 def parse_shapes(text):
@@ -181,6 +215,34 @@ def parse_shapes(text):
         return [tuple(int(n) for n in item.strip().split("x")) for item in text.split(",") if item.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BxTxHxD shapes such as 8x2048x16x128, got {text!r}") from None
+
+
+def parse_lengths(text):
+    """``"4096,2x16384"`` -> ``[(None, 4096), (2, 16384)]`` (a bare T takes the suite's batch)."""
+    out = []
+    try:
+        for item in (i.strip() for i in text.split(",") if i.strip()):
+            b, _, t = item.rpartition("x")
+            out.append((int(b) if b else None, int(t)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected lengths T or BxT such as 4096,2x16384, got {text!r}") from None
+    if not out or any(t < 2 or (b is not None and b < 1) for b, t in out):
+        raise argparse.ArgumentTypeError(f"expected lengths T >= 2 (and batches B >= 1), got {text!r}")
+    return out
+
+
+def select_mixers(patterns: str | None) -> list[str]:
+    """The lm suite's mixers named by ``patterns`` (comma-separated names or shell patterns over
+    ``LM_MIXERS``, case-insensitive; None: all), in ``LM_MIXERS`` order."""
+    if patterns is None:
+        return list(LM_MIXERS)
+    chosen = set()
+    for pattern in (p.strip().lower() for p in patterns.split(",") if p.strip()):
+        hits = [m for m in LM_MIXERS if fnmatch.fnmatchcase(m.lower(), pattern)]
+        if not hits:
+            raise ValueError(f"--mixers: {pattern!r} matches none of {', '.join(LM_MIXERS)}")
+        chosen.update(hits)
+    return [m for m in LM_MIXERS if m in chosen]
 
 
 def parse_args(argv):
@@ -197,7 +259,37 @@ def parse_args(argv):
     p.add_argument("--commit", help="the commit of this checkout where its git metadata is missing or stale "
                    "(recorded as given)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode, no peers")
+    p.add_argument("--mixers", help="lm: comma-separated mixer names or patterns (default: all of "
+                   f"{', '.join(LM_MIXERS)})")
+    p.add_argument("--lengths", type=parse_lengths, help="lm: comma-separated T (batch 32768 / T) or BxT "
+                   f"(default: {','.join(map(str, LM_LENGTHS))})")
+    p.add_argument("--jobs", type=int, help="lm: configurations built and compiled at once, each in its own "
+                   "process, after the first alone (default: 3/4 of the CPU cores, at most 12)")
+    p.add_argument("--packed", action="store_true", help="lm: rows carry the trainer's segment_ids (zeros)")
+    p.add_argument("--cold-compiles", action="store_true", help="lm: no autotuning results shared between the "
+                   "configurations (each compile tunes every GEMM itself)")
     args = p.parse_args(argv)
+    lm_only = [f"--{k.replace('_', '-')}" for k in ("mixers", "lengths", "jobs", "packed", "cold_compiles")
+               if getattr(args, k) not in (None, False)]
+    if args.suite == "lm":
+        if args.tree or args.shapes or args.rules:
+            p.error("--suite lm takes --mixers and --lengths (not --tree, --shapes or --rules)")
+        args.trees = {"measured": ROOT}
+        try:
+            args.mixers = select_mixers(args.mixers)
+        except ValueError as e:
+            p.error(str(e))
+        tokens = SMOKE_LM_TOKENS if args.smoke else LM_TOKENS
+        lengths = args.lengths or [(None, t) for t in (SMOKE_LM_LENGTHS if args.smoke else LM_LENGTHS)]
+        args.lm_shapes = [(b if b is not None else max(1, tokens // t), t) for b, t in lengths]
+        configs = len(args.mixers) * len(args.lm_shapes)
+        if args.jobs is None:
+            args.jobs = max(1, min(configs, (os.cpu_count() or 2) * 3 // 4, 12))
+        elif args.jobs < 1:
+            p.error(f"--jobs {args.jobs}: give at least 1")
+        return args
+    if lm_only:
+        p.error(f"{', '.join(lm_only)}: for --suite lm")
     if args.suite == "compare":
         if len(args.tree) < 2:
             p.error("--suite compare needs two or more --tree NAME=PATH")
@@ -343,6 +435,8 @@ def compare_table(args, rows):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.suite == "lm":
+        return lm_main(args, argv)
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, f"{args.suite}.log"))
     started = time.monotonic()
@@ -429,6 +523,174 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         save()
     log(f"\n{args.suite}: {len(payload['steps'])} steps in {payload['seconds']:.0f} s; wrote {out_json}")
+    return 1 if failed else 0
+
+
+# ---- the lm suite -----------------------------------------------------------------------------------------
+
+def lm_table(rows):
+    """One line per configuration, with tokens/s against Falcon-1A.3's at the same shape."""
+    reference = {r["shape"]: r["tokens_per_s"] for r in rows
+                 if r.get("mixer") == LM_REFERENCE and r.get("tokens_per_s")}
+
+    def ratio(r):
+        ref = reference.get(r.get("shape"))
+        return f"{r['tokens_per_s'] / ref:.2f}" if ref and r.get("tokens_per_s") else None
+
+    def fixed(key, scale=1.0, digits=1):
+        return lambda r: None if r.get(key) is None else f"{r[key] * scale:,.{digits}f}"
+
+    return table(rows, [("mixer", "mixer"), ("BxT", "shape"), ("kernels", "kernels"),
+                        ("tokens/s", fixed("tokens_per_s", digits=0)), (f"x {LM_REFERENCE}", ratio),
+                        ("step ms", fixed("step_ms")), ("peak GiB", fixed("peak_bytes", 2**-30, 2)),
+                        ("compile s", fixed("compile_s")), ("mixer %", fixed("mixer_share", 100)),
+                        ("core %", fixed("core_share", 100)), ("unattr. %", fixed("unattributed_share", 100)),
+                        ("note", note)])
+
+
+def lm_main(args, argv) -> int:
+    """The lm suite: waves of ``--jobs`` configurations, each in a fresh worker process, built and compiled
+    together, then measured one at a time; the JSON is rewritten after every row."""
+    os.makedirs(args.out, exist_ok=True)
+    log = Log(os.path.join(args.out, "lm.log"))
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="falcon-bench-")
+    harness = os.path.join(scratch, "harness")
+    os.makedirs(harness)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    tree = source_tree.describe(ROOT)
+    if args.commit:
+        tree["commit"] = args.commit
+    import_path = source_tree.import_path(ROOT, os.path.join(scratch, "tree-0"))
+    timing = SMOKE_LM_TIMING if args.smoke else LM_TIMING
+    limits = {k: 300 for k in LM_LIMITS} if args.smoke else LM_LIMITS
+    configs = [(mixer, b, t) for b, t in args.lm_shapes for mixer in args.mixers]
+    # sharing XLA's autotuning results (GPU; nothing to share on the CPU of --smoke): the first configuration
+    # compiles alone (cold and uncontended) and seeds them, then waves of --jobs
+    autotune = None if args.cold_compiles or args.smoke else os.path.join(scratch, "autotune")
+    if autotune:
+        os.makedirs(autotune)
+    seeded = 1 if autotune else 0
+    waves = [configs[:seeded]] * seeded + [configs[i:i + args.jobs] for i in range(seeded, len(configs), args.jobs)]
+    payload = {"suite": "lm", "smoke": args.smoke, "date": datetime.datetime.now(datetime.timezone.utc)
+               .isoformat(timespec="seconds"), "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
+               "model": "the lm-130m preset (train/config.py)" + (" at the tiny size" if args.smoke else ""),
+               "mixers": args.mixers, "shapes": [f"{b}x{t}" for b, t in args.lm_shapes], "packed": args.packed,
+               "dtype": {"compute": "bfloat16", "parameters": "float32"},
+               "step": "falcon_jax.train.trainer.make_train_step (forward, backward, clip_by_global_norm, AdamW; "
+                       "parameters and optimizer state donated), one micro-batch, one device",
+               "timing": "median over {repeats} samples of the mean time of {calls} back-to-back train steps, "
+                         "after {warmup} warm-up steps; tokens/s = B*T / that time".format(**timing),
+               "memory": "peak_bytes: device.memory_stats()['peak_bytes_in_use'] of the configuration's own "
+                         "process (parameters, AdamW state, batch, the step's temporaries); compiled_bytes: "
+                         "XLA's memory_analysis() of the step",
+               "profile": "shares of the device time of {profile_steps} traced step(s) (kernels and copies on the "
+                          "device streams) whose HLO instruction's op_name lies in the named scope 'mixer' (the "
+                          "whole mixer layer) or 'mixer/core' (its rule or attention alone); unattributed: events "
+                          "naming no instruction of the step (benchmarks/trace_scopes.py)".format(**timing),
+               "compile": "lower_s: tracing the step to StableHLO; compile_s: XLA's compilation, with "
+                          "compiled_alongside other configurations compiling in their processes at the same time"
+                          + ("" if autotune is None else "; the configurations share XLA's per-fusion autotuning "
+                             "results (xla_gpu_per_fusion_autotune_cache_dir): the first row's compile is cold and "
+                             "alone, the later ones find the GEMMs they share with it tuned"),
+               "jobs": args.jobs, "worker_env": LM_ENV, "timing_parameters": timing, "limits_s": limits,
+               "trees": {"measured": tree}, "environment": None, "steps": [], "rows": []}
+    out_json = os.path.join(args.out, "lm.json")
+
+    def save():
+        payload["seconds"] = round(time.monotonic() - started, 1)
+        with open(out_json, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+
+    def left():
+        return None if args.budget is None else args.budget - (time.monotonic() - started)
+
+    def limit(kind):
+        budget = left()
+        return limits[kind] if budget is None else max(min(limits[kind], budget), 1)
+
+    log(f"benchmarks.run --suite lm{' --smoke' if args.smoke else ''}: {tree['path']} "
+        f"({tree['commit'] or 'no git commit'}, source {tree['source_sha1']}); {len(configs)} configurations, "
+        f"{args.jobs} compiled at once")
+    save()
+    workers = []
+    failed = False
+    # a time limit's SIGTERM ends the run through the finally below: workers stopped, the JSON written
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        for index, wave in enumerate(waves):
+            first = sum(map(len, waves[:index]))
+            if left() is not None and left() <= 0:
+                for mixer, b, t in configs[first:]:
+                    payload["rows"].append({"mixer": mixer, "shape": f"{b}x{t}", "notes": {"skipped": "past --budget"}})
+                log(f"[{time.monotonic() - started:5.0f} s] past --budget {args.budget:.0f} s: "
+                    f"{len(configs) - first} configurations not started")
+                break
+            wave_workers = [Worker(f"{mixer} {b}x{t}", import_path, harness, args.smoke, log, env=LM_ENV)
+                            for mixer, b, t in wave]
+            workers.extend(wave_workers)
+            prepared = [None] * len(wave)
+
+            def prepare(i, mixer, b, t, worker, deadline):
+                prepared[i] = worker.request({"cmd": "lm_prepare", "mixer": mixer, "batch": b, "length": t,
+                                              "packed": args.packed, "autotune_cache": autotune}, deadline)
+
+            deadline = limit("prepare")
+            threads = [threading.Thread(target=prepare, args=(i, *config, worker, deadline), daemon=True)
+                       for i, (config, worker) in enumerate(zip(wave, wave_workers))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if payload["environment"] is None:
+                env = next((worker.environment for worker in wave_workers if worker.environment), None)
+                if env:
+                    payload["environment"] = env
+                    log(f"device {env['device']} ({env['backend']}), driver {env['driver']}, "
+                        + ", ".join(f"{p} {v}" for p, v in env["versions"].items()))
+            for (mixer, b, t), worker, (status, prep) in zip(wave, wave_workers, prepared):
+                name, t0 = f"{mixer} @ {b}x{t}", time.monotonic()
+                row = {"mixer": mixer, "shape": f"{b}x{t}", "batch": b, "length": t, "tokens_per_step": b * t,
+                       "wave": index, "compiled_alongside": len(wave) - 1, "notes": {}}
+                if status == "ok" and "error" in prep:
+                    status = "error"
+                    row["notes"]["prepare"] = prep["error"]
+                elif status != "ok":
+                    row["notes"]["prepare"] = status
+                else:
+                    row["notes"].update(prep.pop("notes", {}))
+                    row.update({k: v for k, v in prep.items() if k != "seconds"})
+                    row["prepare_s"] = prep.get("seconds")
+                    if left() is not None and left() <= 0:
+                        status = "skipped: past --budget"
+                        row["notes"]["skipped"] = "past --budget (compiled, not measured)"
+                    else:
+                        status, result = worker.request({"cmd": "lm_measure", "timing": timing}, limit("measure"))
+                        if status == "ok" and "error" in result:
+                            status = "error"
+                            row["notes"]["measure"] = result["error"]
+                        elif status != "ok":
+                            row["notes"]["measure"] = status
+                        else:
+                            row["notes"].update(result.pop("notes", {}))
+                            row.update(result)
+                            row["measure_s"] = row.pop("seconds", None)
+                worker.stop()
+                failed |= status != "ok" and not status.startswith("skipped")
+                payload["rows"].append(row)
+                payload["steps"].append({"name": name, "status": status, "seconds": round(time.monotonic() - t0, 1)})
+                save()
+                speed = f", {row['tokens_per_s']:,.0f} tokens/s" if row.get("tokens_per_s") else ""
+                log(f"[{time.monotonic() - started:5.0f} s] {len(payload['steps'])}/{len(configs)} {name}: {status} "
+                    f"(compile {row.get('compile_s', '-')} s{speed})")
+        log("\n" + lm_table(payload["rows"]))
+    finally:
+        for worker in workers:
+            worker.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        save()
+        log(f"\nlm: {len(payload['steps'])} of {len(configs)} configurations in {payload['seconds']:.0f} s; "
+            f"wrote {out_json}")
     return 1 if failed else 0
 
 

@@ -8,6 +8,9 @@ It reads one JSON request per line on stdin and answers each with one line ``@@R
 * ``memory``: the compiled forward+backward's memory (``compiled.memory_analysis()``), nothing run;
 * ``profile``: GPU time per kernel of one forward+backward, from CUPTI through ``torch.profiler`` (it records
   every kernel of the process, JAX's included).
+* ``lm_prepare`` / ``lm_measure``: the ``lm`` suite's train step of one configuration, built and compiled, then
+  timed, its peak memory read and its device time split by named scope (:mod:`benchmarks.lm`; the parent
+  starts a fresh process per configuration, so the allocator's peak is that configuration's).
 
 Compiled functions and inputs are kept for the life of the process, so a second ``time`` request for the same
 op and shape measures again without compiling.  The parent kills the process when a request overruns.
@@ -231,7 +234,20 @@ def profile_op(req):
     return dict(row, kernel_ms=sum(k["us"] for k in kernels) / 1e3, kernels=kernels)
 
 
-HANDLERS = {"hello": hello, "time": time_op, "memory": memory, "profile": profile_op}
+def lm_prepare(req):
+    from benchmarks import lm
+
+    return lm.prepare(dict(req, smoke=STATE["smoke"]))
+
+
+def lm_measure(req):
+    from benchmarks import lm
+
+    return lm.measure(req)
+
+
+HANDLERS = {"hello": hello, "time": time_op, "memory": memory, "profile": profile_op, "lm_prepare": lm_prepare,
+            "lm_measure": lm_measure}
 
 
 def main() -> int:

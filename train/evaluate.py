@@ -18,12 +18,15 @@ def loss_terms(model, tokens, segment_ids, loss_mask):
     """Summed next-token NLL and the number of target positions, for ``[B, T]`` inputs.
 
     Position t predicts t+1; a pair is counted when its target has ``loss_mask`` true and it
-    does not cross a ``segment_ids`` change.  Returning (sum, count) instead of a mean lets
+    does not cross a ``segment_ids`` change (None: every row is one sequence, and the model runs
+    without segments, e.g. cuDNN attention).  Returning (sum, count) instead of a mean lets
     gradient accumulation and multi-batch evaluation weight every token equally."""
-    logits = model(tokens[:, :-1], segment_ids=segment_ids[:, :-1])
+    logits = model(tokens[:, :-1], segment_ids=None if segment_ids is None else segment_ids[:, :-1])
     logits = logits.astype(jnp.float32)
     tgt = tokens[:, 1:]
-    mask = loss_mask[:, 1:] & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    mask = loss_mask[:, 1:]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, 1:] == segment_ids[:, :-1])
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tgt[..., None], axis=-1)[..., 0]
     m = mask.astype(jnp.float32)
     return jnp.sum(nll * m), jnp.sum(m)

@@ -68,6 +68,9 @@ def _build_data(cfg: TrainConfig):
 def make_train_step(graphdef, tx, shardings=None):
     """The jitted step ``(params, rest, opt_state, batch) -> (params, opt_state, metrics)``.
 
+    ``batch``: ``tokens``, ``loss_mask`` and optionally ``segment_ids``, each ``[A, B/A, T]``
+    (without ``segment_ids`` every row is one sequence).
+
     ``shardings``: optional ``(params, opt_state)`` sharding pytrees; pinning the outputs to
     the input shardings keeps every call on the one compiled program (otherwise the first
     call's outputs may come back with an equivalent but differently spelled sharding and
@@ -78,7 +81,7 @@ def make_train_step(graphdef, tx, shardings=None):
             g_acc, s_acc, n_acc = carry
 
             def f(p):
-                return ev.loss_terms(nnx.merge(graphdef, p, rest), mb["tokens"], mb["segment_ids"],
+                return ev.loss_terms(nnx.merge(graphdef, p, rest), mb["tokens"], mb.get("segment_ids"),
                                      mb["loss_mask"])
 
             (s, n), g = jax.value_and_grad(f, has_aux=True)(params)

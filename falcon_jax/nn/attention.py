@@ -139,8 +139,9 @@ class RecurrentMixer(nnx.Module):
         q, k = self._normalize_qk(q, k)
         gates = self._gates(h)
         step = cache is not None and T == 1
-        result = self._rule(q, k, v, gates, step=step, segment_ids=segment_ids,
-                            initial_state=None if cache is None else cache.state)
+        with jax.named_scope("core"):  # the rule alone, for profiles (blocks.py)
+            result = self._rule(q, k, v, gates, step=step, segment_ids=segment_ids,
+                                initial_state=None if cache is None else cache.state)
         o, state = result if cache is not None else (result, None)
         o = self._post(o.astype(self.dtype), v)
         o = rms_normalize(o, self.norm_eps) * self.o_norm_scale[...].astype(self.dtype)

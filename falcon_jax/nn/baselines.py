@@ -123,8 +123,9 @@ class SoftmaxAttention(nnx.Module):
             mask = None
             if segment_ids is not None:
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B,1,T,T]
-            o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                             implementation=self._implementation(mask is not None))
+            with jax.named_scope("core"):  # the attention alone, for profiles (blocks.py)
+                o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                 implementation=self._implementation(mask is not None))
             return self.o_proj(o.reshape(B, T, H * self.dv))
         if T > cache.max_len:  # a static check; a traced overflow would be clamped by XLA, silently
             raise ValueError(f"SoftmaxAttention: {T} new positions do not fit a KV cache of max_len="
@@ -156,8 +157,9 @@ class SoftmaxAttention(nnx.Module):
             change = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
             last_change = jnp.max(jnp.where(change, jnp.arange(T, dtype=jnp.int32), -1), axis=1)
             seg_start = jnp.where(last_change >= 0, start + last_change, seg_start)
-        o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask[:, None],
-                                         implementation="xla")
+        with jax.named_scope("core"):
+            o = jax.nn.dot_product_attention(q, kc.astype(self.dtype), vc.astype(self.dtype), mask=mask[:, None],
+                                             implementation="xla")
         y = self.o_proj(o.reshape(B, T, H * self.dv))
         # a traced length past max_len: the write above was clamped and the keys are wrong; say so with NaN
         y = jnp.where(start + T > L, jnp.asarray(jnp.nan, y.dtype), y)

@@ -3,6 +3,10 @@
     x <- x + mixer(RMSNorm(x))
     x <- x + W_down( SiLU(W_gate RMSNorm(x)) ⊙ W_up RMSNorm(x) )
 
+The mixer and the MLP run under the named scopes ``mixer`` and ``mlp`` (the mixer's sequence-mixing
+op under ``mixer/core``), so a profile or the compiled HLO's ``op_name`` metadata attributes device
+time to them (``benchmarks.run --suite lm`` reports the mixers' share of the train step this way).
+
 No bias, no dropout.  Residual-branch output projections (mixer ``o_proj`` and
 ``W_down``) start at std ``init_std / √(2·n_layers)`` (GPT-2's scaled init).
 """
@@ -78,8 +82,10 @@ class DecoderBlock(nnx.Module):
         return self.mixer.init_cache(batch, max_len)
 
     def __call__(self, x, *, segment_ids=None, cache=None):
-        out = self.mixer(self.norm1(x), segment_ids=segment_ids, cache=cache)
+        with jax.named_scope("mixer"):
+            out = self.mixer(self.norm1(x), segment_ids=segment_ids, cache=cache)
         y, new_cache = out if cache is not None else (out, None)
         x = x + y
-        x = x + self.mlp(self.norm2(x))
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.norm2(x))
         return x if cache is None else (x, new_cache)

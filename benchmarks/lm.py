@@ -1,0 +1,171 @@
+"""The ``lm`` suite's measurements, run inside a ``benchmarks.worker`` process (one process per configuration).
+
+One configuration is a mixer name and a shape ``B × T``: the ``lm-130m`` preset's model (``train/config.py``:
+D = 768, 12 layers, 12 heads of 64, SwiGLU 2048, vocabulary 50304, chunk 64, bf16 compute, fp32 parameters)
+with that mixer, and the trainer's own train step (``falcon_jax.train.trainer.make_train_step``: forward,
+backward, global-norm clipping and AdamW from ``falcon_jax.train.optim.make_optimizer`` with the preset's
+settings, parameters and optimizer state donated).  ``--smoke`` uses the ``tiny`` model size instead.
+
+* :func:`prepare`: build the model eagerly (``train.init="eager"``, the trainer's default), the optimizer
+  state and a batch of random tokens, then trace and compile the step (timed apart: ``lower_s`` and
+  ``compile_s``; on a GPU with ``autotune_cache``, a folder of XLA's per-fusion autotuning results shared
+  by the run's processes);
+* :func:`measure`: time the step (``warmup`` steps, then the median over ``repeats`` samples of the mean time
+  of ``calls`` back-to-back steps), read the process's peak device memory, and profile ``profile_steps``
+  steps to split their device time by named scope (:mod:`benchmarks.trace_scopes`).
+
+The batch has no ``segment_ids`` (every row one sequence, so the Transformer takes cuDNN attention on a
+GPU) unless ``packed``: then ``segment_ids`` of zeros, as the trainer's text loader passes, which sends the
+mixers down their segment-aware paths (the Transformer to XLA attention with a ``T × T`` mask).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import trace_scopes
+
+SCOPES = ("mixer", "mixer/core")
+STATE: dict = {}
+
+
+def _config(mixer: str, smoke: bool):
+    from falcon_jax.nn.config import SIZES
+    from falcon_jax.train.config import PRESETS, TrainConfig
+
+    cfg = TrainConfig.from_dict(PRESETS["lm-130m"])
+    cfg.model["mixer"] = mixer
+    if smoke:
+        cfg.model.update(SIZES["tiny"])
+    return cfg
+
+
+def _batch(batch: int, length: int, vocab: int, packed: bool, seed: int = 0) -> dict:
+    """A trainer batch ``[1, B, T + 1]`` (one micro-batch; the model reads T tokens, the loss the next ones)."""
+    rng = np.random.default_rng(seed)
+    shape = (1, batch, length + 1)
+    out = {"tokens": rng.integers(0, vocab, shape, dtype=np.int32), "loss_mask": np.ones(shape, bool)}
+    if packed:
+        out["segment_ids"] = np.zeros(shape, np.int32)
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def prepare(req: dict) -> dict:
+    """Build and compile one configuration (``req``: mixer, batch, length, packed, smoke); kept in
+    ``STATE`` for :func:`measure`."""
+    from flax import nnx
+
+    from falcon_jax.nn import FalconLM
+    from falcon_jax.train.optim import make_optimizer
+    from falcon_jax.train.trainer import make_train_step
+
+    cfg = _config(req["mixer"], bool(req.get("smoke")))
+    lm_cfg = cfg.lm_config()
+    t0 = time.perf_counter()
+    model = FalconLM(lm_cfg, rngs=nnx.Rngs(cfg.train.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, params)
+    opt_state = jax.jit(tx.init)(params)
+    batch = _batch(req["batch"], req["length"], lm_cfg.vocab_size, bool(req.get("packed")))
+    jax.block_until_ready((params, opt_state, batch))
+    t1 = time.perf_counter()
+    lowered = make_train_step(graphdef, tx).lower(params, rest, opt_state, batch)
+    t2 = time.perf_counter()
+    lower_s = t2 - t1
+    options = None
+    if req.get("autotune_cache") and jax.default_backend() == "gpu":
+        # XLA's per-fusion autotuning results, shared by the run's processes (the layers and the MLP are
+        # the same in every configuration: their GEMMs are tuned once, by the first compile, on a quiet GPU)
+        options = {"xla_gpu_per_fusion_autotune_cache_dir": req["autotune_cache"]}
+    notes = {}
+    try:
+        compiled = lowered.compile(compiler_options=options)
+    except Exception as e:  # noqa: BLE001 - an XLA without the option: compile as a user would
+        if options is None or "No such compile option" not in str(e):
+            raise
+        notes["autotune_cache"] = "this XLA has no xla_gpu_per_fusion_autotune_cache_dir: not shared"
+        t2 = time.perf_counter()  # the compile time counts the successful compile only
+        compiled = lowered.compile()
+    t3 = time.perf_counter()
+    hlo = compiled.as_text()
+    names = trace_scopes.op_names(hlo)
+    STATE.clear()
+    STATE.update(compiled=compiled, params=params, rest=rest, opt_state=opt_state, batch=batch, names=names,
+                 tokens=req["batch"] * req["length"])
+    row = {"init_s": round(t1 - t0, 2), "lower_s": round(lower_s, 2), "compile_s": round(t3 - t2, 2),
+           "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+           "kernels": "+".join(trace_scopes.kernel_families(hlo, "mixer/core", names)) or "xla",
+           "model": {k: v for k, v in cfg.model.items() if k != "mixer"}, "notes": notes}
+    analysis = compiled.memory_analysis()
+    if analysis is not None:
+        row["compiled_bytes"] = {k: int(getattr(analysis, f"{k}_size_in_bytes"))
+                                 for k in ("argument", "output", "temp", "alias")}
+    return row
+
+
+def _steps(n: int):
+    """Run ``n`` train steps back to back; returns the last step's metrics (not waited for)."""
+    s = STATE
+    metrics = None
+    for _ in range(n):
+        s["params"], s["opt_state"], metrics = s["compiled"](s["params"], s["rest"], s["opt_state"], s["batch"])
+    return metrics
+
+
+def measure(req: dict) -> dict:
+    """Time, peak memory and the scope split of the prepared configuration (``req["timing"]``:
+    warmup, calls, repeats, profile_steps)."""
+    from falcon_jax.train.trainer import peak_device_memory
+
+    timing = req["timing"]
+    for _ in range(timing["warmup"]):
+        jax.block_until_ready(_steps(1))
+    samples = []
+    metrics = None
+    for _ in range(timing["repeats"]):
+        start = time.perf_counter()
+        metrics = jax.block_until_ready(_steps(timing["calls"]))
+        samples.append((time.perf_counter() - start) / timing["calls"])
+    step_s = statistics.median(samples)
+    row = {"step_ms": step_s * 1e3, "tokens_per_s": STATE["tokens"] / step_s,
+           "step_ms_samples": [round(t * 1e3, 3) for t in samples], "peak_bytes": peak_device_memory(),
+           "loss": float(metrics["loss"]), "notes": {}}
+    if not math.isfinite(row["loss"]):
+        row["notes"]["loss"] = f"not finite ({row['loss']})"
+    row.update(_profile(timing["profile_steps"], row["notes"]))
+    return row
+
+
+def _profile(steps: int, notes: dict) -> dict:
+    """Device time per step and the shares of the named scopes, from a trace of ``steps`` steps."""
+    if steps < 1:
+        return {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="falcon-lm-trace-") as log_dir:
+            jax.profiler.start_trace(log_dir)
+            try:
+                start = time.perf_counter()
+                jax.block_until_ready(_steps(steps))
+                wall = time.perf_counter() - start
+            finally:
+                jax.profiler.stop_trace()
+            events = trace_scopes.load_trace(log_dir)
+        split = trace_scopes.scope_times(events, STATE["names"], SCOPES, host=jax.default_backend() == "cpu")
+    except Exception as e:  # noqa: BLE001 - the timing stands without the profile
+        notes["profile"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        return {}
+    total = split["total_us"]
+    if not total:
+        notes["profile"] = "the trace holds no device events (on a GPU the profiler reads them through CUPTI)"
+        return {}
+    return {"device_ms": total / steps / 1e3, "profiled_wall_ms": wall / steps * 1e3,
+            "mixer_share": split["by_scope_us"]["mixer"] / total,
+            "core_share": split["by_scope_us"]["mixer/core"] / total,
+            "unattributed_share": split["unattributed_us"] / total, "trace_events": split["events"]}
