@@ -6,11 +6,18 @@ Value column c has its own write weight and decay (:mod:`.reference`)::
     Falcon-2:   s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} x_t (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)
     Falcon-2A:  s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t               o_t = S_tᵀ q_t
 
-One program per (batch·head, value block) walks the chunks (:mod:`.triton` on a GPU, :mod:`.mosaic_tpu` on a
-TPU: grid steps over the chunks, the state in VMEM) and solves each column's own unit-lower-triangular system
-(they share the Gram ``X Xᵀ``) inside the walk; the backward is one reverse walk per (batch·head, value block)
-after a forward walk that stores the chunk start states.  No pieces (a piece map would be a ``dk × dk`` matrix
-per column).  No Mosaic GPU kernel: ``"mosaic_gpu"`` declines and ``"auto"`` takes Triton on a GPU.
+Falcon-2A on a GPU (:mod:`.triton_attention`): a state walk per (batch·head, piece, value block) stores every
+chunk's start state, then one program per chunk forms its output; the backward recomputes the states, walks the
+state gradients in reverse and forms every gradient per chunk.  A piece's walk is affine in its start state with
+a per-column slope, so when batch·heads leave the GPU idle the sequence is cut into pieces (exact, as
+``decayed_attention``).
+
+Falcon-2 (:mod:`.triton`), and both rules on a TPU (:mod:`.mosaic_tpu`: grid steps over the chunks, the state in
+VMEM): one program per (batch·head, value block) walks the chunks and solves each column's own
+unit-lower-triangular system (they share the Gram ``X Xᵀ``) inside the walk; the backward is one reverse walk
+per (batch·head, value block) after a forward walk that stores the chunk start states.  No pieces (a piece map
+would be a ``dk × dk`` matrix per column).  No Mosaic GPU kernel: ``"mosaic_gpu"`` declines and ``"auto"`` takes
+Triton on a GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, reverse_chunk_cumsum
-from falcon_jax.kernels.per_column import mosaic_tpu, triton
+from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, pieces_for, reverse_chunk_cumsum
+from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
 
@@ -79,8 +86,91 @@ def _column_backward(st: _Static, res, cts):
 _column_op.defvjp(_column_forward, _column_backward)
 
 
+@dataclasses.dataclass(frozen=True)
+class _AttentionStatic:
+    chunk: int
+    config: KernelConfig
+    pieces: int
+    interpret: bool
+
+    def walk_kw(self):
+        cfg = self.config
+        return dict(chunk=self.chunk, pieces=self.pieces, block_v=cfg.walk_block_v, interpret=self.interpret,
+                    num_warps=cfg.walk_warps, num_stages=cfg.walk_stages)
+
+
+def _piece_decay(g, rl, chunk, pieces):
+    """[BH, P, dv]: each column's total decay over each piece (0 if a segment starts inside it)."""
+    BH, L, dv = g.shape
+    g_last = g.reshape(BH, L // chunk, chunk, dv)[:, :, -1]
+    cont = rl.reshape(BH, L // chunk, chunk)[:, :, -1] == 0
+    log_a = jnp.where(cont[..., None], g_last, -jnp.inf).reshape(BH, pieces, -1, dv).sum(2)
+    return jnp.exp(log_a)
+
+
+def _piece_starts(ends_from_zero, a, s0):
+    """Each piece's true start state, ``S(p+1) = a_p ⊙ S(p) + E_p`` (a_p per column), ``S(0) = s0``.
+    Returns ([BH, P, dk, dv], the state after the last piece)."""
+
+    def step(S, inp):
+        a_p, e_p = inp
+        return a_p[:, None, :] * S + e_p, S
+
+    final, starts = jax.lax.scan(step, s0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(ends_from_zero, 1, 0)))
+    return jnp.moveaxis(starts, 0, 1), final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention_op(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
+    out, _ = _attention_forward(q, x, y, eta, log_gamma, run, s0, st)
+    return out
+
+
+def _attention_forward(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
+    g, rl = chunk_local(log_gamma, run, st.chunk)
+    BH, _, dk = q.shape
+    dv = y.shape[-1]
+    if st.pieces > 1:
+        zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
+        (ends,) = triton_attention.state_pass(x, y, eta, g, rl, zeros, write_h=False, **st.walk_kw())
+        starts, _ = _piece_starts(ends, _piece_decay(g, rl, st.chunk, st.pieces), s0)
+    else:
+        starts = s0[:, None]
+    h, s_end = triton_attention.state_pass(x, y, eta, g, rl, starts, write_h=True, **st.walk_kw())
+    o = triton_attention.output_pass(q, x, y, eta, g, rl, h, chunk=st.chunk, block_v=st.config.out_block_v,
+                                     interpret=st.interpret, num_warps=st.config.out_warps)
+    return (o, s_end[:, -1]), (q, x, y, eta, g, rl, starts)
+
+
+def _attention_backward(st: _AttentionStatic, res, cts):
+    q, x, y, eta, g, rl, starts = res
+    do, ds_final = cts
+    BH, _, dk = q.shape
+    dv = y.shape[-1]
+    do = do.astype(y.dtype)
+    ds_final = ds_final.astype(jnp.float32)
+    h, _ = triton_attention.state_pass(x, y, eta, g, rl, starts, write_h=True, **st.walk_kw())
+    if st.pieces > 1:  # dS at each piece's end: a reverse scan over pieces of the walks from zero
+        zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
+        (local,) = triton_attention.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **st.walk_kw())
+        a = _piece_decay(g, rl, st.chunk, st.pieces)
+        ends_rev, _ = _piece_starts(local[:, ::-1], a[:, ::-1], ds_final)
+        ds_ends = ends_rev[:, ::-1]
+    else:
+        ds_ends = ds_final[:, None]
+    dh, ds_start = triton_attention.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **st.walk_kw())
+    dq, dx, dy, deta, dg = triton_attention.chunk_grad_pass(
+        q, x, y, eta, g, rl, do, h, dh, chunk=st.chunk, block_v=st.config.grad_block_v, interpret=st.interpret,
+        num_warps=st.config.grad_warps)
+    # g is the chunk-local cumsum of log γ: its gradient is the reverse cumsum within each chunk
+    return dq, dx, dy, deta, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
+
+
+_attention_op.defvjp(_attention_forward, _attention_backward)
+
+
 def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, implementation, config, interpret,
-                residual):
+                residual, pieces=None):
     reference = decayed_delta_rule_reference if residual else decayed_attention_per_column_reference
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
     if name == "xla":
@@ -92,15 +182,24 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
     dtype, f32 = q.dtype, jnp.float32
     L = next_pow2(-(-T // chunk_size)) * chunk_size
     config = config or tuned_config()
+    eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
+    flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
+    args = (flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)), flat(eta.astype(f32)),
+            flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
+            initial_state.astype(f32).reshape(B * H, dk, dv))
+    if name == "triton" and not residual:
+        config = dataclasses.replace(config, **{f: min(getattr(config, f), dv)
+                                                for f in ("walk_block_v", "out_block_v", "grad_block_v")})
+        n_chunks = L // chunk_size
+        P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.walk_block_v, n_chunks,
+                                                             config.pieces_below)
+        o, final = _attention_op(*args, _AttentionStatic(chunk_size, config, P, interpret))
+        return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
     block_v = min(config.block_v, dv)
     if name == "mosaic_tpu":  # Mosaic: a multiple of 128 columns or all of dv (interpret mode alike)
         block_v = mosaic_tpu.value_block(block_v, dv)
     st = _Static(chunk_size, dataclasses.replace(config, block_v=block_v), interpret, residual, name)
-    eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
-    flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
-    o, final = _column_op(flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)),
-                          flat(eta.astype(f32)), flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
-                          initial_state.astype(f32).reshape(B * H, dk, dv), st)
+    o, final = _column_op(*args, st)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
 
 
@@ -128,10 +227,14 @@ def decayed_delta_rule_per_column(q, x, y, eta, log_gamma, run, initial_state, *
 
 def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                                  implementation="auto", config: KernelConfig | None = None,
-                                 interpret: bool | None = None):
-    """Decayed linear attention with per-column gates (Falcon-2A's recurrence): the per-column kernel without
-    the residual (``P = η ⊙ Y``, no triangular system).  Arguments and returns as
-    :func:`decayed_delta_rule_per_column`."""
+                                 interpret: bool | None = None, pieces: int | None = None):
+    """Decayed linear attention with per-column gates (Falcon-2A's recurrence),
+    ``s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t``, ``o_t = S_tᵀ q_t``.  Arguments and returns as
+    :func:`decayed_delta_rule_per_column`; ``pieces``: on a GPU, cut the sequence into this many pieces walked in
+    parallel (None: by the program count, ``KernelConfig.pieces_below``)."""
+    if pieces is not None and (not isinstance(pieces, int) or pieces < 1 or pieces & (pieces - 1)):
+        raise ValueError(f"`pieces` must be a power of two >= 1 (or None: chosen by the program count), got "
+                         f"{pieces!r}.")
     return _per_column("decayed_attention_per_column", q, x, y, eta, log_gamma, run, initial_state,
                        chunk_size=chunk_size, implementation=implementation, config=config, interpret=interpret,
-                       residual=False)
+                       residual=False, pieces=pieces)

@@ -4,24 +4,50 @@ from __future__ import annotations
 
 import dataclasses
 
+_WARPS = (1, 2, 4, 8, 16)
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """``block_v``: value columns per program (several ``[C, block_v]`` fp32 tiles live; on a TPU, Mosaic's blocks
-    need a multiple of 128 columns or all of dv, so a narrower width becomes that there); ``num_warps``: Triton
-    warps per program."""
+    """Falcon-2 (``decayed_delta_rule_per_column``) and the TPU kernels: ``block_v``, value columns per program
+    (several ``[C, block_v]`` fp32 tiles live; on a TPU, Mosaic's blocks need a multiple of 128 columns or all
+    of dv, so a narrower width becomes that there), and ``num_warps``, Triton warps per program.
+
+    Falcon-2A on a GPU (``decayed_attention_per_column``, :mod:`.triton_attention`): ``walk_block_v`` value
+    columns per program of the state walks, with ``walk_warps`` warps and ``walk_stages`` pipelining stages;
+    ``pieces_below``: cut the sequence into pieces while fewer walk programs (batch·heads × value blocks × pieces)
+    would run; ``out_block_v`` and ``grad_block_v``: the value columns the per-chunk output and gradient passes
+    take at a time (each holds a ``[16, 16, width]`` fp32 tile of decays), with ``out_warps`` and
+    ``grad_warps`` warps."""
 
     block_v: int = 32
     num_warps: int = 4
+    walk_block_v: int = 64
+    walk_warps: int = 4
+    walk_stages: int = 3
+    pieces_below: int = 128
+    out_block_v: int = 32
+    out_warps: int = 4
+    grad_block_v: int = 32
+    grad_warps: int = 8
 
     def __post_init__(self):
-        if not isinstance(self.block_v, int) or self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"KernelConfig: block_v must be a power of two >= 16, got {self.block_v!r}.")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"KernelConfig: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}.")
+        for name in ("block_v", "walk_block_v", "out_block_v", "grad_block_v"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig: {name} must be a power of two >= 16, got {value!r}.")
+        for name in ("num_warps", "walk_warps", "out_warps", "grad_warps"):
+            if getattr(self, name) not in _WARPS:
+                raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}.")
+        for name in ("walk_stages", "pieces_below"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelConfig: {name} must be an int >= 1, got {value!r}.")
 
 
-# Measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps; the same elsewhere until timed.
+# Falcon-2 measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps.  Falcon-2A's fields: the
+# walks as decayed_attention's (64 columns, 4 warps, 3 stages, pieces below 128 programs), the per-chunk passes
+# 32 columns; not yet timed.  The same elsewhere.
 TUNED: dict[str, KernelConfig] = {"default": KernelConfig()}
 
 
