@@ -35,6 +35,7 @@ from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
 
 _KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+LOG2_E = 1.4426950408889634  # log₂ e
 
 
 def unsupported_reason(name: str, q, y, chunk_size: int, interpret: bool | None = None) -> str | None:
@@ -100,12 +101,12 @@ class _AttentionStatic:
 
 
 def _piece_decay(g, rl, chunk, pieces):
-    """[BH, P, dv]: each column's total decay over each piece (0 if a segment starts inside it)."""
+    """[BH, P, dv]: each column's total decay over each piece (0 if a segment starts inside it); g in base 2."""
     BH, L, dv = g.shape
     g_last = g.reshape(BH, L // chunk, chunk, dv)[:, :, -1]
     cont = rl.reshape(BH, L // chunk, chunk)[:, :, -1] == 0
     log_a = jnp.where(cont[..., None], g_last, -jnp.inf).reshape(BH, pieces, -1, dv).sum(2)
-    return jnp.exp(log_a)
+    return jnp.exp2(log_a)
 
 
 def _piece_starts(ends_from_zero, a, s0):
@@ -127,7 +128,7 @@ def _attention_op(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
 
 
 def _attention_forward(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
-    g, rl = chunk_local(log_gamma, run, st.chunk)
+    g, rl = chunk_local(log_gamma * LOG2_E, run, st.chunk)  # base 2: the kernels' decays are exp2
     BH, _, dk = q.shape
     dv = y.shape[-1]
     if st.pieces > 1:

@@ -1,8 +1,10 @@
 """GPU kernels (Pallas, Triton lowering) for decayed attention with per-column gates (Falcon-2A).
 
 Layout: ``q, x [BH, L, dk]``, ``y [BH, L, dv]``; per-column gates ``eta, g [BH, L, dv]`` fp32 (write weight and
-the chunk-local inclusive cumsum of the log decay), ``rl [BH, L]`` the chunk-local run index.  With ``u = η ⊙ y``
-value column c of a chunk is decayed linear attention with its own decays::
+the chunk-local inclusive cumsum of the log decay **in base 2**, ``log₂ γ``: every decay is an ``exp2``, one
+special-function instruction, where ``exp`` costs a range reduction more), ``rl [BH, L]`` the chunk-local run
+index.  Below, ``e^{g}`` stands for ``2^{g}``; the gradient ``dg`` the passes return is w.r.t. the natural-log
+cumsum.  With ``u = η ⊙ y`` value column c of a chunk is decayed linear attention with its own decays::
 
     o[t, c]   = c_{t,c} (Q S_0)[t, c] + Σ_{s≤t} A[t, s] e^{g_{t,c} − g_{s,c}} u[s, c],   A = Q Xᵀ ⊙ M
     S_C[:, c] = a_c S_0[:, c] + Σ_s w_{s,c} x_s u[s, c]
@@ -62,8 +64,8 @@ def _mm(a, b, dtype, precision):
 def _walk_gates(g, rl, g_last, rl_last):
     """``w [C, block_v]`` (a row's write decayed to the chunk's end) and ``a [block_v]`` (the state's decay over
     the chunk), per column."""
-    w = jnp.where((rl == rl_last)[:, None], jnp.exp(g_last[None, :] - g), 0.0)
-    a = jnp.where(rl_last == 0, jnp.exp(g_last), 0.0)
+    w = jnp.where((rl == rl_last)[:, None], jnp.exp2(g_last[None, :] - g), 0.0)
+    a = jnp.where(rl_last == 0, jnp.exp2(g_last), 0.0)
     return w, a
 
 
@@ -98,8 +100,8 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
             dh_ref[c, :, :] = dS.astype(dh_ref.dtype)
         g, rl = g_ref[rows, :], rl_ref[rows]
         rl_last = rl_ref[start + chunk - 1]
-        cont = jnp.where((rl == 0)[:, None], jnp.exp(g), 0.0)
-        a = jnp.where(rl_last == 0, jnp.exp(g_ref[start + chunk - 1, :]), 0.0)
+        cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
+        a = jnp.where(rl_last == 0, jnp.exp2(g_ref[start + chunk - 1, :]), 0.0)
         return a[None, :] * dS + _mm(q_ref[rows, :].T, cont * do_ref[rows, :].astype(F32), dtype, precision)
 
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
@@ -117,7 +119,7 @@ def _diagonal(A, g, left, right, *, sums):
     shape = (SUB, SUB, g.shape[1])
     t = lax.broadcasted_iota(jnp.int32, shape, 0)
     s = lax.broadcasted_iota(jnp.int32, shape, 1)
-    D = jnp.exp(jnp.where(t >= s, g[:, None, :] - g[None, :, :], -jnp.inf))
+    D = jnp.exp2(jnp.where(t >= s, g[:, None, :] - g[None, :, :], -jnp.inf))
     out = []
     if "read" in sums or "back" in sums:
         AD = A[:, :, None] * D
@@ -131,8 +133,8 @@ def _diagonal(A, g, left, right, *, sums):
 
 
 class _Chunk:
-    """One chunk's sub-blocks: row slices, run indices, the masks ``M_ij`` and scores ``A_ij = Q_i X_jᵀ ⊙ M_ij``
-    (j ≤ i; fp32)."""
+    """One chunk's sub-blocks: row slices, run indices, the query tiles ``Q_i``, the masks ``M_ij`` and scores
+    ``A_ij = Q_i X_jᵀ ⊙ M_ij`` (j ≤ i; fp32)."""
 
     def __init__(self, q_ref, x_ref, rl_ref, chunk, precision):
         self.nb = chunk // SUB
@@ -140,13 +142,14 @@ class _Chunk:
         self.rl = [rl_ref[r] for r in self.rows]
         self.rl_last = rl_ref[chunk - 1]
         causal = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) >= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        self.q = [q_ref[r, :] for r in self.rows]
+        x = [x_ref[r, :] for r in self.rows]
         self.mask, self.A = {}, {}
         for i in range(self.nb):
-            q_i = q_ref[self.rows[i], :]
             for j in range(i + 1):
                 same = self.rl[i][:, None] == self.rl[j][None, :]
                 self.mask[i, j] = (same & causal) if i == j else same
-                self.A[i, j] = jnp.where(self.mask[i, j], dot(q_i, x_ref[self.rows[j], :].T, precision), 0.0)
+                self.A[i, j] = jnp.where(self.mask[i, j], dot(self.q[i], x[j].T, precision), 0.0)
 
 
 class _Columns:
@@ -162,9 +165,9 @@ class _Columns:
         self.u = [e * y for e, y in zip(self.eta, self.y)]
         self.g_b = [g_ref[(i + 1) * SUB - 1, cols] for i in range(nb)]
         g_last = self.g_b[-1]
-        self.E = [None] + [jnp.exp(self.g[i] - self.g_b[i - 1][None, :]) for i in range(1, nb)]
-        self.F = [jnp.exp(self.g_b[j][None, :] - self.g[j]) for j in range(nb - 1)] + [None]
-        self.cont = [jnp.where((ch.rl[i] == 0)[:, None], jnp.exp(self.g[i]), 0.0) for i in range(nb)]
+        self.E = [None] + [jnp.exp2(self.g[i] - self.g_b[i - 1][None, :]) for i in range(1, nb)]
+        self.F = [jnp.exp2(self.g_b[j][None, :] - self.g[j]) for j in range(nb - 1)] + [None]
+        self.cont = [jnp.where((ch.rl[i] == 0)[:, None], jnp.exp2(self.g[i]), 0.0) for i in range(nb)]
         if walk:  # the backward's state terms
             gates = [_walk_gates(self.g[i], ch.rl[i], g_last, ch.rl_last) for i in range(nb)]
             self.w = [w for w, _ in gates]
@@ -172,7 +175,7 @@ class _Columns:
 
     def V(self, i, j):
         """``e^{g_{b_{i−1}} − g_{b_j}}`` (``[1, block_v]``) for ``j < i − 1``; None for ``j = i − 1`` (1)."""
-        return None if j == i - 1 else jnp.exp(self.g_b[i - 1] - self.g_b[j])[None, :]
+        return None if j == i - 1 else jnp.exp2(self.g_b[i - 1] - self.g_b[j])[None, :]
 
 
 def _scaled(term, factor):
@@ -188,7 +191,7 @@ def _output_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, h_ref, o_ref, *,
         h = h_ref[:, cols]
         Ut = [_scaled(col.u[j], col.F[j]) for j in range(ch.nb - 1)]  # F_j ⊙ U_j
         for i in range(ch.nb):
-            o = col.cont[i] * _mm(q_ref[ch.rows[i], :], h, dtype, precision)
+            o = col.cont[i] * _mm(ch.q[i], h, dtype, precision)
             if i > 0:
                 cross = sum(_scaled(_mm(ch.A[i, j], Ut[j], dtype, precision), col.V(i, j)) for j in range(i))
                 o = o + col.E[i] * cross
@@ -216,6 +219,8 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, do_ref, h_re
         end = col.a * jnp.sum(h.astype(F32) * dh.astype(F32), axis=0)
         o, dU = [], []
         for i in range(nb):
+            # q and x tiles loaded again (from cache) rather than held across the value blocks: the
+            # accumulators below already hold [C, dk] twice
             q_i, x_i = q_ref[ch.rows[i], :], x_ref[ch.rows[i], :]
             o_i = col.cont[i] * _mm(q_i, h, dtype, precision)
             if i > 0:

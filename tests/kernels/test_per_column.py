@@ -4,9 +4,10 @@ against their definitions in float64.  Value column c has its own write weight a
     Falcon-2:   s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} x_t (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)
     Falcon-2A:  s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t               o_t = S_tᵀ q_t
 
-The Triton kernels solve each column's system in 16-row blocks (chunks of 32 and 64: 2 and 4 blocks, the decays
-renormalized at each block's last row); the TPU kernel row by row.  One class of checks per lowering
-(``IMPLEMENTATION``, ``INTERPRET = False``); the ``Test...Interpret`` subclasses run in interpret mode.
+The Triton kernels work in 16-row sub-blocks (chunks of 32 and 64: 2 and 4 sub-blocks, the decays factored at
+the sub-blocks' last rows; Falcon-2A's cross-sub-block factor ``e^{g_{b_{i−1}} − g_{b_j}}`` appears from 3
+sub-blocks on, so its default checks take chunks of 64); the TPU kernel row by row.  One class of checks per
+lowering (``IMPLEMENTATION``, ``INTERPRET = False``); the ``Test...Interpret`` subclasses run in interpret mode.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from falcon_jax.kernels.per_column.config import tuned_config
 from falcon_jax.kernels.per_column.reference import (decayed_attention_per_column_reference,
                                                      decayed_delta_rule_reference)
 from tests.kernels.helpers import (S, check_op, delta_inputs, lowered_text, nearly_parallel, on_backend,
-                                   time_major)
+                                   pallas_calls, time_major)
 
 NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
 RULES = {"delta": (decayed_delta_rule_per_column, decayed_delta_rule_reference),
@@ -39,6 +40,11 @@ def column_inputs(rng, T=41, dk=16, dv=32, segments=True, decay_range=(0.0, 0.5)
     return (q, x, y, eta, log_gamma, s0), run
 
 
+def long_runs(T, *starts):
+    """``[1, 1, T]`` run index with segments starting at ``starts`` only (long runs, unlike ``column_inputs``')."""
+    return jnp.asarray(sum((np.arange(T) >= s).astype(np.int32) for s in starts)[None, None])
+
+
 def reference(rule, run):
     ref = RULES[rule][1]
     return lambda q, x, y, eta, log_gamma, s0: ref(q, x, y, eta, log_gamma, run, s0)
@@ -49,24 +55,25 @@ class PerColumnChecks:
     INTERPRET: bool = False
     BLOCK_V = 16  # value columns per program (dv = 32: two blocks)
 
-    def op(self, rule, run, chunk=32, dv=32):
-        config = KernelConfig(block_v=min(self.BLOCK_V, dv))
+    def op(self, rule, run, chunk=32, dv=32, **kw):
+        width = min(self.BLOCK_V, dv)  # every pass's value blocks (Falcon-2A's walks and per-chunk passes too)
+        config = KernelConfig(block_v=width, walk_block_v=width, out_block_v=width, grad_block_v=width)
         return lambda q, x, y, eta, log_gamma, s0: RULES[rule][0](
             q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, implementation=self.IMPLEMENTATION,
-            interpret=self.INTERPRET, config=config)
+            interpret=self.INTERPRET, config=config, **kw)
 
-    @pytest.mark.parametrize("rule,chunk", [("delta", 64), ("attention", 32),
+    @pytest.mark.parametrize("rule,chunk", [("delta", 64), ("attention", 64),
                                             pytest.param("delta", 32, marks=pytest.mark.slow),
-                                            pytest.param("attention", 64, marks=pytest.mark.slow)])
+                                            pytest.param("attention", 32, marks=pytest.mark.slow)])
     def test_forward_matches_float64(self, rng, rule, chunk):
         """Odd T over several chunks, a segment start inside a chunk, non-zero initial state, two value
         blocks."""
         args, run = column_inputs(rng, T=77, dv=2 * self.BLOCK_V)
         check_op(rng, self.op(rule, run, chunk, dv=2 * self.BLOCK_V), reference(rule, run), args, NAMES, grads=False)
 
-    @pytest.mark.parametrize("rule,chunk", [("delta", 64), ("attention", 32),
+    @pytest.mark.parametrize("rule,chunk", [("delta", 64), ("attention", 64),
                                             pytest.param("delta", 32, marks=pytest.mark.slow),
-                                            pytest.param("attention", 64, marks=pytest.mark.slow)])
+                                            pytest.param("attention", 32, marks=pytest.mark.slow)])
     def test_gradients_match_float64(self, rng, rule, chunk):
         """Every input's gradient (the reverse walk's transposed solve, dq and dx summed over the value blocks'
         shares)."""
@@ -116,6 +123,51 @@ class TritonPerColumn(PerColumnChecks):
         check_op(rng, op, ref, (q, k, y, eta, log_gamma, s0, first_key), NAMES + ("first_key",))
 
 
+    def test_attention_extreme_decays(self, rng):
+        """Falcon-2A with log γ from −30 to −10 per step in a quarter of the columns (a chunk's cumulative decay
+        down to −1900), γ = 1 in another quarter, the rest ordinary; one segment start inside a chunk (long runs:
+        every sub-block pair within a segment), an initial state: values and every gradient.  Only differences with the later row first are exponentiated, so
+        nothing overflows and the exact decays (however small) come out."""
+        (q, x, y, eta, log_gamma, s0), _ = column_inputs(rng, T=70, dv=32)
+        run = long_runs(70, 41)
+        log_gamma[..., :8] = -rng.uniform(10.0, 30.0, size=log_gamma[..., :8].shape)
+        log_gamma[..., 8:16] = 0.0
+        check_op(rng, self.op("attention", run, 64), reference("attention", run), (q, x, y, eta, log_gamma, s0),
+                 NAMES)
+
+    def test_attention_pieces(self, rng):
+        """Falcon-2A's walks cut into 4 pieces of one chunk (each column's slope over a piece, a scan over the
+        pieces, forward and in reverse) with two segment starts (one where no piece starts) and an initial state:
+        values and gradients."""
+        args, _ = column_inputs(rng, T=250, dv=32)
+        run = long_runs(250, 41, 150)
+        check_op(rng, self.op("attention", run, 64, pieces=4), reference("attention", run), args, NAMES)
+
+    def test_attention_runs_its_passes(self, rng):
+        """Falcon-2A's forward is the state walk and the per-chunk output; its backward recomputes the states,
+        walks the state gradients in reverse and forms the gradients per chunk (with pieces: each walk from zero
+        first)."""
+        args, run = column_inputs(rng, T=100, dv=32)
+        args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+
+        def loss(pieces, *a):
+            o, s = self.op("attention", run, 32, pieces=pieces)(*a)
+            return jnp.sum(o) + jnp.sum(s)
+
+        walk, out, back, grads = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate",
+                                  "falcon_attn_col_grads")
+        assert pallas_calls(lambda *a: loss(1, *a), *args) == [walk, out]
+        assert pallas_calls(jax.grad(lambda *a: loss(1, *a)), *args) == [walk, out, walk, back, grads]
+        assert pallas_calls(jax.grad(lambda *a: loss(2, *a)), *args) == [walk, walk, out, walk, back, back, grads]
+
+    def test_attention_pieces_validated(self, rng):
+        args, run = column_inputs(rng, T=20, dv=16)
+        for bad in (3, 0, 2.0):
+            with pytest.raises(ValueError, match="`pieces` must be a power of two"):
+                decayed_attention_per_column(*args[:5], run, args[5], pieces=bad, implementation=self.IMPLEMENTATION,
+                                             interpret=self.INTERPRET)
+
+
 class TestTritonPerColumnInterpret(TritonPerColumn):
     INTERPRET = True
 
@@ -139,7 +191,10 @@ def test_tpu_value_block_follows_mosaics_block_rule():
 def test_kernel_config_is_validated():
     assert tuned_config() == KernelConfig()
     for bad, match in (({"block_v": 24}, "block_v must be a power of two"), ({"block_v": None}, "block_v must be"),
-                       ({"num_warps": 3}, "num_warps must be 1, 2, 4, 8 or 16")):
+                       ({"num_warps": 3}, "num_warps must be 1, 2, 4, 8 or 16"),
+                       ({"grad_block_v": 8}, "grad_block_v must be a power of two >= 16"),
+                       ({"out_warps": 5}, "out_warps must be 1, 2, 4, 8 or 16"),
+                       ({"pieces_below": 0}, "pieces_below must be an int >= 1")):
         with pytest.raises(ValueError, match=f"KernelConfig: {match}"):
             KernelConfig(**bad)
 
@@ -163,7 +218,10 @@ def test_lowers_for_the_accelerator(monkeypatch, rule, implementation, dtype, dv
     text = lowered_text(jax.grad(loss, argnums=tuple(range(6))),
                         [S((B, H, T, D), dtype), S((B, H, T, D), dtype), S((B, H, T, dv), dtype), gate, gate,
                          S((B, H, D, dv), jnp.float32)], platform="tpu" if platform == "tpu" else "cuda")
-    prefix = "falcon_delta" if rule == "delta" else "falcon_attn"
-    suffix = "_tpu" if platform == "tpu" else ""
-    for name in ("col_fwd", "col_bwd"):
-        assert f'"{prefix}_{name}{suffix}' in text, name
+    if rule == "attention" and platform == "gpu":
+        names = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads")
+    else:
+        prefix = "falcon_delta" if rule == "delta" else "falcon_attn"
+        names = tuple(f"{prefix}_{name}{'_tpu' if platform == 'tpu' else ''}" for name in ("col_fwd", "col_bwd"))
+    for name in names:
+        assert f'"{name}' in text, name
