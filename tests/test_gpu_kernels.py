@@ -212,9 +212,55 @@ class TestWindowedDeltaRule(KernelOpChecks, ExtremeGateChecks):
 
 
 class TestPerColumn(KernelOpChecks):
-    """``per_column``: Falcon-2 and 2A with per-column gains (β ``[B, T, H, dv]``)."""
+    """``per_column`` with the residual: Falcon-2 with per-column gains (β ``[B, T, H, dv]``)."""
 
-    RULES = {"2": dict(variant="2", timing="raw"), "2A": dict(variant="2A", timing="rbw")}
+    RULES = {"2": dict(variant="2", timing="raw")}
+
+
+class TestPerColumnAttention(KernelOpChecks, Bf16GradientChecks, LongSequenceChecks):
+    """``per_column`` without the residual: Falcon-2A with per-column gains (its own passes: state walks, cut into
+    pieces when few heads walk, and per-chunk output and gradient passes in 16-row sub-blocks)."""
+
+    RULES = {"2A": dict(variant="2A", timing="rbw")}
+    BF16_RULES = LONG_RULES = ("2A",)
+
+    def test_extreme_decays(self, rng):
+        """The op itself, fp32, d = 128, B·H = 4 over T = 1000 (8 pieces): log γ from −30 to −10 per step in a
+        quarter of the columns, γ = 1 in another quarter, ordinary decays elsewhere, a few segment starts and an
+        initial state — outputs, final state and the gradient w.r.t. every input against the float64
+        reference on the host."""
+        from falcon_jax.kernels.per_column import decayed_attention_per_column
+        from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference
+
+        B, H, T, D = 2, 2, 1000, 128
+        q, x = (rng.standard_normal((B, H, T, D)) / np.sqrt(D) for _ in range(2))
+        y = rng.standard_normal((B, H, T, D))
+        eta = rng.uniform(0.1, 1.9, (B, H, T, D))
+        log_gamma = -rng.uniform(0.0, 0.1, (B, H, T, D))
+        log_gamma[..., : D // 4] = -rng.uniform(10.0, 30.0, (B, H, T, D // 4))
+        log_gamma[..., D // 4: D // 2] = 0.0
+        run = np.broadcast_to(np.cumsum(rng.uniform(size=(B, 1, T)) < 0.005, axis=-1), (B, H, T)).astype(np.int32)
+        s0 = rng.standard_normal((B, H, D, D)) / 4
+        cts = (rng.standard_normal((B, H, T, D)), rng.standard_normal((B, H, D, D)))
+
+        def run_op(op, floats, run, cts):
+            def loss(q, x, y, eta, log_gamma, s0, run, ct_o, ct_s):
+                o, final = op(q, x, y, eta, log_gamma, run, s0)
+                return jnp.sum(o * ct_o) + jnp.sum(final * ct_s), (o, final)
+            return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*floats, run, *cts)
+
+        floats = (q, x, y, eta, log_gamma, s0)
+        (_, want), want_grads = run_op(decayed_attention_per_column_reference,
+                                       *jax.device_put(([jnp.asarray(a) for a in floats], jnp.asarray(run),
+                                                        [jnp.asarray(c) for c in cts]), HOST))
+        with poisoned_outputs():
+            (_, got), got_grads = run_op(
+                lambda *a: decayed_attention_per_column(*a, implementation="triton"),
+                [jnp.asarray(a, F32) for a in floats], jnp.asarray(run), [jnp.asarray(c, F32) for c in cts])
+        names = ("o", "final", "dq", "dx", "dy", "deta", "dlog_gamma", "ds0")
+        errors = {name: rel_err(g, w) for name, g, w in zip(names, (*got, *got_grads), (*want, *want_grads))}
+        assert all(np.isfinite(np.asarray(g)).all() for g in (*got, *got_grads)), errors
+        assert max(errors.values()) <= TOL, errors
 
 
 class TestDeltaRuleBaselines:
