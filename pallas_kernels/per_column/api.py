@@ -53,8 +53,10 @@ class _Static:
     implementation: str
 
     def kw(self):
-        return dict(chunk=self.chunk, block_v=self.config.block_v, interpret=self.interpret,
-                    num_warps=self.config.num_warps, residual=self.residual)
+        kw = dict(chunk=self.chunk, block_v=self.config.block_v, interpret=self.interpret,
+                  num_warps=self.config.num_warps)
+        # the TPU kernels serve both rules; on a GPU this op serves Falcon-2 only (Falcon-2A: _attention_op)
+        return dict(kw, residual=self.residual) if self.implementation == "mosaic_tpu" else kw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

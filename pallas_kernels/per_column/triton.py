@@ -1,5 +1,5 @@
-"""GPU kernels (Pallas, Triton lowering) for the per-column rules: the decayed delta rule with per-column gates
-(Falcon-2) and, with ``residual=False``, decayed attention with per-column gates (Falcon-2A).
+"""GPU kernels (Pallas, Triton lowering) for the decayed delta rule with per-column gates (Falcon-2); Falcon-2A
+has its own (:mod:`.triton_attention`).
 
 Layout: ``q, x [BH, L, dk]``, ``y [BH, L, dv]``; gates ``eta, g, gp [BH, L, dv]`` (one write weight and one
 chunk-local log-decay cumsum per value column, ``gp = g − log γ``), ``rl [BH, L]`` the chunk-local run index.
@@ -11,9 +11,6 @@ its own gates (masks M⁻ strict lower, M⁺ lower incl., both cut between segme
     (I + A_c) P[:, c] = η_c ⊙ (Y[:, c] − c⁻_c ⊙ (X S_0)[:, c])
     o[t, c] = c_{t,c} (Q S_0)[t, c] + Σ_{s≤t} M⁺ (q_t·x_s) e^{g_{t,c} − g_{s,c}} P[s, c]
     S_C[:, c] = a_c S_0[:, c] + Xᵀ (w_c ⊙ P[:, c])
-
-``residual=False`` (Falcon-2A): no residual, ``A_c ≡ 0`` and no ``S_0`` term, so ``P = η ⊙ Y`` — no
-substitution, only the per-column decayed read and state update.
 
 A per-column ``(I + A_c)⁻¹`` would be a ``[C, C]`` matrix per column; instead the chunk is solved in 16-row
 blocks: a *column-batched forward substitution* inside each diagonal block (:func:`_solve_forward`, rows in
@@ -89,31 +86,28 @@ def _gates(g, gp, rl, g_last, rl_last):
 
 def _solve_forward(gram, R, eta, g, gp, rl, qx=None, sums=False):
     """Column-batched forward substitution ``(I + A_c) P[:, c] = R[:, c]``; with ``qx`` also the intra-chunk
-    read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final).  ``gram=None``:
-    no system (``A_c ≡ 0``, ``P = R``), only the read.  Returns (P, read or None), and with ``sums`` also
+    read ``Σ_{j≤t} qx[t, j] e^{g_t − g_j} P[j]`` (rows formed as their P rows are final).  Returns (P, read or
+    None), and with ``sums`` also
     ``Σ_{j<s} gram[s, j] e^{gp_s − g_j} P[j]`` per row (``(A_c P)_s / η_s``, for dη)."""
     C = R.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (C,), 0)
     zeros = jnp.zeros(R.shape, F32)
-    if gram is None and qx is None:
-        return (R, None, zeros) if sums else (R, None)
 
     def body(s, carry):
         P, O, SG = carry
         g_s, rl_s = _row(g, s), _at(rl, s)
         same = rl == rl_s
-        if gram is not None:
-            coef = _row(gram, s)[:, None] * _decay((idx < s) & same, _row(gp, s), g)
-            sg = jnp.sum(coef * P, axis=0)
-            P = _set_row(P, s, _row(R, s) - _row(eta, s) * sg)
-            if sums:
-                SG = _set_row(SG, s, sg)
+        coef = _row(gram, s)[:, None] * _decay((idx < s) & same, _row(gp, s), g)
+        sg = jnp.sum(coef * P, axis=0)
+        P = _set_row(P, s, _row(R, s) - _row(eta, s) * sg)
+        if sums:
+            SG = _set_row(SG, s, sg)
         if qx is not None:
             read = _row(qx, s)[:, None] * _decay((idx <= s) & same, g_s, g)
             O = _set_row(O, s, jnp.sum(read * P, axis=0))
         return P, O, SG
 
-    P, O, SG = lax.fori_loop(0, C, body, (zeros if gram is not None else R, zeros, zeros))
+    P, O, SG = lax.fori_loop(0, C, body, (zeros, zeros, zeros))
     return (P, O, SG) if sums else (P, O)
 
 
@@ -125,7 +119,7 @@ def _same(rl_a, rl_b):
     return (rl_a[:, None] == rl_b[None, :]).astype(F32)
 
 
-def _block_solve(blocks, precision, p32, residual, with_read, sums=False):
+def _block_solve(blocks, precision, p32, with_read, sums=False):
     """The chunk's solve (and intra-chunk read) over 16-row ``blocks`` — dicts with x, q, R, eta, g, gp, rl
     and ``g_r`` (g at the block's last row) — in order: serial inside a diagonal block (:func:`_solve_forward`),
     dots between blocks with the decays renormalized at the earlier block's last row r (``e^{g⁻_i − g_r}``,
@@ -144,16 +138,13 @@ def _block_solve(blocks, precision, p32, residual, with_read, sums=False):
             earlier = blocks[k]
             same = _same(rl, earlier["rl"])
             z_k = jnp.exp(earlier["g_r"][None, :] - earlier["g"]) * earlier["P"]
-            if residual:
-                sg = sg + jnp.exp(gp - earlier["g_r"][None, :]) * dot(dot(x, earlier["x"].T, precision) * same, z_k,
-                                                                      p32)
+            sg = sg + jnp.exp(gp - earlier["g_r"][None, :]) * dot(dot(x, earlier["x"].T, precision) * same, z_k, p32)
             if with_read:
                 read = read + jnp.exp(g - earlier["g_r"][None, :]) * dot(
                     dot(blk["q"], earlier["x"].T, precision) * same, z_k, p32)
-        gram = dot(x, x.T, precision) if residual else None
+        gram = dot(x, x.T, precision)
         qx = dot(blk["q"], x.T, precision) if with_read else None
-        rhs = (R - eta * sg) if residual else R
-        solved = _solve_forward(gram, rhs, eta, g, gp, rl, qx=qx, sums=sums)
+        solved = _solve_forward(gram, R - eta * sg, eta, g, gp, rl, qx=qx, sums=sums)
         blk["P"] = solved[0]
         if with_read:
             blk["read"] = solved[1] + read
@@ -176,7 +167,7 @@ def _chunk_blocks(refs, start, chunk, names):
 
 
 def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref, *out_refs, chunk,
-                            n_chunks, write_o, write_h, precision, residual=True):
+                            n_chunks, write_o, write_h, precision):
     """:func:`_forward_kernel` with the chunk cut into 16-row blocks (``KernelConfig(column_solve="blocked")``,
     :func:`_block_solve`): the substitution and the read stay serial only inside a diagonal block."""
     refs = list(out_refs)
@@ -196,11 +187,9 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
                                else ("x", "y", "eta", "g", "gp", "rl"))
         for blk in blocks:
             blk["cont"], cont_p, blk["w_last"], _ = _gates(blk["g"], blk["gp"], blk["rl"], g_last, rl_last)
-            y = blk["y"].astype(F32)
-            if residual:
-                y = y - cont_p * dot(blk["x"].astype(F32), S, p32)
+            y = blk["y"].astype(F32) - cont_p * dot(blk["x"].astype(F32), S, p32)
             blk["R"] = blk["eta"] * y
-        _block_solve(blocks, precision, p32, residual, with_read=write_o)
+        _block_solve(blocks, precision, p32, with_read=write_o)
         S_new = a_last[None, :] * S
         for blk in blocks:
             if write_o:
@@ -213,15 +202,14 @@ def _forward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, s0_ref,
 
 
 def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref, h_ref, ds_end_ref,
-                             dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, *refs, chunk, n_chunks, precision,
-                             residual=True):
+                             dq_ref, dx_ref, dy_ref, deta_ref, dg_ref, dgp_ref, ds_start_ref, *, chunk, n_chunks,
+                             precision):
     """:func:`_backward_kernel` in 16-row blocks (``KernelConfig(column_solve="blocked")``): P and the intra-chunk
     read by :func:`_block_solve`; the transposed read ``dP = (QXᵀ ⊙ D)ᵀ dO + w ⊙ X dS``, the transposed solve
     ``(I + A_c)ᵀ dR = dP`` and the row-mixing gradients ``d(QXᵀ)``, ``d(XXᵀ)`` serial inside diagonal blocks and
     dots between blocks (decays renormalized at the earlier block's last row); the decay gradients without a
     pairwise loop, per column: ``Σ_j dA[r, j] A[r, j] = −dR_r (R_r − P_r)``,
     ``Σ_r dA[r, j] A[r, j] = −P_j (dP_j − dR_j)``, and the read's ``dO_t ō_t`` and ``−P_s (QXᵀ ⊙ D)ᵀ dO)_s``."""
-    dgp_ref, ds_start_ref = refs if residual else (None, *refs)
     p32 = lax.Precision.HIGHEST if precision is not None else None
     named = dict(q=q_ref, x=x_ref, y=y_ref, eta=eta_ref, g=g_ref, gp=gp_ref, rl=rl_ref, do=do_ref)
     idx = lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
@@ -236,16 +224,12 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
         for blk in blocks:
             blk["cont"], cont_p, blk["w_last"], _ = _gates(blk["g"], blk["gp"], blk["rl"], g_last, rl_last)
             blk["xf"], blk["qf"], blk["do"] = blk["x"].astype(F32), blk["q"].astype(F32), blk["do"].astype(F32)
-            y = blk["y"].astype(F32)
-            if residual:
-                blk["xh"] = dot(blk["xf"], h, p32)
-                blk["target"] = y - cont_p * blk["xh"]
-                blk["edr_scale"] = blk["eta"] * cont_p
-            else:
-                blk["target"] = y
+            blk["xh"] = dot(blk["xf"], h, p32)
+            blk["target"] = blk["y"].astype(F32) - cont_p * blk["xh"]
+            blk["edr_scale"] = blk["eta"] * cont_p
             blk["R"] = blk["eta"] * blk["target"]
             blk["xds"] = dot(blk["xf"], dS, p32)
-        _block_solve(blocks, precision, p32, residual, with_read=True, sums=residual)
+        _block_solve(blocks, precision, p32, with_read=True, sums=True)
         nb = len(blocks)
         # the transposed read dPr[s] = Σ_{t≥s} qx[t, s] e^{g_t − g_s} dO[t], last block first
         for k in range(nb - 1, -1, -1):
@@ -268,9 +252,6 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
         # the transposed solve (I + A_c)ᵀ dR = dP, last block first
         for k in range(nb - 1, -1, -1):
             blk = blocks[k]
-            if not residual:
-                blk["dR"] = blk["dP"]
-                continue
             eta, g, gp, rl = blk["eta"], blk["g"], blk["gp"], blk["rl"]
             rhs = jnp.zeros(eta.shape, F32)
             for i in range(k + 1, nb):
@@ -300,9 +281,8 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
                 same = rl == _at(rl, r)
                 f = _decay((idx <= r) & same, _row(g, r), g) * P * _row(do, r)[None, :]
                 dqx = _set_row(dqx, r, jnp.sum(f, axis=1))
-                if residual:
-                    gp_p = _decay((idx < r) & same, _row(gp, r), g) * P
-                    dgram = _set_row(dgram, r, -jnp.sum(gp_p * _row(edr, r)[None, :], axis=1))
+                gp_p = _decay((idx < r) & same, _row(gp, r), g) * P
+                dgram = _set_row(dgram, r, -jnp.sum(gp_p * _row(edr, r)[None, :], axis=1))
                 return dqx, dgram
 
             zc = jnp.zeros((BLOCK, BLOCK), F32)
@@ -312,8 +292,7 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
                 same = _same(rl, earlier["rl"])
                 z_b = jnp.exp(earlier["g_r"][None, :] - earlier["g"]) * earlier["P"]
                 d_qx[a, b] = dot(jnp.exp(g - earlier["g_r"][None, :]) * do, z_b.T, p32) * same
-                if residual:
-                    d_gram[a, b] = -dot(jnp.exp(gp - earlier["g_r"][None, :]) * edr, z_b.T, p32) * same
+                d_gram[a, b] = -dot(jnp.exp(gp - earlier["g_r"][None, :]) * edr, z_b.T, p32) * same
         # per block: every gradient of its rows; the state gradient
         ds = a_last[None, :] * dS
         h_ds = jnp.sum(h * dS, axis=0)
@@ -330,19 +309,16 @@ def _backward_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, gp_ref, rl_ref, do_ref
                 dx = dx + dot(d_qx[t, a].T, blocks[t]["qf"], p32)
             dg = (do * blk["read"] - P * blk["dPr"] + cdo * dot(blk["qf"], h, p32) - wp * blk["xds"])
             ds = ds + dot(blk["qf"].T, cdo, p32)
-            if residual:
-                edr = blk["edr_scale"] * dR
-                dx = dx - dot(edr, h.T, p32)
-                for b in range(a + 1):
-                    dx = dx + dot(d_gram[a, b], blocks[b]["xf"], p32)
-                for t in range(a, nb):
-                    dx = dx + dot(d_gram[t, a].T, blocks[t]["xf"], p32)
-                dg = dg + P * (dP - dR)
-                dgp_ref[blk["rows"], :] = -dR * (blk["R"] - P) - edr * blk["xh"]
-                deta_ref[blk["rows"], :] = dR * (blk["target"] - blk["sg"])
-                ds = ds - dot(blk["xf"].T, edr, p32)
-            else:
-                deta_ref[blk["rows"], :] = dR * blk["target"]
+            edr = blk["edr_scale"] * dR
+            dx = dx - dot(edr, h.T, p32)
+            for b in range(a + 1):
+                dx = dx + dot(d_gram[a, b], blocks[b]["xf"], p32)
+            for t in range(a, nb):
+                dx = dx + dot(d_gram[t, a].T, blocks[t]["xf"], p32)
+            dg = dg + P * (dP - dR)
+            dgp_ref[blk["rows"], :] = -dR * (blk["R"] - P) - edr * blk["xh"]
+            deta_ref[blk["rows"], :] = dR * (blk["target"] - blk["sg"])
+            ds = ds - dot(blk["xf"].T, edr, p32)
             if a == nb - 1:  # the chunk end: Σ_s w_s P_s (X dS)_s + a ⟨h, dS⟩ at the last row
                 end = a_last * h_ds
                 for other in blocks:
@@ -372,9 +348,8 @@ def _specs(q, y, block_v):
 
 
 def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_h, interpret, num_warps=4,
-                 num_stages=2, residual=True):
-    """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].  ``residual=False``: the inner-product
-    rule (``P = η ⊙ Y``; ``gp`` unused).
+                 num_stages=2):
+    """Chunk walk for every (batch·head, value block). s0 [BH, dk, dv].
 
     Returns (o [BH, L, dv] if write_o, h [BH, n_chunks, dk, dv] if write_h, s_end [BH, dk, dv]).
     """
@@ -392,20 +367,20 @@ def forward_pass(q, x, y, eta, g, gp, rl, s0, *, chunk, block_v, write_o, write_
     out_shape.append(jax.ShapeDtypeStruct((BH, dk, dv), F32))
     out_specs.append(state)
     kernel = functools.partial(_forward_kernel, chunk=chunk, n_chunks=n,
-                               write_o=write_o, write_h=write_h, precision=precision_for(q.dtype), residual=residual)
+                               write_o=write_o, write_h=write_h, precision=precision_for(q.dtype))
     return call(kernel, grid=grid, in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, state],
                 out_specs=out_specs, out_shape=out_shape, args=(q, x, y, eta, g, gp, rl, s0),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                name="falcon_delta_col_fwd" if residual else "falcon_attn_col_fwd")
+                name="falcon_delta_col_fwd")
 
 
 def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, interpret, num_warps=4,
-                  num_stages=1, residual=True):
+                  num_stages=1):
     """Reverse walk with every gradient. h [BH, n_chunks, dk, dv] chunk start states, ds_end [BH, dk, dv].
 
     Returns dq, dx [BH, nv, L, dk] fp32 (one share per value block: sum over axis 1), dy [BH, L, dv],
-    fp32 [BH, L, dv]: deta, dg (w.r.t. the chunk-local inclusive cumsum g), dgp (the exclusive one; None
-    with ``residual=False``, where gp is unused), and ds_start [BH, dk, dv].
+    fp32 [BH, L, dv]: deta, dg (w.r.t. the chunk-local inclusive cumsum g), dgp (the exclusive one), and
+    ds_start [BH, dk, dv].
     """
     BH, L, dk = q.shape
     dv = y.shape[-1]
@@ -415,17 +390,14 @@ def backward_pass(q, x, y, eta, g, gp, rl, do, h, ds_end, *, chunk, block_v, int
     share = pl.BlockSpec((None, None, L, dk), lambda b, v: (b, v, 0, 0))
     h_spec = pl.BlockSpec((None, n, dk, block_v), lambda b, v: (b, 0, 0, v))
     vec = jax.ShapeDtypeStruct((BH, L, dv), F32)
-    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n,
-                               precision=precision_for(q.dtype), residual=residual)
-    n_vec = 3 if residual else 2  # deta, dg (, dgp)
-    outs = call(kernel, grid=grid,
+    kernel = functools.partial(_backward_kernel, chunk=chunk, n_chunks=n, precision=precision_for(q.dtype))
+    return tuple(call(kernel, grid=grid,
                 in_specs=[rows_k, rows_k, rows_v, rows_v, rows_v, rows_v, run, rows_v, h_spec, state],
-                out_specs=[share, share, rows_v] + [rows_v] * n_vec + [state],
+                out_specs=[share, share, rows_v] + [rows_v] * 3 + [state],
                 out_shape=[jax.ShapeDtypeStruct((BH, nv, L, dk), F32), jax.ShapeDtypeStruct((BH, nv, L, dk), F32),
-                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype)] + [vec] * n_vec
+                           jax.ShapeDtypeStruct((BH, L, dv), y.dtype)] + [vec] * 3
                 + [jax.ShapeDtypeStruct((BH, dk, dv), F32)],
                 args=(q, x, y, eta, g, gp, rl, do, h, ds_end),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
-                name="falcon_delta_col_bwd" if residual else "falcon_attn_col_bwd")
-    return tuple(outs) if residual else (*outs[:5], None, outs[5])
+                name="falcon_delta_col_bwd"))
 
