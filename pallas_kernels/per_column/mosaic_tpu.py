@@ -1,7 +1,8 @@
 """TPU kernels (Pallas, Mosaic TPU lowering) for the decayed delta rule with per-column gates (Falcon-2) and its
 inner-product twin without the residual (Falcon-2A).
 
-Same passes, signatures, inputs, outputs and math as :mod:`.triton` (so ``api.py`` drives either):
+Same passes, signatures, inputs, outputs and math as Falcon-2's GPU kernels, :mod:`.triton` (so ``api.py`` drives
+either), with ``residual=False`` for Falcon-2A (on a GPU Falcon-2A has its own passes, :mod:`.triton_attention`):
 ``q, x [BH, L, dk]``, ``y [BH, L, dv]``, per-column gates ``eta, g, gp [BH, L, dv]`` (write weight, chunk-local
 inclusive and exclusive log-decay cumsums), run index ``rl [BH, L]``, fp32 state ``[BH, dk, dv]``.  Value column
 c of a chunk is the scalar-gate chunk form with its own gates (masks cut between segments)::
