@@ -6,11 +6,11 @@ Value column c has its own write weight and decay (:mod:`.reference`)::
     Falcon-2:   s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} x_t (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)
     Falcon-2A:  s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t               o_t = S_tᵀ q_t
 
-Falcon-2A on a GPU (:mod:`.triton_attention`): a state walk per (batch·head, piece, value block) stores every
-chunk's start state, then one program per chunk forms its output; the backward recomputes the states, walks the
-state gradients in reverse and forms every gradient per chunk.  A piece's walk is affine in its start state with
-a per-column slope, so when batch·heads leave the GPU idle the sequence is cut into pieces (exact, as
-``decayed_attention``).
+Falcon-2A on a GPU (:mod:`.triton_attention`), on the weighted values ``η ⊙ y`` (formed in XLA): a state walk per
+(batch·head, piece, value block) stores every chunk's start state, then one program per chunk forms its output;
+the backward recomputes the states, walks the state gradients in reverse and forms every gradient per chunk.  A
+piece's walk is affine in its start state with a per-column slope, so when batch·heads leave the GPU idle the
+sequence is cut into pieces (exact, as ``decayed_attention``).
 
 Falcon-2 (:mod:`.triton`), and both rules on a TPU (:mod:`.mosaic_tpu`: grid steps over the chunks, the state in
 VMEM): one program per (batch·head, value block) walks the chunks and solves each column's own
@@ -123,36 +123,37 @@ def _piece_starts(ends_from_zero, a, s0):
     return jnp.moveaxis(starts, 0, 1), final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention_op(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
-    out, _ = _attention_forward(q, x, y, eta, log_gamma, run, s0, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention_op(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
+    """Falcon-2A's kernels on the weighted values ``u = η ⊙ y``."""
+    out, _ = _attention_forward(q, x, u, log_gamma, run, s0, st)
     return out
 
 
-def _attention_forward(q, x, y, eta, log_gamma, run, s0, st: _AttentionStatic):
+def _attention_forward(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
     g, rl = chunk_local(log_gamma * LOG2_E, run, st.chunk)  # base 2: the kernels' decays are exp2
     BH, _, dk = q.shape
-    dv = y.shape[-1]
+    dv = u.shape[-1]
     if st.pieces > 1:
         zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
-        (ends,) = triton_attention.state_pass(x, y, eta, g, rl, zeros, write_h=False, **st.walk_kw())
+        (ends,) = triton_attention.state_pass(x, u, g, rl, zeros, write_h=False, **st.walk_kw())
         starts, _ = _piece_starts(ends, _piece_decay(g, rl, st.chunk, st.pieces), s0)
     else:
         starts = s0[:, None]
-    h, s_end = triton_attention.state_pass(x, y, eta, g, rl, starts, write_h=True, **st.walk_kw())
-    o = triton_attention.output_pass(q, x, y, eta, g, rl, h, chunk=st.chunk, block_v=st.config.out_block_v,
+    h, s_end = triton_attention.state_pass(x, u, g, rl, starts, write_h=True, **st.walk_kw())
+    o = triton_attention.output_pass(q, x, u, g, rl, h, chunk=st.chunk, block_v=st.config.out_block_v,
                                      interpret=st.interpret, num_warps=st.config.out_warps)
-    return (o, s_end[:, -1]), (q, x, y, eta, g, rl, starts)
+    return (o, s_end[:, -1]), (q, x, u, g, rl, starts)
 
 
 def _attention_backward(st: _AttentionStatic, res, cts):
-    q, x, y, eta, g, rl, starts = res
+    q, x, u, g, rl, starts = res
     do, ds_final = cts
     BH, _, dk = q.shape
-    dv = y.shape[-1]
-    do = do.astype(y.dtype)
+    dv = u.shape[-1]
+    do = do.astype(u.dtype)
     ds_final = ds_final.astype(jnp.float32)
-    h, _ = triton_attention.state_pass(x, y, eta, g, rl, starts, write_h=True, **st.walk_kw())
+    h, _ = triton_attention.state_pass(x, u, g, rl, starts, write_h=True, **st.walk_kw())
     if st.pieces > 1:  # dS at each piece's end: a reverse scan over pieces of the walks from zero
         zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
         (local,) = triton_attention.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **st.walk_kw())
@@ -162,11 +163,11 @@ def _attention_backward(st: _AttentionStatic, res, cts):
     else:
         ds_ends = ds_final[:, None]
     dh, ds_start = triton_attention.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **st.walk_kw())
-    dq, dx, dy, deta, dg = triton_attention.chunk_grad_pass(
-        q, x, y, eta, g, rl, do, h, dh, chunk=st.chunk, block_v=st.config.grad_block_v, interpret=st.interpret,
-        num_warps=st.config.grad_warps)
+    dq, dx, du, dg = triton_attention.chunk_grad_pass(q, x, u, g, rl, do, h, dh, chunk=st.chunk,
+                                                      block_v=st.config.grad_block_v, interpret=st.interpret,
+                                                      num_warps=st.config.grad_warps)
     # g is the chunk-local cumsum of log γ: its gradient is the reverse cumsum within each chunk
-    return dq, dx, dy, deta, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
+    return dq, dx, du, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
 
 
 _attention_op.defvjp(_attention_forward, _attention_backward)
@@ -187,22 +188,24 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
     config = config or tuned_config()
     eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
     flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
-    args = (flat(q.astype(dtype)), flat(x.astype(dtype)), flat(y.astype(dtype)), flat(eta.astype(f32)),
-            flat(log_gamma.astype(f32)), flat(run.astype(jnp.int32), mode="edge"),
-            initial_state.astype(f32).reshape(B * H, dk, dv))
+    q, x, log_gamma = flat(q.astype(dtype)), flat(x.astype(dtype)), flat(log_gamma.astype(f32))
+    run, s0 = flat(run.astype(jnp.int32), mode="edge"), initial_state.astype(f32).reshape(B * H, dk, dv)
     if name == "triton" and not residual:
         config = dataclasses.replace(config, **{f: min(getattr(config, f), dv)
                                                 for f in ("walk_block_v", "out_block_v", "grad_block_v")})
         n_chunks = L // chunk_size
         P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.walk_block_v, n_chunks,
                                                              config.pieces_below)
-        o, final = _attention_op(*args, _AttentionStatic(chunk_size, config, P, interpret))
+        # the write weight folded into the values in XLA, as decayed_attention's callers do (η's and y's
+        # gradients by autodiff of the product)
+        u = flat((eta.astype(f32) * y.astype(f32)).astype(dtype))
+        o, final = _attention_op(q, x, u, log_gamma, run, s0, _AttentionStatic(chunk_size, config, P, interpret))
         return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
     block_v = min(config.block_v, dv)
     if name == "mosaic_tpu":  # Mosaic: a multiple of 128 columns or all of dv (interpret mode alike)
         block_v = mosaic_tpu.value_block(block_v, dv)
     st = _Static(chunk_size, dataclasses.replace(config, block_v=block_v), interpret, residual, name)
-    o, final = _column_op(*args, st)
+    o, final = _column_op(q, x, flat(y.astype(dtype)), flat(eta.astype(f32)), log_gamma, run, s0, st)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
 
 

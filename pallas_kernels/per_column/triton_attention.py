@@ -1,10 +1,11 @@
 """GPU kernels (Pallas, Triton lowering) for decayed attention with per-column gates (Falcon-2A).
 
-Layout: ``q, x [BH, L, dk]``, ``y [BH, L, dv]``; per-column gates ``eta, g [BH, L, dv]`` fp32 (write weight and
-the chunk-local inclusive cumsum of the log decay **in base 2**, ``log₂ γ``: every decay is an ``exp2``, one
-special-function instruction, where ``exp`` costs a range reduction more), ``rl [BH, L]`` the chunk-local run
+Layout: ``q, x [BH, L, dk]``, the weighted values ``u = η ⊙ y [BH, L, dv]`` (in the inputs' dtype; the op folds
+the write weight in, as ``decayed_attention`` does for Falcon-1A); ``g [BH, L, dv]`` fp32, each column's
+chunk-local inclusive cumsum of the log decay **in base 2**, ``log₂ γ`` (every decay is an ``exp2``, one
+special-function instruction, where ``exp`` costs a range reduction more); ``rl [BH, L]`` the chunk-local run
 index.  Below, ``e^{g}`` stands for ``2^{g}``; the gradient ``dg`` the passes return is w.r.t. the natural-log
-cumsum.  With ``u = η ⊙ y`` value column c of a chunk is decayed linear attention with its own decays::
+cumsum.  Value column c of a chunk is decayed linear attention with its own decays::
 
     o[t, c]   = c_{t,c} (Q S_0)[t, c] + Σ_{s≤t} A[t, s] e^{g_{t,c} − g_{s,c}} u[s, c],   A = Q Xᵀ ⊙ M
     S_C[:, c] = a_c S_0[:, c] + Σ_s w_{s,c} x_s u[s, c]
@@ -33,9 +34,8 @@ Passes (``api.py`` runs them):
 * :func:`state_grad_pass` — the reverse walk: ``dS ← a ⊙ dS + Qᵀ (c ⊙ dO)``, storing every chunk's end-state
   gradient dh.
 * :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk: per value
-  block ``o`` again and ``dU = (the transposed intra-chunk read) + w ⊙ X dh``, written as ``dy = η ⊙ dU``,
-  ``dη = y ⊙ dU`` and the gradient of g, ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last
-  row); summed over the value blocks, ``dA = (dO e^{g_t − g_s} ⊙ U)`` per sub-block pair (the same
+  block ``o`` again and ``dU = (the transposed intra-chunk read) + w ⊙ X dh``, written, and the gradient of g,
+  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); summed over the value blocks, ``dA = (dO e^{g_t − g_s} ⊙ U)`` per sub-block pair (the same
   factorization) and the state terms ``(c ⊙ dO) hᵀ``, ``(w ⊙ U) dhᵀ``; then ``dq = (dA ⊙ M) X + …`` and
   ``dx = (dA ⊙ M)ᵀ Q + …`` per sub-block.
 """
@@ -69,7 +69,7 @@ def _walk_gates(g, rl, g_last, rl_last):
     return w, a
 
 
-def _state_kernel(x_ref, y_ref, eta_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_h, precision):
+def _state_kernel(x_ref, u_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunks, write_h, precision):
     h_ref = out_refs[0] if write_h else None
     s_end_ref = out_refs[-1]
     dtype = x_ref.dtype
@@ -80,8 +80,7 @@ def _state_kernel(x_ref, y_ref, eta_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk
         if write_h:
             h_ref[c, :, :] = S.astype(h_ref.dtype)
         w, a = _walk_gates(g_ref[rows, :], rl_ref[rows], g_ref[start + chunk - 1, :], rl_ref[start + chunk - 1])
-        u = eta_ref[rows, :] * y_ref[rows, :].astype(F32)
-        return a[None, :] * S + _mm(x_ref[rows, :].T, w * u, dtype, precision)
+        return a[None, :] * S + _mm(x_ref[rows, :].T, w * u_ref[rows, :].astype(F32), dtype, precision)
 
     s_end_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(F32))
 
@@ -153,16 +152,14 @@ class _Chunk:
 
 
 class _Columns:
-    """One value block of a chunk, per sub-block: g, u = η ⊙ y, the decay factors ``E_i`` (i ≥ 1), ``F_j``
+    """One value block of a chunk, per sub-block: g, u (fp32), the decay factors ``E_i`` (i ≥ 1), ``F_j``
     (j < last), the inter-chunk read's ``c_i`` and, with ``walk``, the state update's ``w_i`` and ``a``; ``g_b[i]``:
     g at sub-block i's last row."""
 
-    def __init__(self, ch: _Chunk, g_ref, eta_ref, y_ref, cols, walk: bool):
+    def __init__(self, ch: _Chunk, g_ref, u_ref, cols, walk: bool):
         nb = ch.nb
         self.g = [g_ref[r, cols] for r in ch.rows]
-        self.y = [y_ref[r, cols].astype(F32) for r in ch.rows]
-        self.eta = [eta_ref[r, cols] for r in ch.rows]
-        self.u = [e * y for e, y in zip(self.eta, self.y)]
+        self.u = [u_ref[r, cols].astype(F32) for r in ch.rows]
         self.g_b = [g_ref[(i + 1) * SUB - 1, cols] for i in range(nb)]
         g_last = self.g_b[-1]
         self.E = [None] + [jnp.exp2(self.g[i] - self.g_b[i - 1][None, :]) for i in range(1, nb)]
@@ -182,12 +179,12 @@ def _scaled(term, factor):
     return term if factor is None else term * factor
 
 
-def _output_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, block_v, precision):
+def _output_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, block_v, precision):
     dtype = q_ref.dtype
     ch = _Chunk(q_ref, x_ref, rl_ref, chunk, precision)
-    for v in range(y_ref.shape[-1] // block_v):  # unrolled: static column slices
+    for v in range(u_ref.shape[-1] // block_v):  # unrolled: static column slices
         cols = pl.ds(v * block_v, block_v)
-        col = _Columns(ch, g_ref, eta_ref, y_ref, cols, walk=False)
+        col = _Columns(ch, g_ref, u_ref, cols, walk=False)
         h = h_ref[:, cols]
         Ut = [_scaled(col.u[j], col.F[j]) for j in range(ch.nb - 1)]  # F_j ⊙ U_j
         for i in range(ch.nb):
@@ -199,8 +196,8 @@ def _output_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, h_ref, o_ref, *,
             o_ref[ch.rows[i], cols] = (o + diag).astype(o_ref.dtype)
 
 
-def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, dy_ref,
-                       deta_ref, dg_ref, *, chunk, block_v, precision):
+def _chunk_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, du_ref, dg_ref, *,
+                       chunk, block_v, precision):
     dtype = q_ref.dtype
     ch = _Chunk(q_ref, x_ref, rl_ref, chunk, precision)
     nb, dk = ch.nb, q_ref.shape[-1]
@@ -208,9 +205,9 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, do_ref, h_re
     dq_state = [jnp.zeros((SUB, dk), F32) for _ in range(nb)]  # (c ⊙ dO) hᵀ
     dx_state = [jnp.zeros((SUB, dk), F32) for _ in range(nb)]  # (w ⊙ U) dhᵀ
     last_row = (lax.broadcasted_iota(jnp.int32, (SUB, 1), 0) == SUB - 1)
-    for v in range(y_ref.shape[-1] // block_v):  # unrolled: static column slices
+    for v in range(u_ref.shape[-1] // block_v):  # unrolled: static column slices
         cols = pl.ds(v * block_v, block_v)
-        col = _Columns(ch, g_ref, eta_ref, y_ref, cols, walk=True)
+        col = _Columns(ch, g_ref, u_ref, cols, walk=True)
         h, dh = h_ref[:, cols], dh_ref[:, cols]
         do = [do_ref[r, cols].astype(F32) for r in ch.rows]
         Ut = [_scaled(col.u[j], col.F[j]) for j in range(nb - 1)]  # F_j ⊙ U_j
@@ -242,8 +239,7 @@ def _chunk_grad_kernel(q_ref, x_ref, y_ref, eta_ref, g_ref, rl_ref, do_ref, h_re
             dx_state[i] = dx_state[i] + _mm(col.w[i] * col.u[i], dh.T, dtype, precision)
         for i in range(nb):
             rows = ch.rows[i]
-            dy_ref[rows, cols] = (col.eta[i] * dU[i]).astype(dy_ref.dtype)
-            deta_ref[rows, cols] = col.y[i] * dU[i]
+            du_ref[rows, cols] = dU[i].astype(du_ref.dtype)
             dg = do[i] * o[i] - col.u[i] * dU[i]
             if i == nb - 1:
                 dg = dg + jnp.where(last_row, end[None, :], 0.0)
@@ -262,18 +258,18 @@ def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
-def state_pass(x, y, eta, g, rl, s0, *, chunk, pieces, block_v, write_h, interpret, num_warps=4, num_stages=3):
+def state_pass(x, u, g, rl, s0, *, chunk, pieces, block_v, write_h, interpret, num_warps=4, num_stages=3):
     """The state walk for every (batch·head, piece, value block).  s0 [BH, P, dk, dv]: each piece's start state.
 
     Returns (h [BH, n_chunks, dk, dv] (each chunk's start state, ``chunk_state_dtype``) if write_h,
     s_end [BH, P, dk, dv] fp32)."""
-    grid, n, specs, shapes = walk_layout(x, y, chunk, pieces, block_v)
+    grid, n, specs, shapes = walk_layout(x, u, chunk, pieces, block_v)
     out_specs, out_shape = walk_outputs(specs, shapes, write_h)
     kernel = functools.partial(_state_kernel, chunk=chunk, n_chunks=n, write_h=write_h,
                                precision=precision_for(x.dtype))
     return call(kernel, grid=grid,
-                in_specs=[specs.rows_k, specs.rows_v, specs.rows_v, specs.rows_v, specs.gate, specs.piece_state],
-                out_specs=out_specs, out_shape=out_shape, args=(x, y, eta, g, rl, s0),
+                in_specs=[specs.rows_k, specs.rows_v, specs.rows_v, specs.gate, specs.piece_state],
+                out_specs=out_specs, out_shape=out_shape, args=(x, u, g, rl, s0),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_attn_col_state")
 
@@ -293,32 +289,31 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
                 name="falcon_attn_col_dstate")
 
 
-def output_pass(q, x, y, eta, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
-    """o [BH, L, dv] (y's dtype) of every chunk from its start state h [BH, n_chunks, dk, dv]."""
+def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
+    """o [BH, L, dv] (u's dtype) of every chunk from its start state h [BH, n_chunks, dk, dv]."""
     BH, L, _ = q.shape
-    sp = chunk_specs(q, y.shape[-1], chunk, None)
+    sp = chunk_specs(q, u.shape[-1], chunk, None)
     kernel = functools.partial(_output_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
-    (o,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.v, sp.row, sp.state],
-                out_specs=[sp.v], out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype)], args=(q, x, y, eta, g, rl, h),
+    (o,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.state],
+                out_specs=[sp.v], out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype)], args=(q, x, u, g, rl, h),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_attn_col_out")
     return o
 
 
-def chunk_grad_pass(q, x, y, eta, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
+def chunk_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
     """Every gradient of every chunk from its start state h and end-state gradient dh ([BH, n_chunks, dk, dv]).
 
-    Returns dq, dx (like q, x), dy (like y), deta and dg [BH, L, dv] fp32 (dg: w.r.t. the chunk-local cumsum g)."""
+    Returns dq, dx, du (like q, x, u) and dg [BH, L, dv] fp32 (w.r.t. the chunk-local natural-log cumsum)."""
     BH, L, _ = q.shape
-    sp = chunk_specs(q, y.shape[-1], chunk, None)
-    vec = jax.ShapeDtypeStruct(y.shape, F32)
+    sp = chunk_specs(q, u.shape[-1], chunk, None)
     kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
     return call(kernel, grid=(BH, L // chunk),
-                in_specs=[sp.k, sp.k, sp.v, sp.v, sp.v, sp.row, sp.v, sp.state, sp.state],
-                out_specs=[sp.k, sp.k, sp.v, sp.v, sp.v],
+                in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.v, sp.state, sp.state],
+                out_specs=[sp.k, sp.k, sp.v, sp.v],
                 out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           jax.ShapeDtypeStruct(y.shape, y.dtype), vec, vec],
-                args=(q, x, y, eta, g, rl, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
+                           jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(u.shape, F32)],
+                args=(q, x, u, g, rl, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_attn_col_grads")
 
 
