@@ -113,8 +113,10 @@ def supports(rule: Rule, inputs: dict, implementation: str, dv: int, dk: int, dt
 def time_major_served(rule: Rule, inputs: dict) -> bool:
     """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the GPU kernels
     read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's virtual rows
-    are built head-major)."""
-    return not _per_column(inputs) and not (rule.regression and rule.window > 1)
+    are built head-major), and Falcon-2A with per-column gates; not Falcon-2 with per-column gates."""
+    if _per_column(inputs):
+        return not rule.regression
+    return not (rule.regression and rule.window > 1)
 
 
 def _time_slice(a, start, stop, axis):
@@ -223,9 +225,10 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
                                                 shifted_keys=True, first_key=first_key,
                                                 layout="BTHD" if time_major else "BHTD",
                                                 decay_before_residual=rule.decay_before_residual, **op_kw)
-    elif eta.ndim == 4:  # per-column gates ([B, H, T, dv]; never time-major)
+    elif eta.ndim == 4:  # per-column gates ([B, H, T, dv], or [B, T, H, dv] time-major: Falcon-2A only)
         op = per_column_op.decayed_delta_rule_per_column if rule.regression else per_column_op.decayed_attention_per_column
-        o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S, **op_kw)
+        o, S = op(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd), eta, lg, run, state.S,
+                  layout="BTHD" if time_major else "BHTD", **op_kw)
     else:  # DeltaNet, Gated DeltaNet (the residual on the decayed state) and the same-step ablation of Falcon-1
         o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                                 eta, lg, run, state.S, layout="BTHD" if time_major else "BHTD",

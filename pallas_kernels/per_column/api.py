@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, pieces_for, reverse_chunk_cumsum
+from falcon_jax.kernels.common import (check_layout, chunk_local, kernel_operands, layout_kw, next_pow2, pieces_for,
+                                       reverse_chunk_cumsum, swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -95,19 +96,38 @@ class _AttentionStatic:
     config: KernelConfig
     pieces: int
     interpret: bool
+    heads: int | None  # the tokens [B, L, H, d] read in place (g too), or [B·H, L, d]
 
     def walk_kw(self):
         cfg = self.config
         return dict(chunk=self.chunk, pieces=self.pieces, block_v=cfg.walk_block_v, interpret=self.interpret,
-                    num_warps=cfg.walk_warps, num_stages=cfg.walk_stages)
+                    num_warps=cfg.walk_warps, num_stages=cfg.walk_stages, **layout_kw(self.heads))
+
+    def chunk_kw(self, block_v, num_warps):
+        return dict(chunk=self.chunk, block_v=block_v, interpret=self.interpret, num_warps=num_warps,
+                    **layout_kw(self.heads))
 
 
-def _piece_decay(g, rl, chunk, pieces):
-    """[BH, P, dv]: each column's total decay over each piece (0 if a segment starts inside it); g in base 2."""
-    BH, L, dv = g.shape
-    g_last = g.reshape(BH, L // chunk, chunk, dv)[:, :, -1]
-    cont = rl.reshape(BH, L // chunk, chunk)[:, :, -1] == 0
-    log_a = jnp.where(cont[..., None], g_last, -jnp.inf).reshape(BH, pieces, -1, dv).sum(2)
+def _local_gates(log_gamma, run, chunk):
+    """``g``: each column's chunk-local inclusive cumsum of ``log₂ γ`` (base 2: the kernels' decays are exp2), in
+    log_gamma's layout (``[B·H, L, dv]`` or ``[B, L, H, dv]``: axis 1 is time either way); ``rl [B·H, L]``: the
+    chunk-local run index (0 = the segment of the chunk's initial state)."""
+    N, L = log_gamma.shape[:2]
+    g = jnp.cumsum((log_gamma * LOG2_E).reshape(N, L // chunk, chunk, *log_gamma.shape[2:]), axis=2)
+    r = run.reshape(run.shape[0], L // chunk, chunk)
+    before = jnp.concatenate([jnp.zeros_like(r[:, :1, -1]), r[:, :-1, -1]], axis=1)
+    return g.reshape(log_gamma.shape), (r - before[:, :, None]).reshape(run.shape)
+
+
+def _piece_decay(g, rl, st: _AttentionStatic):
+    """[B·H, P, dv]: each column's total decay over each piece (0 if a segment starts inside it)."""
+    g_last = g[:, st.chunk - 1::st.chunk]  # [B·H, n, dv] or, in place, [B, n, H, dv]
+    if st.heads is not None:
+        B, n, H, dv = g_last.shape
+        g_last = jnp.swapaxes(g_last, 1, 2).reshape(B * H, n, dv)
+    BH, n, dv = g_last.shape
+    cont = rl.reshape(BH, n, st.chunk)[:, :, -1] == 0
+    log_a = jnp.where(cont[..., None], g_last, -jnp.inf).reshape(BH, st.pieces, -1, dv).sum(2)
     return jnp.exp2(log_a)
 
 
@@ -131,42 +151,38 @@ def _attention_op(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
 
 
 def _attention_forward(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
-    g, rl = chunk_local(log_gamma * LOG2_E, run, st.chunk)  # base 2: the kernels' decays are exp2
-    BH, _, dk = q.shape
-    dv = u.shape[-1]
+    g, rl = _local_gates(log_gamma, run, st.chunk)
+    BH, dk, dv = s0.shape
     if st.pieces > 1:
         zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
         (ends,) = triton_attention.state_pass(x, u, g, rl, zeros, write_h=False, **st.walk_kw())
-        starts, _ = _piece_starts(ends, _piece_decay(g, rl, st.chunk, st.pieces), s0)
+        starts, _ = _piece_starts(ends, _piece_decay(g, rl, st), s0)
     else:
         starts = s0[:, None]
     h, s_end = triton_attention.state_pass(x, u, g, rl, starts, write_h=True, **st.walk_kw())
-    o = triton_attention.output_pass(q, x, u, g, rl, h, chunk=st.chunk, block_v=st.config.out_block_v,
-                                     interpret=st.interpret, num_warps=st.config.out_warps)
+    o = triton_attention.output_pass(q, x, u, g, rl, h, **st.chunk_kw(st.config.out_block_v, st.config.out_warps))
     return (o, s_end[:, -1]), (q, x, u, g, rl, starts)
 
 
 def _attention_backward(st: _AttentionStatic, res, cts):
     q, x, u, g, rl, starts = res
     do, ds_final = cts
-    BH, _, dk = q.shape
-    dv = u.shape[-1]
+    BH, _, dk, dv = starts.shape
     do = do.astype(u.dtype)
     ds_final = ds_final.astype(jnp.float32)
     h, _ = triton_attention.state_pass(x, u, g, rl, starts, write_h=True, **st.walk_kw())
     if st.pieces > 1:  # dS at each piece's end: a reverse scan over pieces of the walks from zero
         zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
         (local,) = triton_attention.state_grad_pass(q, g, rl, do, zeros, write_dh=False, **st.walk_kw())
-        a = _piece_decay(g, rl, st.chunk, st.pieces)
+        a = _piece_decay(g, rl, st)
         ends_rev, _ = _piece_starts(local[:, ::-1], a[:, ::-1], ds_final)
         ds_ends = ends_rev[:, ::-1]
     else:
         ds_ends = ds_final[:, None]
     dh, ds_start = triton_attention.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **st.walk_kw())
-    dq, dx, du, dg = triton_attention.chunk_grad_pass(q, x, u, g, rl, do, h, dh, chunk=st.chunk,
-                                                      block_v=st.config.grad_block_v, interpret=st.interpret,
-                                                      num_warps=st.config.grad_warps)
-    # g is the chunk-local cumsum of log γ: its gradient is the reverse cumsum within each chunk
+    dq, dx, du, dg = triton_attention.chunk_grad_pass(q, x, u, g, rl, do, h, dh,
+                                                      **st.chunk_kw(st.config.grad_block_v, st.config.grad_warps))
+    # g is the chunk-local cumsum of log γ: its gradient is the reverse cumsum within each chunk (time: axis 1)
     return dq, dx, du, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
 
 
@@ -174,44 +190,55 @@ _attention_op.defvjp(_attention_forward, _attention_backward)
 
 
 def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, implementation, config, interpret,
-                residual, pieces=None):
-    reference = decayed_delta_rule_reference if residual else decayed_attention_per_column_reference
+                residual, layout, pieces=None):
+    check_layout(layout)
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
+    attention_kernels = name == "triton" and not residual
+    in_place = layout == "BTHD"
+    if in_place and not attention_kernels:  # only Falcon-2A's GPU kernels read [B, T, H, d] in place
+        o, final = _per_column(op, *(swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run)), initial_state,
+                               chunk_size=chunk_size, implementation=name, config=config, interpret=interpret,
+                               residual=residual, layout="BHTD", pieces=pieces)
+        return swap_time_heads(o), final
     if name == "xla":
+        reference = decayed_delta_rule_reference if residual else decayed_attention_per_column_reference
         o, final = reference(q, x, y, eta, log_gamma, run, initial_state)
         return o.astype(y.dtype), final
     interpret = impl.interpret_mode(name, interpret)
-    B, H, T, dk = q.shape
+    B, T, H, dk = q.shape if in_place else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     dv = y.shape[-1]
     dtype, f32 = q.dtype, jnp.float32
-    L = next_pow2(-(-T // chunk_size)) * chunk_size
+    n_chunks = next_pow2(-(-T // chunk_size))
+    L = n_chunks * chunk_size
     config = config or tuned_config()
     eta, log_gamma = (a if a.ndim == 4 else jnp.broadcast_to(a[..., None], (*a.shape, dv)) for a in (eta, log_gamma))
-    flat = functools.partial(flatten_pad, length=L)  # zero pairs, write weight, log decay; run continued
-    q, x, log_gamma = flat(q.astype(dtype)), flat(x.astype(dtype)), flat(log_gamma.astype(f32))
-    run, s0 = flat(run.astype(jnp.int32), mode="edge"), initial_state.astype(f32).reshape(B * H, dk, dv)
-    if name == "triton" and not residual:
+    # padding: zero pairs, write weight and log decay (identity steps), run continued; the run index [B·H, L]
+    tokens, gates = kernel_operands(in_place, L)
+    q, x, log_gamma = tokens(q.astype(dtype)), tokens(x.astype(dtype)), tokens(log_gamma.astype(f32))
+    run, s0 = gates(run.astype(jnp.int32), mode="edge"), initial_state.astype(f32).reshape(B * H, dk, dv)
+    if attention_kernels:
         config = dataclasses.replace(config, **{f: min(getattr(config, f), dv)
                                                 for f in ("walk_block_v", "out_block_v", "grad_block_v")})
-        n_chunks = L // chunk_size
         P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.walk_block_v, n_chunks,
                                                              config.pieces_below)
         # the write weight folded into the values in XLA, as decayed_attention's callers do (η's and y's
         # gradients by autodiff of the product)
-        u = flat((eta.astype(f32) * y.astype(f32)).astype(dtype))
-        o, final = _attention_op(q, x, u, log_gamma, run, s0, _AttentionStatic(chunk_size, config, P, interpret))
-        return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
+        u = tokens((eta.astype(f32) * y.astype(f32)).astype(dtype))
+        st = _AttentionStatic(chunk_size, config, P, interpret, H if in_place else None)
+        o, final = _attention_op(q, x, u, log_gamma, run, s0, st)
+        o = o[:, :T] if in_place else o[:, :T].reshape(B, H, T, dv)
+        return o, final.reshape(B, H, dk, dv)
     block_v = min(config.block_v, dv)
     if name == "mosaic_tpu":  # Mosaic: a multiple of 128 columns or all of dv (interpret mode alike)
         block_v = mosaic_tpu.value_block(block_v, dv)
     st = _Static(chunk_size, dataclasses.replace(config, block_v=block_v), interpret, residual, name)
-    o, final = _column_op(q, x, flat(y.astype(dtype)), flat(eta.astype(f32)), log_gamma, run, s0, st)
+    o, final = _column_op(q, x, tokens(y.astype(dtype)), tokens(eta.astype(f32)), log_gamma, run, s0, st)
     return o[:, :T].reshape(B, H, T, dv), final.reshape(B, H, dk, dv)
 
 
 def decayed_delta_rule_per_column(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                                   implementation="auto", config: KernelConfig | None = None,
-                                  interpret: bool | None = None):
+                                  interpret: bool | None = None, layout: str = "BHTD"):
     """The decayed delta rule with per-column gates (Falcon-2's recurrence).
 
     Args:
@@ -223,17 +250,20 @@ def decayed_delta_rule_per_column(q, x, y, eta, log_gamma, run, initial_state, *
       implementation: ``"auto"``, ``"triton"``, ``"mosaic_tpu"``, ``"xla"`` or a sequence
         (:mod:`falcon_jax.kernels.implementation`; ``"mosaic_gpu"`` declines).
       config: :class:`KernelConfig` (None: tuned).  interpret: Pallas interpret mode (None: off the accelerator).
+      layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x, y, eta, log_gamma, run and o with time before
+        heads (``[B, T, H, ...]``), the model's layout; Falcon-2A's GPU kernels read and write it in place, the
+        other kernels transpose.
     Returns:
-      ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
+      ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
     return _per_column("decayed_delta_rule_per_column", q, x, y, eta, log_gamma, run, initial_state,
                        chunk_size=chunk_size, implementation=implementation, config=config, interpret=interpret,
-                       residual=True)
+                       residual=True, layout=layout)
 
 
 def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *, chunk_size: int = 64,
                                  implementation="auto", config: KernelConfig | None = None,
-                                 interpret: bool | None = None, pieces: int | None = None):
+                                 interpret: bool | None = None, layout: str = "BHTD", pieces: int | None = None):
     """Decayed linear attention with per-column gates (Falcon-2A's recurrence),
     ``s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t``, ``o_t = S_tᵀ q_t``.  Arguments and returns as
     :func:`decayed_delta_rule_per_column`; ``pieces``: on a GPU, cut the sequence into this many pieces walked in
@@ -243,4 +273,4 @@ def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *,
                          f"{pieces!r}.")
     return _per_column("decayed_attention_per_column", q, x, y, eta, log_gamma, run, initial_state,
                        chunk_size=chunk_size, implementation=implementation, config=config, interpret=interpret,
-                       residual=False, pieces=pieces)
+                       residual=False, layout=layout, pieces=pieces)

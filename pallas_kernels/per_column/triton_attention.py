@@ -1,6 +1,7 @@
 """GPU kernels (Pallas, Triton lowering) for decayed attention with per-column gates (Falcon-2A).
 
-Layout: ``q, x [BH, L, dk]``, the weighted values ``u = η ⊙ y [BH, L, dv]`` (in the inputs' dtype; the op folds
+Layout: ``q, x [BH, L, dk]`` (or, with ``heads=H``, the model's ``[B, L, H, dk]`` read in place, as every token-like
+array here: ``common.row_block``), the weighted values ``u = η ⊙ y [BH, L, dv]`` (in the inputs' dtype; the op folds
 the write weight in, as ``decayed_attention`` does for Falcon-1A); ``g [BH, L, dv]`` fp32, each column's
 chunk-local inclusive cumsum of the log decay **in base 2**, ``log₂ γ`` (every decay is an ``exp2``, one
 special-function instruction, where ``exp`` costs a range reduction more); ``rl [BH, L]`` the chunk-local run
@@ -49,8 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from falcon_jax.kernels.common import call, chunk_specs, dot, precision_for, triton_params
-from falcon_jax.kernels.common import walk_layout, walk_outputs
+from falcon_jax.kernels.common import (call, chunk_specs, dot, precision_for, token_dims, triton_params, walk_layout,
+                                       walk_outputs)
 
 F32 = jnp.float32
 SUB = 16  # rows of a sub-block (Triton's smallest dot tile)
@@ -258,12 +259,13 @@ def _params(interpret, num_warps, num_stages):
     return None if interpret else triton_params(num_warps, num_stages)
 
 
-def state_pass(x, u, g, rl, s0, *, chunk, pieces, block_v, write_h, interpret, num_warps=4, num_stages=3):
+def state_pass(x, u, g, rl, s0, *, chunk, pieces, block_v, write_h, interpret, num_warps=4, num_stages=3,
+               heads=None):
     """The state walk for every (batch·head, piece, value block).  s0 [BH, P, dk, dv]: each piece's start state.
 
     Returns (h [BH, n_chunks, dk, dv] (each chunk's start state, ``chunk_state_dtype``) if write_h,
     s_end [BH, P, dk, dv] fp32)."""
-    grid, n, specs, shapes = walk_layout(x, u, chunk, pieces, block_v)
+    grid, n, specs, shapes = walk_layout(x, u, chunk, pieces, block_v, heads)
     out_specs, out_shape = walk_outputs(specs, shapes, write_h)
     kernel = functools.partial(_state_kernel, chunk=chunk, n_chunks=n, write_h=write_h,
                                precision=precision_for(x.dtype))
@@ -275,11 +277,11 @@ def state_pass(x, u, g, rl, s0, *, chunk, pieces, block_v, write_h, interpret, n
 
 
 def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, interpret, num_warps=4,
-                    num_stages=3):
+                    num_stages=3, heads=None):
     """The reverse walk.  ds_end [BH, P, dk, dv]: the gradient at each piece's end.
 
     Returns (dh [BH, n_chunks, dk, dv] (w.r.t. each chunk's end state) if write_dh, ds_start [BH, P, dk, dv])."""
-    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v)
+    grid, n, specs, shapes = walk_layout(q, do, chunk, pieces, block_v, heads)
     out_specs, out_shape = walk_outputs(specs, shapes, write_dh)
     kernel = functools.partial(_state_grad_kernel, chunk=chunk, n_chunks=n, write_dh=write_dh,
                                precision=precision_for(q.dtype))
@@ -289,10 +291,10 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
                 name="falcon_attn_col_dstate")
 
 
-def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
-    """o [BH, L, dv] (u's dtype) of every chunk from its start state h [BH, n_chunks, dk, dv]."""
-    BH, L, _ = q.shape
-    sp = chunk_specs(q, u.shape[-1], chunk, None)
+def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1, heads=None):
+    """o (like u) of every chunk from its start state h [BH, n_chunks, dk, dv]."""
+    BH, L, _ = token_dims(q, heads)
+    sp = chunk_specs(q, u.shape[-1], chunk, heads)
     kernel = functools.partial(_output_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
     (o,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.state],
                 out_specs=[sp.v], out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype)], args=(q, x, u, g, rl, h),
@@ -301,12 +303,12 @@ def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, nu
     return o
 
 
-def chunk_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1):
+def chunk_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1, heads=None):
     """Every gradient of every chunk from its start state h and end-state gradient dh ([BH, n_chunks, dk, dv]).
 
-    Returns dq, dx, du (like q, x, u) and dg [BH, L, dv] fp32 (w.r.t. the chunk-local natural-log cumsum)."""
-    BH, L, _ = q.shape
-    sp = chunk_specs(q, u.shape[-1], chunk, None)
+    Returns dq, dx, du (like q, x, u) and dg (like u, fp32; w.r.t. the chunk-local natural-log cumsum)."""
+    BH, L, _ = token_dims(q, heads)
+    sp = chunk_specs(q, u.shape[-1], chunk, heads)
     kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
     return call(kernel, grid=(BH, L // chunk),
                 in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.v, sp.state, sp.state],

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from falcon_jax import falcon
 from falcon_jax.kernels.decayed_delta_rule import decayed_delta_rule
 from falcon_jax.kernels.per_column import KernelConfig, decayed_attention_per_column, decayed_delta_rule_per_column
 from falcon_jax.kernels.per_column import mosaic_tpu
@@ -24,7 +25,7 @@ from falcon_jax.kernels.per_column.config import tuned_config
 from falcon_jax.kernels.per_column.reference import (decayed_attention_per_column_reference,
                                                      decayed_delta_rule_reference)
 from tests.kernels.helpers import (S, check_op, delta_inputs, lowered_text, nearly_parallel, on_backend,
-                                   pallas_calls, time_major)
+                                   pallas_call_avals, pallas_calls, time_major)
 
 NAMES = ("q", "x", "y", "eta", "log_gamma", "initial_state")
 RULES = {"delta": (decayed_delta_rule_per_column, decayed_delta_rule_reference),
@@ -58,9 +59,13 @@ class PerColumnChecks:
     def op(self, rule, run, chunk=32, dv=32, **kw):
         width = min(self.BLOCK_V, dv)  # every pass's value blocks (Falcon-2A's walks and per-chunk passes too)
         config = KernelConfig(block_v=width, walk_block_v=width, out_block_v=width, grad_block_v=width)
-        return lambda q, x, y, eta, log_gamma, s0: RULES[rule][0](
-            q, x, y, eta, log_gamma, run, s0, chunk_size=chunk, implementation=self.IMPLEMENTATION,
-            interpret=self.INTERPRET, config=config, **kw)
+
+        def op(q, x, y, eta, log_gamma, s0):
+            return RULES[rule][0](q, x, y, eta, log_gamma, run, s0, chunk_size=chunk,
+                                  implementation=self.IMPLEMENTATION, interpret=self.INTERPRET, config=config, **kw)
+
+        op.config = config
+        return op
 
     @pytest.mark.parametrize("rule,chunk", [("delta", 64), ("attention", 64),
                                             pytest.param("delta", 32, marks=pytest.mark.slow),
@@ -142,6 +147,24 @@ class TritonPerColumn(PerColumnChecks):
         args, _ = column_inputs(rng, T=250, dv=32)
         run = long_runs(250, 41, 150)
         check_op(rng, self.op("attention", run, 64, pieces=4), reference("attention", run), args, NAMES)
+
+    def test_attention_in_place(self, rng):
+        """Falcon-2A from the model's layout (``layout="BTHD"``: q, x, y, the gates, the run index and o
+        ``[B, T, H, ...]``, which its Triton kernels read and write in place), B = 2, H = 2, two pieces, per-head η
+        (broadcast over the columns) and per-column log γ: values and gradients."""
+        B, H, T, dk, dv = 2, 2, 90, 16, 32
+        q, x, y, _, _, run, s0 = delta_inputs(rng, B=B, H=H, T=T, dk=dk, dv=dv)
+        eta = rng.uniform(0.1, 1.9, size=(B, H, T))
+        log_gamma = -rng.uniform(0.0, 0.5, size=(B, H, T, dv))
+        op = self.op("attention", None, 32, pieces=2)
+
+        def in_place(q, x, y, eta, log_gamma, s0):
+            o, s = decayed_attention_per_column(*(time_major(a) for a in (q, x, y, eta, log_gamma, run)), s0,
+                                                chunk_size=32, implementation=self.IMPLEMENTATION,
+                                                interpret=self.INTERPRET, config=op.config, layout="BTHD", pieces=2)
+            return time_major(o), s
+
+        check_op(rng, in_place, reference("attention", run), (q, x, y, eta, log_gamma, s0), NAMES)
 
     def test_attention_runs_its_passes(self, rng):
         """Falcon-2A's forward is the state walk and the per-chunk output; its backward recomputes the states,
@@ -225,3 +248,25 @@ def test_lowers_for_the_accelerator(monkeypatch, rule, implementation, dtype, dv
         names = tuple(f"{prefix}_{name}{'_tpu' if platform == 'tpu' else ''}" for name in ("col_fwd", "col_bwd"))
     for name in names:
         assert f'"{name}' in text, name
+
+
+def test_falcon_2a_kernels_read_the_model_layout(monkeypatch):
+    """``falcon(variant="2A")`` with per-column gains hands its Triton kernels the model's ``[B, T, H, ...]`` arrays
+    (queries, keys, the weighted values and the per-column log decays, padded in time only) and its output and
+    gradients come back in that layout; forward + backward lower through the Triton (CUDA) lowering rules."""
+    on_backend(monkeypatch, "gpu")
+    B, T, H, D = 2, 200, 2, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def loss(q, k, v, beta, lam):
+        return jnp.sum(falcon(q, k, v, beta, lam, variant="2A", impl="triton").astype(f32))
+
+    specs = [S((B, T, H, D), bf16)] * 3 + [S((B, T, H, D), f32), S((B, T, H), f32)]
+    grad = jax.grad(loss, argnums=tuple(range(5)))
+    text = lowered_text(grad, specs)
+    for name in ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads"):
+        assert f'"{name}' in text, name
+    L = 256  # 200 rows padded to 4 chunks of 64
+    operands, outputs = pallas_call_avals(grad, specs, "falcon_attn_col_grads")[0]
+    assert [shape for shape, _ in operands[:4]] == [(B, L, H, D)] * 4  # q, x, u, g in place
+    assert [shape for shape, _ in outputs] == [(B, L, H, D)] * 4  # dq, dx, du, dg
