@@ -43,10 +43,11 @@ same correction adds the last W−1 pairs' partial writes to the final state.
 Read-before-write reads step t−1's state with query q_t (the kernel is called
 with the queries shifted one step left; step 0 reads the initial state in XLA).
 
-Falcon-2A with per-column gains goes through the per-column kernel without the
+Falcon-2A with per-column gains goes through the per-column op without the
 residual, ``falcon_jax.kernels.per_column.decayed_attention_per_column``
 (``s_{t,c} = e^{a_{t,c}} s_{t-1,c} + η_{t,c} y_{t,c} x_t``), mapped exactly like
-Falcon-2 (the same write stream, query shift and step-0 read), GPU or TPU.
+Falcon-2 (the same write stream, query shift and step-0 read), GPU or TPU, and in
+the model's ``[B, T, H, ...]`` layout (its GPU kernels read it in place).
 
 Everything else declines with the reason (:func:`supports`); ``impl="auto"`` then falls back to the
 XLA chunk form.
