@@ -1,8 +1,8 @@
 """GPU kernels (Pallas, Triton lowering) for decayed attention with per-column gates (Falcon-2A).
 
-Layout: ``q, x [BH, L, dk]`` (or, with ``heads=H``, the model's ``[B, L, H, dk]`` read in place, as every token-like
-array here: ``common.row_block``), the weighted values ``u = η ⊙ y [BH, L, dv]`` (in the inputs' dtype; the op folds
-the write weight in, as ``decayed_attention`` does for Falcon-1A); ``g [BH, L, dv]`` fp32, each column's
+Layout: ``q, x [BH, L, dk]`` (or, with ``heads=H``, the model's ``[B, L, H, dk]`` read in place, as every
+token-like array here: ``common.row_block``), the weighted values ``u = η ⊙ y [BH, L, dv]`` (in the inputs'
+dtype; the op folds the write weight in, as Falcon-1A's callers do); ``g [BH, L, dv]`` fp32, each column's
 chunk-local inclusive cumsum of the log decay **in base 2**, ``log₂ γ`` (every decay is an ``exp2``, one
 special-function instruction, where ``exp`` costs a range reduction more); ``rl [BH, L]`` the chunk-local run
 index.  Below, ``e^{g}`` stands for ``2^{g}``; the gradient ``dg`` the passes return is w.r.t. the natural-log
@@ -16,8 +16,8 @@ pair depends on the column, so ``o`` is not one product of ``[C, C]`` scores wit
 into 16-row sub-blocks ``i`` (rows ``16i … 16i+15``, last row ``b_i``); for t in sub-block i and s in an earlier
 sub-block j the decay factors through the sub-blocks' last rows,
 
-    e^{g_t − g_s} = E_i[t] · V_ij · F_j[s],   E_i = e^{g_t − g_{b_{i−1}}},  V_ij = e^{g_{b_{i−1}} − g_{b_j}},
-                                              F_j = e^{g_{b_j} − g_s},
+    e^{g_t − g_s} = E_i[t] · V_ij · F_j[s],
+    E_i = e^{g_t − g_{b_{i−1}}},   V_ij = e^{g_{b_{i−1}} − g_{b_j}},   F_j = e^{g_{b_j} − g_s},
 
 each factor an exponential of a difference with the later row first (≤ 1: nothing overflows, nothing is divided
 by a small decay), so that sub-block pair's share is ``E_i ⊙ V_ij ⊙ (A_ij (F_j ⊙ U_j))``, one ``[16, 16]`` by
@@ -36,9 +36,10 @@ Passes (``api.py`` runs them):
   gradient dh.
 * :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk: per value
   block ``o`` again and ``dU = (the transposed intra-chunk read) + w ⊙ X dh``, written, and the gradient of g,
-  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); summed over the value blocks, ``dA = (dO e^{g_t − g_s} ⊙ U)`` per sub-block pair (the same
-  factorization) and the state terms ``(c ⊙ dO) hᵀ``, ``(w ⊙ U) dhᵀ``; then ``dq = (dA ⊙ M) X + …`` and
-  ``dx = (dA ⊙ M)ᵀ Q + …`` per sub-block.
+  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); summed over the value blocks,
+  ``dA[t, s] = Σ_c dO[t, c] e^{g_{t,c} − g_{s,c}} u[s, c]`` per sub-block pair (the same factorization) and the
+  state terms ``(c ⊙ dO) hᵀ``, ``(w ⊙ U) dhᵀ``; then ``dq = (dA ⊙ M) X + …`` and ``dx = (dA ⊙ M)ᵀ Q + …``
+  per sub-block.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _state_kernel(x_ref, u_ref, g_ref, rl_ref, s0_ref, *out_refs, chunk, n_chunk
 
 
 def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chunk, n_chunks, write_dh, precision):
-    """``dS_start = a ⊙ dS_end + Qᵀ (c ⊙ dO)``, last chunk first; dh: the gradient w.r.t. each chunk's end state."""
+    """``dS_start = a ⊙ dS_end + Qᵀ (c ⊙ dO)``, last chunk first; dh: the gradient w.r.t. each chunk's end
+    state."""
     dh_ref = out_refs[0] if write_dh else None
     ds_start_ref = out_refs[-1]
     dtype = q_ref.dtype

@@ -127,12 +127,12 @@ class TritonPerColumn(PerColumnChecks):
 
         check_op(rng, op, ref, (q, k, y, eta, log_gamma, s0, first_key), NAMES + ("first_key",))
 
-
     def test_attention_extreme_decays(self, rng):
         """Falcon-2A with log γ from −30 to −10 per step in a quarter of the columns (a chunk's cumulative decay
         down to −1900), γ = 1 in another quarter, the rest ordinary; one segment start inside a chunk (long runs:
-        every sub-block pair within a segment), an initial state: values and every gradient.  Only differences with the later row first are exponentiated, so
-        nothing overflows and the exact decays (however small) come out."""
+        every sub-block pair within a segment), an initial state: values and every gradient.  Only differences
+        with the later row first are exponentiated, so nothing overflows and the exact decays (however small)
+        come out."""
         (q, x, y, eta, log_gamma, s0), _ = column_inputs(rng, T=70, dv=32)
         run = long_runs(70, 41)
         log_gamma[..., :8] = -rng.uniform(10.0, 30.0, size=log_gamma[..., :8].shape)
