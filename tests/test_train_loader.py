@@ -149,6 +149,23 @@ def test_builtin_loader_is_the_index_based_iterator():
     np.testing.assert_array_equal(next(it)["tokens"], d.batch(2, 8)["tokens"])
     it.set_state({"step": 7})
     np.testing.assert_array_equal(next(it)["tokens"], d.batch(7, 8)["tokens"])
+    it.close()
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 3])
+def test_builtin_read_ahead_keeps_the_stream_across_state_changes(read_ahead):
+    d = D.AdditionData(seed=5, train_max_width=6, pack=True, pack_len=64)
+    it = BuiltinLoader(d, 4, read_ahead=read_ahead)
+    order = [0, 1, 2]
+    got = [next(it)["tokens"] for _ in order]
+    it.set_state({"step": 1})  # batches built ahead for steps 3.. are dropped, not served
+    order += [1, 2, 3, 4]
+    got += [next(it)["tokens"] for _ in range(4)]
+    it.close()
+    for i, g in zip(order, got):
+        np.testing.assert_array_equal(g, d.batch(i, 4)["tokens"])
+    with pytest.raises(ValueError, match="read_ahead"):
+        BuiltinLoader(d, 4, read_ahead=-1)
 
 
 def test_loader_errors_name_the_setting_and_the_fix(monkeypatch):

@@ -16,11 +16,13 @@ checkpoint's ``meta`` item and restored on ``--resume``).
   rows ``(i*B/k + j)*k + s``), so a run may resume on a different host count.  The iterator state is
   Grain's ``{"next_index": i}`` -- the same on every host, which is why one JSON copy in the
   checkpoint serves all of them.
-``builtin`` -- batch i = ``data.batch(i, B)``, the whole global batch on every host; state
-  ``{"step": i}``.
+``builtin`` -- batch i = ``data.batch(i, B)``, the whole global batch on every host, built two
+  batches ahead in one background thread; state ``{"step": i}``.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,19 +45,34 @@ def import_grain():
 
 
 class BuiltinLoader:
-    """Batch i = ``data.batch(i, batch_size)`` (the whole global batch, on every host)."""
+    """Batch i = ``data.batch(i, batch_size)`` (the whole global batch, on every host).
+
+    ``read_ahead`` batches are built in one background thread while the device runs the step (batch i
+    depends on i alone, so reading ahead changes nothing in the stream; 0 builds each in the caller)."""
 
     kind = "builtin"
 
-    def __init__(self, data, batch_size: int):
+    def __init__(self, data, batch_size: int, read_ahead: int = 2):
+        if read_ahead < 0:
+            raise ValueError(f"read_ahead={read_ahead} must be >= 0 (0 builds each batch in the caller).")
         self.data, self.batch_size, self.step = data, batch_size, 0
         self.shard = (0, 1)
+        self.read_ahead = read_ahead
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") if read_ahead else None
+        self._ahead: dict[int, Future] = {}
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        b = self.data.batch(self.step, self.batch_size)
+        i = self.step
+        if self._pool is None:
+            b = self.data.batch(i, self.batch_size)
+        else:
+            for j in range(i, i + self.read_ahead + 1):
+                if j not in self._ahead:
+                    self._ahead[j] = self._pool.submit(self.data.batch, j, self.batch_size)
+            b = self._ahead.pop(i).result()
         self.step += 1
         return b
 
@@ -63,10 +80,19 @@ class BuiltinLoader:
         return {"step": self.step}
 
     def set_state(self, state: dict):
+        self._drop_ahead()
         self.step = int(state["step"])
 
+    def _drop_ahead(self):
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead.clear()
+
     def close(self):
-        pass
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 class GrainLoader:
