@@ -107,14 +107,21 @@ class ShortConv(nnx.Module):
         ext = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         w = self.kernel[...].astype(x.dtype)
         if segment_ids is not None:
-            seg_ext = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
+            # the state's positions count as the first segment's: a tap reaching back before position 0 is kept
+            # where position t is in the segment of position 0.  (Padding the ids with a constant rather than with
+            # their first column keeps a sequence-sharded step from gathering the ids over the sequence axis.)
+            seg_ext = jnp.pad(segment_ids, ((0, 0), (K - 1, 0)))
+            in_first = segment_ids == segment_ids[:, :1]
+            before = jnp.arange(K - 1 + T) < K - 1
         y = jnp.zeros_like(x)
         for i in range(K):  # K is 4: an unrolled sum of shifted slices beats a conv call here
             tap = ext[:, i:i + T] * w[i]
             if segment_ids is not None:
-                tap = jnp.where((seg_ext[:, i:i + T] == segment_ids)[..., None], tap, 0)
+                same = jnp.where(before[i:i + T], in_first, seg_ext[:, i:i + T] == segment_ids)
+                tap = jnp.where(same[..., None], tap, 0)
             y = y + tap
         new_state = ext[:, T:]  # the last K-1 inputs
         if segment_ids is not None:  # only the last segment's inputs carry over
-            new_state = jnp.where((seg_ext[:, T:] == segment_ids[:, -1:])[..., None], new_state, 0)
+            last = jnp.where(before[T:], segment_ids[:, :1], seg_ext[:, T:])
+            new_state = jnp.where((last == segment_ids[:, -1:])[..., None], new_state, 0)
         return y, new_state
