@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from falcon_jax.forms.stream import final_state, segment_starts, write_pairs, write_stream
 from falcon_jax.rules import Rule
-from falcon_jax.sharding import KernelSharding, shard_map_nonempty
+from falcon_jax.sharding import KernelSharding, current, shard_map_nonempty
 from falcon_jax.state import FalconState, empty_state
 
 _warned: set = set()
@@ -246,3 +246,36 @@ def _slice(rule: Rule, forward_for, q, k, v, inputs, segment_ids, state: FalconS
     ext = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=1), halo, (k, v, segment_ids))
     after = boundary_state(rule, *(a[:, end:end + W] for a in ext))
     return o.reshape(B, L, H, dv), S_end.reshape(B, H, dk, dv), after
+
+
+def halo_map(fn, arrays: tuple, params: tuple, *, halo: int):
+    """A causal window op over the sequence axis of the active context, each device on its own slice.
+
+    ``arrays``: ``[B, T]`` or ``[B, T, C]`` arrays (or None, passed on as None); ``params``: ``[..., C]`` arrays
+    (channel last, e.g. a depthwise kernel ``[K, C]``).  Each device calls ``fn(*extended, *params)`` with its
+    slice of every array extended in front by the ``halo`` positions before it (the previous device's last
+    ``halo``, by ``ppermute``; zeros before position 0) and gets ``[B, L, C]`` for its own ``L`` positions.  Channels
+    split over the head axis where it divides them.  Returns None — the caller computes the whole sequence — without
+    a sequence axis, or when ``T`` is not a multiple of it or its slices are shorter than ``halo``."""
+    ks = current()
+    present = [a for a in arrays if a is not None]
+    B, T = present[0].shape[:2]
+    if ks is None or ks.seq_axis is None or T % ks.seq_shards or T // ks.seq_shards < halo:
+        return None
+    axis, n = ks.seq_axis, ks.seq_shards
+    b = ks.batch_entry if ks.batch_axes and B % ks.batch_shards == 0 else None
+    C = present[0].shape[-1] if present[0].ndim == 3 else None
+    h = ks.head_axis if ks.head_axis and C and C % ks.head_shards == 0 else None
+    spec = lambda a: P(b, axis, h) if a.ndim == 3 else P(b, axis)  # noqa: E731
+
+    def body(*local):
+        extended = []
+        for a in local[:len(present)]:
+            before = jax.lax.ppermute(a[:, a.shape[1] - halo:], axis, [(i, i + 1) for i in range(n - 1)])
+            extended.append(jnp.concatenate([before, a], axis=1))
+        it = iter(extended)
+        return fn(*[None if a is None else next(it) for a in arrays], *local[len(present):])
+
+    in_specs = tuple(spec(a) for a in present) + tuple(P(*([None] * (p.ndim - 1)), h) for p in params)
+    return jax.shard_map(body, mesh=ks.mesh, in_specs=in_specs, out_specs=P(b, axis, h),
+                         check_vma=False)(*present, *params)
