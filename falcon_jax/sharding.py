@@ -16,6 +16,10 @@ back to the un-wrapped path (correct, but the kernel runs replicated) with a one
 Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 
+With a sequence axis (``seq_axis``, default ``"seq"``, when the mesh has it with size > 1) every form of ``falcon``
+and the baselines, and ``FalconLM``'s short convolutions, split the sequence over it too (context parallelism,
+:mod:`falcon_jax.context_parallel`), and ``FalconLM``'s activations are pinned to (batch, sequence).
+
 **No zero-size array crosses the shard_map.**  XLA's GPU compiler (jax 0.11.2, its Shardy partitioner)
 dies with SIGSEGV on a ``shard_map`` that takes a zero-size operand — a pure-XLA one too — and the
 Falcon state of every rule but 3 and 3A has zero-length tails (``[B, H, 0, d]``), as do some residuals
