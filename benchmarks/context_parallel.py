@@ -72,7 +72,9 @@ def child(case: dict) -> dict:
     tx, _ = make_optimizer(OptimConfig(), 1000, params)
     # fsdp = tensor = 1: every parameter and optimizer moment is replicated
     whole = NamedSharding(mesh, P())
-    place = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), tree)  # noqa: E731
+    def place(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), tree)
+
     params, rest = place(params), place(rest)
     opt_state = place(jax.eval_shape(tx.init, params))
     rows = batch_sharding(mesh, accum=True)

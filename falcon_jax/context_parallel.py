@@ -11,7 +11,8 @@ have one group per value column)::
 
     S_t = A_t S_{t−1} + (writes of the values)
     A_t = γ_t I                                  inner product (1A, 2A, 3A, decayed linear attention)
-    A_t = γ_t I − Σ_i w_{t,i} x_{t,i} x_{t,i}ᵀ     regression (1, 2, 3, DeltaNet; γ_t (I − β_t k_t k_tᵀ) for GDN)
+    A_t = γ_t I − Σ_i w_{t,i} x_{t,i} x_{t,i}ᵀ     regression (1, 2, 3, DeltaNet)
+    A_t = γ_t (I − β_t k_t k_tᵀ)                   Gated DeltaNet
 
 so a slice maps the state ``S_in`` it starts from to the one it ends with, and its outputs, by::
 
