@@ -163,6 +163,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
     mesh = make_mesh(cfg.mesh)
     micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
+    model_fields = cfg.lm_config(vocab_size=16)  # the layers' windows (the vocabulary comes with the data)
+    windows = [model_fields.window for spec in model_fields.layer_specs() if spec.variant in ("3", "3A")]
+    check_sequence(mesh, cfg.data.seq_len if cfg.data.kind == "text" else None, max(windows, default=1))
     data = build_data(cfg)
     if cfg.data.kind == "addition" and is_main:
         write_width_shares(data, run_dir, say)
@@ -175,8 +178,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     lm_cfg = cfg.lm_config(vocab_size=vocab)
     if lm_cfg.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size={lm_cfg.vocab_size} is smaller than the tokenizer's {vocab}.")
-    windows = [lm_cfg.window for spec in lm_cfg.layer_specs() if spec.variant in ("3", "3A")]
-    check_sequence(mesh, cfg.data.seq_len if cfg.data.kind == "text" else None, max(windows, default=1))
 
     # ---- model and optimizer, initialised directly on their shards
     rngs_seed = cfg.train.seed
