@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # name: (data, seq, batch, T)
@@ -44,6 +45,8 @@ RESULT = "@@RESULT "
 def child(case: dict) -> dict:
     """Compile one case; runs in its own process (the mock topology must be set before jax starts its backend)."""
     import jax
+
+    import falcon_jax
 
     devices = case["data"] * case["seq"]
     if not case["smoke"] and devices > 1:
@@ -107,7 +110,7 @@ def child(case: dict) -> dict:
             kernels.append(line.split(" = ", 1)[1].split(" custom-call(", 1)[0])
     largest_kernel = max(kernels, key=_bytes, default=None)
     return {"name": case["name"], "mesh": sizes, "batch": B, "T": T, "devices": devices,
-            "backend": jax.default_backend(), "memory_per_device": memory, "collectives": collectives,
+            "backend": jax.default_backend(), "falcon_jax": falcon_jax.__file__, "memory_per_device": memory, "collectives": collectives,
             "kernel_calls": len(kernels), "largest_kernel_output": largest_kernel}
 
 
@@ -127,7 +130,7 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
-def run_case(name: str, smoke: bool, hlo: str | None = None) -> dict:
+def run_case(name: str, smoke: bool, hlo: str | None, import_path: str) -> dict:
     data, seq, batch, T = CASES[name]
     case = {"name": name, "data": data, "seq": seq, "batch": batch, "T": SMOKE_T[T] if smoke else T, "smoke": smoke,
             "hlo": hlo and os.path.abspath(hlo)}
@@ -140,10 +143,13 @@ def run_case(name: str, smoke: bool, hlo: str | None = None) -> dict:
     else:
         flags = (flags + " --xla_gpu_shard_autotuning=false").strip()
     env["XLA_FLAGS"] = flags
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # this checkout's falcon_jax in its installed layout (benchmarks/source_tree.py), ahead of any installed one; the
+    # child runs this file as a script from that folder, so the checkout's own root is not on its path
+    env["PYTHONPATH"] = os.pathsep.join([import_path] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     try:
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "benchmarks.context_parallel", "--child",
-                               json.dumps(case)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+        proc = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--child",
+                               json.dumps(case)], env=env, cwd=import_path, capture_output=True, text=True,
+                              timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         return {"name": name, "error": f"timed out after {TIMEOUT} s", "log": str(e.stdout or "")[-3000:]}
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)), None)
@@ -151,6 +157,12 @@ def run_case(name: str, smoke: bool, hlo: str | None = None) -> dict:
         how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
         return {"name": name, "error": f"no compiled program ({how})", "log": (proc.stdout + proc.stderr)[-3000:]}
     return json.loads(line[len(RESULT):])
+
+
+def _short(type_text: str) -> str:
+    """An HLO result type for a log line: a tuple of many arrays as its count."""
+    arrays = re.findall(r"\w+\[[\d,]*\]", type_text)
+    return type_text if len(arrays) <= 2 else f"a tuple of {len(arrays)} arrays"
 
 
 def gib(n: int) -> str:
@@ -173,10 +185,11 @@ def report(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['name']}: {r['log']}")
             continue
-        parts = [f"{kind} x{c['count']} (largest {c['largest']}, {c['largest_bytes'] / 2 ** 20:.2f} MiB)"
+        parts = [f"{kind} x{c['count']} (largest {_short(c['largest'])}, {c['largest_bytes'] / 2 ** 20:.2f} MiB)"
                  for kind, c in sorted(r["collectives"].items())]
         lines.append(f"{r['name']}: collectives: {'; '.join(parts) or 'none'}")
         lines.append(f"{r['name']}: {r['kernel_calls']} kernel calls, largest output {r['largest_kernel_output']}")
+        lines.append(f"{r['name']}: falcon_jax from {r['falcon_jax']}")
     return "\n".join(lines)
 
 
@@ -198,10 +211,14 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    from benchmarks import source_tree  # here: the child runs this file as a script, without the benchmarks package
+
     results = []
-    for name in names:
-        print(f"compiling {name} ...", flush=True)
-        results.append(run_case(name, args.smoke, args.hlo))
+    with tempfile.TemporaryDirectory(prefix="falcon-cp-") as scratch:
+        import_path = source_tree.import_path(ROOT, os.path.join(scratch, "tree"))
+        for name in names:
+            print(f"compiling {name} ...", flush=True)
+            results.append(run_case(name, args.smoke, args.hlo, import_path))
     print(report(results))
     if args.out:
         with open(args.out, "w") as f:
