@@ -98,6 +98,8 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
         name = kernel
         if name != "xla" and width != dv:
             reason = pallas_unsupported(rule, inputs, name, width, dk, out_dtype, chunk_size)
+            if any(a.ndim == 4 for a in inputs.values()):  # the widened groups are dk + 1 columns, not one
+                reason = f"{rule.name}: the per-column kernels take one gate per value column"
             if reason is not None:
                 name = "xla"
                 if reason not in _warned:
