@@ -54,6 +54,9 @@ dtypes and the timing method — and ``SUITE.log``, the printed log.  ``--rules`
 seconds (a device call has a hard limit).  ``--smoke``: tiny shapes on the CPU, the Triton kernels in
 interpret mode, no peers — the whole entry point on any machine.
 
+Context parallelism has its own entry point, ``python -m benchmarks.context_parallel`` (the 130M LM's training
+step compiled for mocked multi-GPU meshes on one GPU, memory per device).
+
 The peers are optional wheels: ``pip install --no-deps --target /tmp/site .whl/*.whl`` and
 ``PYTHONPATH=/tmp/site`` (the child processes inherit it).
 """

@@ -19,7 +19,8 @@ from falcon_jax.forms.recurrent import recurrent
 from falcon_jax.forms.recurrent import step as recurrent_step
 from falcon_jax.forms.stream import segment_starts
 from falcon_jax.rules import Rule, falcon_rule
-from falcon_jax.sharding import per_shard
+from falcon_jax import context_parallel
+from falcon_jax.sharding import current, per_shard
 from falcon_jax.state import FalconState, empty_state, tail_length_for
 
 
@@ -85,35 +86,68 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     if B == 0 or H == 0:  # nothing to compute (and the kernels' grids and shards cannot be empty)
         out = jnp.zeros((B, T, H, dv), out_dtype)
         return (out, state.replace(has_key=jnp.ones((B,), bool))) if return_final_state else out
-    resets = segment_starts(segment_ids, B, T)
     kernel = select_kernel(impl, rule, inputs, dk, dv, out_dtype, chunk_size) if form == "chunk" else "xla"
     if kernel_config is not None:
         val.check_kernel_config(kernel_config, KERNEL_CONFIGS[kernel_op_name(rule, inputs)])
+    q, k, v = (a.astype(cdt) for a in (q, k, v))
+    inputs = {name: a.astype(cdt) for name, a in inputs.items()}
+
+    def forward_for(width: int):
+        """The rule's forward on values ``width`` wide (context parallelism runs wider values than ``dv``): the
+        call's kernel where it serves that width, else the XLA chunk form."""
+        name = kernel
+        if name != "xla" and width != dv:
+            reason = pallas_unsupported(rule, inputs, name, width, dk, out_dtype, chunk_size)
+            if any(a.ndim == 4 for a in inputs.values()):  # the widened groups are dk + 1 columns, not one
+                reason = f"{rule.name}: the per-column kernels take one gate per value column"
+            if reason is not None:
+                name = "xla"
+                if reason not in _warned:
+                    _warned.add(reason)
+                    warnings.warn(f"falcon: context parallelism runs values {width} wide: {reason}; that pass uses "
+                                  f"the XLA chunk form.", stacklevel=4)
+        return functools.partial(_forward, rule, form=form, chunk_size=chunk_size, kernel=name,
+                                 kernel_config=kernel_config if name == kernel else None, kernel_dtype=out_dtype)
+
+    plan = context_parallel.plan(current(), rule, B, T, H)
+    if plan is not None:
+        o, final = context_parallel.run(plan, rule, forward_for, q, k, v, inputs, segment_ids, state)
+    else:
+        resets = segment_starts(segment_ids, B, T)
+        o, final = forward_for(dv)(q, k, v, inputs, resets, state, sharded=True)
+    out = (o * scale).astype(out_dtype)
+    return (out, final) if return_final_state else out
+
+
+def _forward(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, form: str, chunk_size: int,
+             kernel: str, kernel_config, kernel_dtype, sharded: bool = False):
+    """The rule on one sequence from ``state``: ``(o [B, T, H, dv] unscaled, final state)``.
+
+    q, k, v, inputs in the compute dtype (``[B, T, H, ...]``), resets ``[B, T]``.  ``kernel``: "xla" or the Pallas
+    implementation of the chunk form; ``sharded``: under :func:`~falcon_jax.sharding.kernel_sharding` the kernels
+    run once per device shard of rows and heads."""
+    B, T, H, _ = q.shape
 
     def kernels(time_major: bool):
         """The Pallas chunk form; under kernel_sharding(mesh) each device runs it on its own rows and heads."""
         fn = functools.partial(chunk_pallas, rule, chunk_size=chunk_size, implementation=kernel,
-                               kernel_config=kernel_config, kernel_dtype=out_dtype, time_major=time_major)
-        return per_shard(fn, batch=B, heads=H, head_dim=2 if time_major else 1)
+                               kernel_config=kernel_config, kernel_dtype=kernel_dtype, time_major=time_major)
+        return per_shard(fn, batch=B, heads=H, head_dim=2 if time_major else 1) if sharded else fn
 
     if kernel != "xla" and time_major_served(rule, inputs):
         # the kernels read and write the model's [B, T, H, ...] layout in place: no transposed copies
-        o, final = kernels(time_major=True)(*(a.astype(cdt) for a in (q, k, v)),
-                                            {name: a.astype(cdt) for name, a in inputs.items()}, resets, state)
+        return kernels(time_major=True)(q, k, v, inputs, resets, state)
+    qh, kh, vh = (_heads_first(a) for a in (q, k, v))
+    inputs_h = {name: _heads_first(a) for name, a in inputs.items()}
+    if form == "recurrent":
+        o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
+    elif form == "parallel":
+        o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
+    elif kernel != "xla":
+        o, final = kernels(time_major=False)(qh, kh, vh, inputs_h, resets, state)
     else:
-        qh, kh, vh = (_heads_first(a.astype(cdt)) for a in (q, k, v))
-        inputs_h = {name: _heads_first(a.astype(cdt)) for name, a in inputs.items()}
-        if form == "recurrent":
-            o, final = recurrent(rule, qh, kh, vh, inputs_h, resets, state)
-        elif form == "parallel":
-            o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
-        elif kernel != "xla":
-            o, final = kernels(time_major=False)(qh, kh, vh, inputs_h, resets, state)
-        else:
-            o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
-        o = jnp.moveaxis(o, 1, 2)
-    out = (o * scale).astype(out_dtype)
-    return (out, final) if return_final_state else out
+        o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
+    return jnp.moveaxis(o, 1, 2), final
 
 
 def _window_capped(rule: Rule, q, k, v, inputs: dict, *, return_final_state: bool, **kw):

@@ -16,6 +16,10 @@ back to the un-wrapped path (correct, but the kernel runs replicated) with a one
 Inside the block ``FalconLM`` also pins its activations to the batch axes
 (:func:`constrain_batch`).  ``falcon-train`` enters it for its steps.
 
+With a sequence axis (``seq_axis``, default ``"seq"``, when the mesh has it with size > 1) every form of ``falcon``
+and the baselines, and ``FalconLM``'s short convolutions, split the sequence over it too (context parallelism,
+:mod:`falcon_jax.context_parallel`), and ``FalconLM``'s activations are pinned to (batch, sequence).
+
 **No zero-size array crosses the shard_map.**  XLA's GPU compiler (jax 0.11.2, its Shardy partitioner)
 dies with SIGSEGV on a ``shard_map`` that takes a zero-size operand — a pure-XLA one too — and the
 Falcon state of every rule but 3 and 3A has zero-length tails (``[B, H, 0, d]``), as do some residuals
@@ -47,6 +51,7 @@ class KernelSharding:
     mesh: Mesh
     batch_axes: tuple[str, ...]  # mesh axes that split the batch (only those of size > 1)
     head_axis: str | None  # mesh axis that splits the heads (None: heads whole on every device)
+    seq_axis: str | None = None  # mesh axis that splits the sequence (context parallelism; None: whole)
 
     @property
     def batch_shards(self) -> int:
@@ -55,6 +60,10 @@ class KernelSharding:
     @property
     def head_shards(self) -> int:
         return self.mesh.shape[self.head_axis] if self.head_axis else 1
+
+    @property
+    def seq_shards(self) -> int:
+        return self.mesh.shape[self.seq_axis] if self.seq_axis else 1
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -73,19 +82,27 @@ _warned: set = set()  # warnings given once: (shape key) tuples
 
 
 @contextlib.contextmanager
-def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor"):
-    """Within this block, ``falcon``'s Pallas kernel path runs per shard of ``mesh``: batch
-    rows split over ``batch_axes``, heads over ``head_axis`` (see the module docstring)."""
+def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor",
+                    seq_axis: str | None = "seq"):
+    """Within this block ``falcon`` (and the baselines) run per shard of ``mesh``: the Pallas kernel path with
+    batch rows split over ``batch_axes`` and heads over ``head_axis`` (see the module docstring); and, where
+    ``seq_axis`` is in the mesh with size > 1, every form splits the sequence over it
+    (:mod:`falcon_jax.context_parallel`)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    named = [*batch_axes, *([head_axis] if head_axis else [])]
+    if seq_axis is not None and (seq_axis in batch_axes or seq_axis == head_axis):
+        raise ValueError(f"kernel_sharding: seq_axis={seq_axis!r} is also a batch or head axis; one mesh axis "
+                         f"splits one dimension (name the sequence axis apart, e.g. 'seq').")
+    named = [*batch_axes, *([head_axis] if head_axis else []), *([seq_axis] if seq_axis else [])]
     batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
     head = head_axis if head_axis in mesh.shape and mesh.shape[head_axis] > 1 else None
+    seq = seq_axis if seq_axis in mesh.shape and mesh.shape[seq_axis] > 1 else None
     if not any(a in mesh.shape for a in named):
         raise ValueError(f"kernel_sharding: none of the axes {named} is in the mesh "
-                         f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch and heads.")
-    token = _CURRENT.set(KernelSharding(mesh, batch, head) if (batch or head) else None)
+                         f"(its axes: {list(mesh.shape)}); name the mesh axes that split the batch, heads and "
+                         f"sequence.")
+    token = _CURRENT.set(KernelSharding(mesh, batch, head, seq) if (batch or head or seq) else None)
     try:
         yield
     finally:
@@ -104,18 +121,24 @@ def constrain_replicated(x: jax.Array) -> jax.Array:
 
 
 def constrain_batch(x: jax.Array, *, split_last: bool = False) -> jax.Array:
-    """``x [B, ...]`` pinned to rows over the context's batch axes (identity outside a
-    :func:`kernel_sharding` context, or when the shards do not divide B).  Placed between the
-    layers it keeps an FSDP step batch-sharded: left free, XLA's partitioner may gather
-    activations (even the logits) onto every device instead of gathering the weights.
+    """``x [B, T, ...]`` pinned to rows over the context's batch axes and, under context parallelism, positions
+    over its sequence axis (identity outside a :func:`kernel_sharding` context; a dimension its shards do not
+    divide stays whole).  Placed between the layers it keeps an FSDP step batch-sharded: left free, XLA's
+    partitioner may gather activations (even the logits) onto every device instead of gathering the weights.
     ``split_last``: also split the last axis over the head axis where it divides (the logits'
     vocabulary under tensor parallelism)."""
     ks = current()
-    if ks is None or not ks.batch_axes or x.shape[0] % ks.batch_shards:
+    if ks is None:
         return x
-    spec = [ks.batch_entry] + [None] * (x.ndim - 1)
+    spec = [None] * x.ndim
+    if ks.batch_axes and x.shape[0] % ks.batch_shards == 0:
+        spec[0] = ks.batch_entry
+    if ks.seq_axis and x.ndim > 2 and x.shape[1] % ks.seq_shards == 0:
+        spec[1] = ks.seq_axis
     if split_last and ks.head_axis and x.ndim > 1 and x.shape[-1] % ks.head_shards == 0:
         spec[-1] = ks.head_axis
+    if all(s is None for s in spec[:-1]):
+        return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(ks.mesh, P(*spec)))
 
 
@@ -210,7 +233,6 @@ def shard_map_nonempty(fn, mesh: Mesh, in_specs, out_specs, stack_axes: tuple[st
                 full[i] = jnp.zeros(sds.shape, sds.dtype)
             return jax.tree_util.tree_unflatten(treedef, full)
 
-        # the shard's outputs and residuals, traced once on the local shapes for their structure
         local_avals = [jax.ShapeDtypeStruct(_local_shape(leaves[i].shape, specs[i], mesh), leaves[i].dtype)
                        for i in keep]
         structure = {}
@@ -221,7 +243,11 @@ def shard_map_nonempty(fn, mesh: Mesh, in_specs, out_specs, stack_axes: tuple[st
             res_leaves, structure["res"] = jax.tree_util.tree_flatten(vjp)
             return out_leaves, res_leaves
 
-        out_avals, res_avals = jax.eval_shape(shard_forward, *local_avals)
+        # the shard's outputs and residuals, traced once for their structure and local shapes; inside a shard_map
+        # (every result returned as it is, P()), so that the collectives of fn find their mesh axes
+        out_avals, res_avals = jax.eval_shape(
+            jax.shard_map(shard_forward, mesh=mesh, in_specs=tuple(specs[i] for i in keep), out_specs=P(),
+                          check_vma=False), *[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep])
         out_specs_flat = _leaf_specs(out_specs, jax.tree_util.tree_unflatten(structure["out"], out_avals))
         out_keep = [i for i, a in enumerate(out_avals) if not _empty(a)]
         res_keep = [i for i, a in enumerate(res_avals) if not _empty(a)]

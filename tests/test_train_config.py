@@ -62,6 +62,18 @@ def test_every_preset_builds_a_valid_model_config():
         build_config(preset="lm-tiny", overrides=["data.foo=1"])
 
 
+def test_mesh_seq_is_checked_against_the_sequence(capsys):
+    """Context parallelism: mesh.seq is a positive int or -1 and divides a text run's data.seq_len; the long preset
+    splits 65,536 tokens over every device."""
+    cfg = build_config(preset="lm-130m-long", overrides=["data.paths=corpus"])
+    assert (cfg.data.seq_len, cfg.mesh.seq, cfg.mesh.data, cfg.train.batch_size) == (65_536, -1, 1, 8)
+    assert build_config(preset="lm-tiny", overrides=["mesh.seq=4"]).mesh.seq == 4  # 256 / 4
+    rc, _, err = _run_cli(["--preset", "lm-tiny", "--set", "mesh.seq=3"], capsys)
+    assert rc == 2 and "mesh.seq=3: must divide data.seq_len=256" in err and "divisor of 256" in err
+    rc, _, err = _run_cli(["--preset", "lm-tiny", "--set", "mesh.seq=0"], capsys)
+    assert rc == 2 and "mesh.seq=0: must be a positive integer or -1" in err
+
+
 def test_decay_mask_skips_norms_vectors_and_embedding():
     import jax
     from flax import nnx

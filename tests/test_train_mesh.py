@@ -41,7 +41,10 @@ SCRIPT = textwrap.dedent(r"""
     # shard inside shard_map (falcon_jax.sharding.kernel_sharding, entered by the trainer)
     pallas = ["model.form=chunk", "model.impl=triton", "model.chunk_size=16"]
     one, eight = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-    for name, axes in (("one", one), ("eight", eight), ("one-pallas", one + pallas), ("eight-pallas", eight + pallas)):
+    # data x seq x tensor: every sequence split over 2 devices (context parallelism)
+    seq = ["mesh.data=2", "mesh.fsdp=1", "mesh.seq=2", "mesh.tensor=2"]
+    for name, axes in (("one", one), ("eight", eight), ("one-pallas", one + pallas), ("eight-pallas", eight + pallas),
+                       ("eight-seq", seq)):
         cfg = build_config(preset="addition-tiny", overrides=tiny + axes + [f"train.run_dir={sys.argv[1]}/{name}"])
         if name.startswith("one"):
             # a 1-device mesh on an 8-device host: restrict via the mesh itself
@@ -54,6 +57,12 @@ SCRIPT = textwrap.dedent(r"""
             run(cfg, log=lambda *a: None)
         losses[name] = [r["loss"] for _, r in sorted(read_metrics(f"{sys.argv[1]}/{name}")[0].items())]
     out["losses"] = losses
+    from falcon_jax.train.mesh import check_sequence
+    for seq_len, window in ((30, 1), (8, 8)):
+        try:
+            check_sequence(make_mesh({"data": 2, "fsdp": 1, "seq": 4, "tensor": 1}), seq_len, window)
+        except MeshError as e:
+            out.setdefault("seq_errors", []).append(str(e))
 
     # parameter placement through the model's logical axes
     from flax import nnx
@@ -71,7 +80,7 @@ SCRIPT = textwrap.dedent(r"""
 
 def test_mesh_placement_and_training_on_8_simulated_devices(tmp_path):
     out = run_on_simulated_devices(SCRIPT, 8, str(tmp_path), timeout=240)
-    assert out["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert out["mesh"] == {"data": 2, "fsdp": 2, "seq": 1, "tensor": 2}
     assert out["batch_spec"] == "P(None, ('data', 'fsdp'))"
     assert out["batch_shard_shape"] == [2, 2, 5]  # [accum, 8 rows / 4 data shards, T]
     e1, e2 = out["mesh_errors"]
@@ -87,10 +96,17 @@ def test_mesh_placement_and_training_on_8_simulated_devices(tmp_path):
             assert a == pytest.approx(b, rel=1e-4)
     for a, b in zip(out["losses"]["one"], out["losses"]["one-pallas"]):  # kernels = the XLA parallel form
         assert a == pytest.approx(b, rel=1e-4)
+    for a, b in zip(out["losses"]["one"], out["losses"]["eight-seq"]):  # each sequence split over 2 devices
+        assert a == pytest.approx(b, rel=1e-4)
+    not_divisible, too_short = out["seq_errors"]
+    assert "data.seq_len=30 is not divisible by mesh.seq=4" in not_divisible
+    assert "slices of 2 positions, fewer than the model's window of 8" in too_short
 
 
 def test_resolve_axes_errors():
     assert resolve_axes({"data": -1, "fsdp": 2, "tensor": 1}, 8) == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert resolve_axes({"data": 2, "fsdp": 1, "seq": -1, "tensor": 1}, 8) == {"data": 2, "fsdp": 1, "seq": 4,
+                                                                               "tensor": 1}
     with pytest.raises(MeshError, match="at most one axis"):
         resolve_axes({"data": -1, "fsdp": -1, "tensor": 1}, 8)
     with pytest.raises(MeshError, match="positive ints"):

@@ -106,10 +106,13 @@ class LoopConfig:
 class MeshConfig:
     """Device mesh axis sizes (one of them may be -1 = all remaining devices) and
     ``distributed``: "auto" calls ``jax.distributed.initialize()`` when a multi-host
-    environment (SLURM, Open MPI, a TPU pod, or JAX_COORDINATOR_ADDRESS) is detected."""
+    environment (SLURM, Open MPI, a TPU pod, or JAX_COORDINATOR_ADDRESS) is detected.
+    ``seq`` splits every sequence over that many devices (context parallelism: data.seq_len must be a multiple
+    of it; docs/training.md)."""
 
     data: int = -1
     fsdp: int = 1
+    seq: int = 1
     tensor: int = 1
     distributed: str = "auto"
 
@@ -321,9 +324,20 @@ _LM_130M = {
     "train": dict(steps=100_000, batch_size=480, log_every=50, eval_every=2000, run_dir="runs/lm-130m"),
     "checkpoint": dict(every=1000, keep=3),
 }
+_LM_130M_LONG = {
+    # lm-130m's model and optimizer at T = 65,536: each row one long window, every sequence split over all the
+    # devices (context parallelism, mesh.seq = -1; falcon_jax.context_parallel).  8 rows of 65,536 tokens per step
+    # (524,288 tokens, about lm-130m's 480 x 1,024).  data.paths must be set.
+    "model": dict(_LM_130M["model"]),
+    "data": dict(_LM_130M["data"], seq_len=65_536, val_batches=8),
+    "optim": dict(_LM_130M["optim"]),
+    "train": dict(_LM_130M["train"], batch_size=8, run_dir="runs/lm-130m-long"),
+    "mesh": dict(data=1, fsdp=1, seq=-1, tensor=1),
+    "checkpoint": dict(_LM_130M["checkpoint"]),
+}
 PRESETS = {"addition-tiny": _ADDITION_TINY, "addition-packed-tiny": _ADDITION_PACKED_TINY,
            "addition-paper": _ADDITION_PAPER, "addition-packed": _ADDITION_PACKED, "lm-tiny": _LM_TINY,
-           "lm-130m": _LM_130M}
+           "lm-130m": _LM_130M, "lm-130m-long": _LM_130M_LONG}
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -392,10 +406,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _need(_is_num(c.every_s) and c.every_s >= 0, "checkpoint.every_s", c.every_s,
           "must be >= 0 seconds (0 = save by steps only).")
     # mesh
-    for key, value in (("mesh.data", m.data), ("mesh.fsdp", m.fsdp), ("mesh.tensor", m.tensor)):
+    for key, value in (("mesh.data", m.data), ("mesh.fsdp", m.fsdp), ("mesh.seq", m.seq), ("mesh.tensor", m.tensor)):
         _need(_is_int(value) and (value >= 1 or value == -1), key, value,
               "must be a positive integer or -1 (all remaining devices).")
     _choice("mesh.distributed", m.distributed, ("auto", "on", "off"))
+    if _is_int(m.seq) and m.seq > 1 and d.kind == "text" and _is_int(d.seq_len):
+        _need(d.seq_len % m.seq == 0, "mesh.seq", m.seq, f"must divide data.seq_len={d.seq_len} (context "
+              f"parallelism gives every device seq_len / mesh.seq positions); pick a divisor of {d.seq_len}.")
     # data
     _choice("data.kind", d.kind, ("addition", "text"))
     _choice("data.loader", d.loader, ("grain", "builtin"))

@@ -1,9 +1,11 @@
 """Device mesh, multi-host start-up and batch placement.
 
-The mesh has the axes ``("data", "fsdp", "tensor")`` (sizes from :class:`falcon_jax.train.config.MeshConfig`,
+The mesh has the axes ``("data", "fsdp", "seq", "tensor")`` (sizes from :class:`falcon_jax.train.config.MeshConfig`,
 one of them may be -1 = whatever is left).  Parameters are placed by their logical axes through
 :func:`falcon_jax.nn.state_shardings` (FSDP over the model width, tensor parallelism over heads /
-MLP hidden / vocabulary); a batch ``[B, T]`` is split over ``data`` x ``fsdp`` on B.
+MLP hidden / vocabulary); a batch ``[B, T]`` is split over ``data`` x ``fsdp`` on B.  ``seq`` is context
+parallelism: inside the step every activation ``[B, T, ...]`` and every recurrent layer's sequence is split over it
+on T (:mod:`falcon_jax.context_parallel`); the token batch itself, a few bytes per position, stays whole on T.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "seq", "tensor")
 BATCH_AXES = ("data", "fsdp")
+SEQ_AXIS = "seq"
 
 
 class MeshError(ValueError):
@@ -91,9 +94,11 @@ def resolve_axes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(cfg, devices=None) -> Mesh:
-    """A ``Mesh`` with axes ``("data", "fsdp", "tensor")`` from a MeshConfig (or dict)."""
+    """A ``Mesh`` with axes ``("data", "fsdp", "seq", "tensor")`` from a MeshConfig (or dict; ``seq`` may be left
+    out: 1)."""
     devices = jax.devices() if devices is None else list(devices)
-    sizes = {a: (cfg[a] if isinstance(cfg, dict) else getattr(cfg, a)) for a in AXES}
+    sizes = {a: (cfg.get(a, 1) if a == SEQ_AXIS else cfg[a]) if isinstance(cfg, dict) else getattr(cfg, a)
+             for a in AXES}
     sizes = resolve_axes(sizes, len(devices))
     return Mesh(np.asarray(devices).reshape([sizes[a] for a in AXES]), AXES)
 
@@ -114,6 +119,21 @@ def check_batch(mesh: Mesh, batch_size: int, grad_accum: int) -> int:
                         f"is not divisible by the {n} data-parallel shards (mesh data={mesh.shape['data']} x "
                         f"fsdp={mesh.shape['fsdp']}); pick a batch size that is a multiple of {n * grad_accum}.")
     return micro
+
+
+def check_sequence(mesh: Mesh, seq_len: int | None, window: int = 1) -> None:
+    """MeshError unless the model's sequences (``seq_len`` positions; None: lengths vary, as in the addition task)
+    split evenly over the ``seq`` axis into slices of at least ``window`` positions (the longest window of the
+    model's Falcon-3/3A layers)."""
+    n = mesh.shape.get(SEQ_AXIS, 1)
+    if n == 1 or seq_len is None:
+        return
+    if seq_len % n:
+        raise MeshError(f"data.seq_len={seq_len} is not divisible by mesh.seq={n}: context parallelism gives every "
+                        f"device seq_len / {n} positions; pick a multiple of {n}.")
+    if seq_len // n < window:
+        raise MeshError(f"data.seq_len={seq_len} over mesh.seq={n} gives slices of {seq_len // n} positions, fewer "
+                        f"than the model's window of {window}; use fewer devices on seq or a longer sequence.")
 
 
 def batch_sharding(mesh: Mesh, accum: bool) -> NamedSharding:

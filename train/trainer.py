@@ -31,8 +31,8 @@ from falcon_jax.train.checkpoint import Checkpointer
 from falcon_jax.train.config import ConfigError, TrainConfig, validate
 from falcon_jax.train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from falcon_jax.train.loader import make_loader
-from falcon_jax.train.mesh import (BATCH_AXES, check_batch, host_shard, make_mesh, maybe_initialize_distributed, put_batch,
-                        replicate)
+from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, check_batch, check_sequence, host_shard, make_mesh,
+                                   maybe_initialize_distributed, put_batch, replicate)
 from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
@@ -163,6 +163,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
     mesh = make_mesh(cfg.mesh)
     micro = check_batch(mesh, cfg.train.batch_size, cfg.train.grad_accum)
+    model_fields = cfg.lm_config(vocab_size=16)  # the layers' windows (the vocabulary comes with the data)
+    windows = [model_fields.window for spec in model_fields.layer_specs() if spec.variant in ("3", "3A")]
+    check_sequence(mesh, cfg.data.seq_len if cfg.data.kind == "text" else None, max(windows, default=1))
     data = build_data(cfg)
     if cfg.data.kind == "addition" and is_main:
         write_width_shares(data, run_dir, say)
@@ -310,8 +313,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     est = {"step": None, "save": 15.0, "eval": 30.0}
     t_saved = time.perf_counter()
     stopped = None
-    # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard
-    sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor")
+    # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard, and
+    # the recurrent layers split the sequence over mesh.seq
+    sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor", seq_axis=SEQ_AXIS)
     sharded_kernels.__enter__()
     stop = StopRequest(multiprocess=jax.process_count() > 1).__enter__()
     try:

@@ -34,8 +34,8 @@ class WriteStream:
 
     x_ext: jax.Array
     y_ext: jax.Array
-    w: jax.Array
-    log_gamma: jax.Array
+    w: jax.Array | None  # None from write_pairs (no gates)
+    log_gamma: jax.Array | None
     run: jax.Array
     valid_ext: jax.Array
 
@@ -54,10 +54,9 @@ def per_position(a, time_axis: int = 2):
     return a[:, :, None] if time_axis == 1 else a[:, None]
 
 
-def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, time_axis: int = 2) -> WriteStream:
-    """k [B,H,T,dk], v [B,H,T,dv], inputs {name: [B,H,T] or [B,H,T,dv]}, resets [B,T].
-
-    ``time_axis=1``: k, v, inputs in ``[B, T, H, ...]`` instead (the state keeps its own layout)."""
+def write_pairs(rule: Rule, k, v, resets, state: FalconState, time_axis: int = 2) -> WriteStream:
+    """The write pairs of a sequence, without their gates (``w`` and ``log_gamma`` are None): what
+    :func:`final_state` reads.  Arguments as :func:`write_stream`'s."""
     B, T = k.shape[0], k.shape[time_axis]
     W = rule.window
     if rule.alignment == "shifted":
@@ -77,12 +76,24 @@ def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, tim
     x_ext = jnp.concatenate([tail_x, x], axis=time_axis)
     y_ext = jnp.concatenate([tail_y, v], axis=time_axis)
     valid_ext = jnp.concatenate([state.tail_valid, valid], axis=1)
+    return WriteStream(x_ext=x_ext, y_ext=y_ext, w=None, log_gamma=None, run=run, valid_ext=valid_ext)
+
+
+def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, time_axis: int = 2) -> WriteStream:
+    """k [B,H,T,dk], v [B,H,T,dv], inputs {name: [B,H,T] or [B,H,T,dv]}, resets [B,T].
+
+    ``time_axis=1``: k, v, inputs in ``[B, T, H, ...]`` instead (the state keeps its own layout)."""
+    B, T = k.shape[0], k.shape[time_axis]
+    W = rule.window
+    pairs = write_pairs(rule, k, v, resets, state, time_axis)
+    x_ext, valid_ext, run = pairs.x_ext, pairs.valid_ext, pairs.run
+    valid = valid_ext[:, W - 1:]
     run_ext = jnp.concatenate([jnp.zeros((B, W - 1), run.dtype), run], axis=1)
     # window entry i of position t is ext index t + i (oldest first, current last)
     x_win = jnp.stack([jax.lax.slice_in_dim(x_ext, i, i + T, axis=time_axis) for i in range(W)], axis=3)
     in_win = jnp.stack([valid_ext[:, i:i + T] & (run_ext[:, i:i + T] == run) for i in range(W)], axis=2)
     w, log_gamma = rule.gates(x_win, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
-    return WriteStream(x_ext=x_ext, y_ext=y_ext, w=w, log_gamma=log_gamma, run=run, valid_ext=valid_ext)
+    return dataclasses.replace(pairs, w=w, log_gamma=log_gamma)
 
 
 def final_state(stream: WriteStream, S_final, k, rule: Rule, time_axis: int = 2) -> FalconState:

@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,7 @@ from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_delta
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
 from falcon_jax.nn.layers import dense, l2_normalize, make_param
+from falcon_jax.sharding import current
 from falcon_jax.validation import is_concrete
 
 
@@ -52,6 +55,20 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     xf = x.astype(ft)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+_warned_gather: set = set()
+
+
+def _warn_if_sequence_sharded(T: int) -> None:
+    """Softmax attention has no context-parallel form here (ring attention is not implemented): under a sequence
+    axis XLA's partitioner gathers k and v over it, so these layers hold all T positions' keys and values."""
+    ks = current()
+    if ks is not None and ks.seq_axis and (T, ks.seq_shards) not in _warned_gather:
+        _warned_gather.add((T, ks.seq_shards))
+        warnings.warn(f"SoftmaxAttention under context parallelism ({ks.seq_shards} devices on {ks.seq_axis!r}): "
+                      f"k and v are gathered over the sequence (every device holds all {T} positions' keys and "
+                      f"values in these layers); ring attention is not implemented.", stacklevel=3)
 
 
 class SoftmaxAttention(nnx.Module):
@@ -120,6 +137,7 @@ class SoftmaxAttention(nnx.Module):
         pos = start + jnp.arange(T, dtype=jnp.int32)
         q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
         if cache is None:
+            _warn_if_sequence_sharded(T)
             mask = None
             if segment_ids is not None:
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B,1,T,T]

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from falcon_jax import context_parallel
+
 
 def normal_init(std: float):
     return nnx.initializers.normal(stddev=std)
@@ -102,19 +104,43 @@ class ShortConv(nnx.Module):
         """Returns ``(y [B, T, C], new_state [B, K-1, C])``."""
         B, T, C = x.shape
         K = self.width
+        w = self.kernel[...].astype(x.dtype)
+        y = None
         if state is None:
+            # a sequence split over devices (context parallelism): each device its slice, the K-1 inputs before it
+            # from the previous device; before position 0 the (zero) state, whose taps add nothing
+            y = context_parallel.halo_map(
+                lambda ext, seg_ext, w: _taps(ext, w, None if seg_ext is None else
+                                              lambda i, L: seg_ext[:, i:i + L] == seg_ext[:, K - 1:]),
+                (x, segment_ids), (w,), halo=K - 1)
             state = self.init_state(B, x.dtype)
         ext = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-        w = self.kernel[...].astype(x.dtype)
         if segment_ids is not None:
-            seg_ext = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
-        y = jnp.zeros_like(x)
-        for i in range(K):  # K is 4: an unrolled sum of shifted slices beats a conv call here
-            tap = ext[:, i:i + T] * w[i]
-            if segment_ids is not None:
-                tap = jnp.where((seg_ext[:, i:i + T] == segment_ids)[..., None], tap, 0)
-            y = y + tap
+            # the state's positions count as the first segment's: a tap reaching back before position 0 is kept
+            # where position t is in the segment of position 0
+            seg_ext = jnp.pad(segment_ids, ((0, 0), (K - 1, 0)))
+            in_first = segment_ids == segment_ids[:, :1]
+            before = jnp.arange(K - 1 + T) < K - 1
+        if y is None:
+            same = None if segment_ids is None else (
+                lambda i, L: jnp.where(before[i:i + L], in_first, seg_ext[:, i:i + L] == segment_ids))
+            y = _taps(ext, w, same)
         new_state = ext[:, T:]  # the last K-1 inputs
         if segment_ids is not None:  # only the last segment's inputs carry over
-            new_state = jnp.where((seg_ext[:, T:] == segment_ids[:, -1:])[..., None], new_state, 0)
+            last = jnp.where(before[T:], segment_ids[:, :1], seg_ext[:, T:])
+            new_state = jnp.where((last == segment_ids[:, -1:])[..., None], new_state, 0)
         return y, new_state
+
+
+def _taps(ext, w, same=None):
+    """``y[:, t] = Σ_i w[i] · ext[:, t + i] · same(i, L)[:, t]`` for the ``L = len(ext) − K + 1`` outputs of the
+    extended input ``ext [B, K-1+L, C]``; ``same(i, L)``: ``[B, L]`` bool, tap i stays in position t's segment."""
+    K = w.shape[0]
+    L = ext.shape[1] - K + 1
+    y = jnp.zeros(ext.shape[:1] + (L,) + ext.shape[2:], ext.dtype)
+    for i in range(K):  # K is 4: an unrolled sum of shifted slices beats a conv call here
+        tap = ext[:, i:i + L] * w[i]
+        if same is not None:
+            tap = jnp.where(same(i, L)[..., None], tap, 0)
+        y = y + tap
+    return y
