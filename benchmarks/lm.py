@@ -8,11 +8,13 @@ settings, parameters and optimizer state donated).  ``--smoke`` uses the ``tiny`
 
 * :func:`prepare`: build the model eagerly (``train.init="eager"``, the trainer's default), the optimizer
   state and a batch of random tokens, then trace and compile the step (timed apart: ``lower_s`` and
-  ``compile_s``; on a GPU with ``autotune_cache``, a folder of XLA's per-fusion autotuning results shared
-  by the run's processes);
+  ``compile_s``; on a GPU with ``xla_enable_command_buffers_during_profiling=false``, which affects profiled
+  steps only: they launch the CUDA graphs' kernels one at a time, each naming its instruction; and with
+  ``autotune_cache``, a folder of XLA's per-fusion autotuning results shared by the run's processes);
 * :func:`measure`: time the step (``warmup`` steps, then the median over ``repeats`` samples of the mean time
   of ``calls`` back-to-back steps), read the process's peak device memory, and profile ``profile_steps``
-  steps to split their device time by named scope (:mod:`benchmarks.trace_scopes`).
+  steps to split their device time by named scope (:mod:`benchmarks.trace_scopes`) and to find the time
+  spent in the mixers' own kernels by kernel name.
 
 The batch has no ``segment_ids`` (every row one sequence, so the Transformer takes cuDNN attention on a
 GPU) unless ``packed``: then ``segment_ids`` of zeros, as the trainer's text loader passes, which sends the
@@ -34,6 +36,10 @@ from benchmarks import trace_scopes
 
 SCOPES = ("mixer", "mixer/core")
 STATE: dict = {}
+UNKNOWN_OPTION_EFFECTS = {
+    "xla_gpu_per_fusion_autotune_cache_dir": "autotuning results not shared",
+    "xla_enable_command_buffers_during_profiling": "the profiled step runs as this XLA runs it under a profiler",
+}
 
 
 def _config(mixer: str, smoke: bool):
@@ -79,35 +85,49 @@ def prepare(req: dict) -> dict:
     lowered = make_train_step(graphdef, tx).lower(params, rest, opt_state, batch)
     t2 = time.perf_counter()
     lower_s = t2 - t1
-    options = None
-    if req.get("autotune_cache") and jax.default_backend() == "gpu":
-        # XLA's per-fusion autotuning results, shared by the run's processes (the layers and the MLP are
-        # the same in every configuration: their GEMMs are tuned once, by the first compile, on a quiet GPU)
-        options = {"xla_gpu_per_fusion_autotune_cache_dir": req["autotune_cache"]}
+    options = {}
+    if jax.default_backend() == "gpu":
+        # a profiled step runs the CUDA graphs' thunks one by one, so that each kernel's launch names its HLO
+        # instruction (inside a graph every kernel names the graph); steps run without a profiler keep the graphs
+        options["xla_enable_command_buffers_during_profiling"] = False
+        if req.get("autotune_cache"):
+            # XLA's per-fusion autotuning results, shared by the run's processes (the layers and the MLP are
+            # the same in every configuration: their GEMMs are tuned once, by the first compile, on a quiet GPU)
+            options["xla_gpu_per_fusion_autotune_cache_dir"] = req["autotune_cache"]
     notes = {}
-    try:
-        compiled = lowered.compile(compiler_options=options)
-    except Exception as e:  # noqa: BLE001 - an XLA without the option: compile as a user would
-        if options is None or "No such compile option" not in str(e):
-            raise
-        notes["autotune_cache"] = "this XLA has no xla_gpu_per_fusion_autotune_cache_dir: not shared"
-        t2 = time.perf_counter()  # the compile time counts the successful compile only
-        compiled = lowered.compile()
+    compiled, t2 = compile_with(lowered, options, notes)
     t3 = time.perf_counter()
     hlo = compiled.as_text()
-    names = trace_scopes.op_names(hlo)
+    prog = trace_scopes.program(hlo)
     STATE.clear()
-    STATE.update(compiled=compiled, params=params, rest=rest, opt_state=opt_state, batch=batch, names=names,
+    STATE.update(compiled=compiled, params=params, rest=rest, opt_state=opt_state, batch=batch, program=prog,
                  tokens=req["batch"] * req["length"])
     row = {"init_s": round(t1 - t0, 2), "lower_s": round(lower_s, 2), "compile_s": round(t3 - t2, 2),
            "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
-           "kernels": "+".join(trace_scopes.kernel_families(hlo, "mixer/core", names)) or "xla",
+           "kernels": "+".join(trace_scopes.kernel_families(hlo, "mixer/core", prog.names)) or "xla",
+           "hlo_module": prog.module,
            "model": {k: v for k, v in cfg.model.items() if k != "mixer"}, "notes": notes}
     analysis = compiled.memory_analysis()
     if analysis is not None:
         row["compiled_bytes"] = {k: int(getattr(analysis, f"{k}_size_in_bytes"))
                                  for k in ("argument", "output", "temp", "alias")}
     return row
+
+
+def compile_with(lowered, options: dict, notes: dict):
+    """``(lowered.compile(...), start time of the compile that succeeded)`` with XLA ``options``, dropping any
+    option this XLA does not know (each noted in ``notes``, with what its absence means) and compiling again."""
+    options = dict(options)
+    while True:
+        start = time.perf_counter()
+        try:
+            return lowered.compile(compiler_options=options or None), start
+        except Exception as e:  # noqa: BLE001 - an XLA without an option: compile without it
+            if not options or "No such compile option" not in str(e):
+                raise
+            for key in [k for k in options if k in str(e)] or list(options):
+                del options[key]
+                notes[key] = f"this XLA has no {key}: " + UNKNOWN_OPTION_EFFECTS.get(key, "compiled without it")
 
 
 def _steps(n: int):
@@ -144,9 +164,17 @@ def measure(req: dict) -> dict:
 
 
 def _profile(steps: int, notes: dict) -> dict:
-    """Device time per step and the shares of the named scopes, from a trace of ``steps`` steps."""
+    """Device time per step and its split by named scope, from a trace of ``steps`` steps
+    (:func:`benchmarks.trace_scopes.scope_times`).
+
+    ``mixer_share`` and ``core_share`` are ``None`` when more than ``MAX_UNATTRIBUTED`` of the device time
+    matches no instruction of the step (they would count only the part that did);
+    ``mixer_kernels_share`` (kernel names alone) stands regardless.  ``attributed_by``: the share each
+    matching method covered; ``unattributed_top``: the largest unattributed kernels, ms per step, with their
+    args, so that a trace the attribution does not read shows what it holds."""
     if steps < 1:
         return {}
+    host = jax.default_backend() == "cpu"
     try:
         with tempfile.TemporaryDirectory(prefix="falcon-lm-trace-") as log_dir:
             jax.profiler.start_trace(log_dir)
@@ -157,7 +185,8 @@ def _profile(steps: int, notes: dict) -> dict:
             finally:
                 jax.profiler.stop_trace()
             events = trace_scopes.load_trace(log_dir)
-        split = trace_scopes.scope_times(events, STATE["names"], SCOPES, host=jax.default_backend() == "cpu")
+        split = trace_scopes.scope_times(events, STATE["program"], SCOPES, host=host)
+        named = trace_scopes.named_kernel_time(events, host=host)
     except Exception as e:  # noqa: BLE001 - the timing stands without the profile
         notes["profile"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
         return {}
@@ -165,7 +194,17 @@ def _profile(steps: int, notes: dict) -> dict:
     if not total:
         notes["profile"] = "the trace holds no device events (on a GPU the profiler reads them through CUPTI)"
         return {}
+    unattributed = split["unattributed_us"] / total
+    shares_hold = unattributed <= trace_scopes.MAX_UNATTRIBUTED
+    if not shares_hold:
+        notes["profile"] = (f"{unattributed:.0%} of the device time matches no instruction of the step: mixer and "
+                            "core shares withheld (unattributed_top lists the largest kernels)")
     return {"device_ms": total / steps / 1e3, "profiled_wall_ms": wall / steps * 1e3,
-            "mixer_share": split["by_scope_us"]["mixer"] / total,
-            "core_share": split["by_scope_us"]["mixer/core"] / total,
-            "unattributed_share": split["unattributed_us"] / total, "trace_events": split["events"]}
+            "mixer_share": split["by_scope_us"]["mixer"] / total if shares_hold else None,
+            "core_share": split["by_scope_us"]["mixer/core"] / total if shares_hold else None,
+            "unattributed_share": unattributed, "mixer_kernels_share": named / total,
+            "attributed_by": {m: us / total for m, us in split["by_method_us"].items()},
+            "trace_events": split["events"], "trace_modules": {m: round(us / total, 4) for m, us in
+                                                               list(split["modules_us"].items())[:5]},
+            "unattributed_top": [{"name": r["name"], "ms": round(r["us"] / steps / 1e3, 4), "events": r["events"],
+                                  "args": r["args"]} for r in split["unattributed_top"]]}

@@ -28,9 +28,11 @@ overruns is reported and skipped; results are written as they come):
              takes names or patterns) — at T = 4096, 16384, 32768 with B = 32768 / T (``--lengths``, e.g.
              ``4096,2x16384``; 32,768 tokens per step): tokens/s, the allocator's peak device memory, the
              compile time, and the mixers' share of the step's device time from a profile (``mixer``: the
-             whole mixer layer; ``core``: its rule or attention alone; ``benchmarks/trace_scopes.py``).  Rows
-             are one sequence each (no ``segment_ids``: the Transformer takes cuDNN attention on a GPU);
-             ``--packed`` passes the trainer's ``segment_ids``.  Every configuration runs in a fresh process
+             whole mixer layer; ``core``: its rule or attention alone; shown as ``–`` when most of the
+             device time matches no instruction; ``mixer kernels``: the mixers' own kernels found by
+             name; ``benchmarks/trace_scopes.py``).  Rows are one sequence each (no ``segment_ids``: the
+             Transformer takes cuDNN attention on a GPU); ``--packed`` passes the trainer's
+             ``segment_ids``.  Every configuration runs in a fresh process
              (the peak is its own).  ``--jobs N`` builds and compiles N configurations at once (CPU-bound),
              then times them one after another with nothing else running; rows are written as each finishes.
              On a GPU the first configuration compiles alone and the others read its GEMMs' autotuning
@@ -78,7 +80,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import ops, source_tree
+from benchmarks import ops, source_tree, trace_scopes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITES = ("bench", "memory", "profile", "compare", "lm")
@@ -543,12 +545,28 @@ def lm_table(rows):
     def fixed(key, scale=1.0, digits=1):
         return lambda r: None if r.get(key) is None else f"{r[key] * scale:,.{digits}f}"
 
+    def scope_share(key):
+        # "–" once most of the device time is unattributed: the share of the rest would read as a measurement
+        def cell(r):
+            if r.get("unattributed_share") is None:
+                return None  # no profile
+            if r["unattributed_share"] > trace_scopes.MAX_UNATTRIBUTED or r.get(key) is None:
+                return "–"
+            return f"{r[key] * 100:,.1f}"
+        return cell
+
+    def kernels_share(r):
+        # "–" where XLA's own ops serve the mixer: no kernel of its own to find by name
+        if r.get("mixer_kernels_share") is None:
+            return None
+        return "–" if r.get("kernels") == "xla" else f"{r['mixer_kernels_share'] * 100:,.1f}"
+
     return table(rows, [("mixer", "mixer"), ("BxT", "shape"), ("kernels", "kernels"),
                         ("tokens/s", fixed("tokens_per_s", digits=0)), (f"x {LM_REFERENCE}", ratio),
                         ("step ms", fixed("step_ms")), ("peak GiB", fixed("peak_bytes", 2**-30, 2)),
-                        ("compile s", fixed("compile_s")), ("mixer %", fixed("mixer_share", 100)),
-                        ("core %", fixed("core_share", 100)), ("unattr. %", fixed("unattributed_share", 100)),
-                        ("note", note)])
+                        ("compile s", fixed("compile_s")), ("mixer %", scope_share("mixer_share")),
+                        ("core %", scope_share("core_share")), ("unattr. %", fixed("unattributed_share", 100)),
+                        ("mixer kernels %", kernels_share), ("note", note)])
 
 
 def lm_main(args, argv) -> int:
@@ -589,8 +607,17 @@ def lm_main(args, argv) -> int:
                          "XLA's memory_analysis() of the step",
                "profile": "shares of the device time of {profile_steps} traced step(s) (kernels and copies on the "
                           "device streams) whose HLO instruction's op_name lies in the named scope 'mixer' (the "
-                          "whole mixer layer) or 'mixer/core' (its rule or attention alone); unattributed: events "
-                          "naming no instruction of the step (benchmarks/trace_scopes.py)".format(**timing),
+                          "whole mixer layer) or 'mixer/core' (its rule or attention alone), each event matched to "
+                          "an instruction of the step by its args' hlo_op, else the op_name its launch annotation "
+                          "carries, else its kernel name (attributed_by: the share each method covered); "
+                          "unattributed: events matching no instruction of the step (unattributed_top: the "
+                          "largest, with their args); mixer_share and core_share are null when over "
+                          f"{trace_scopes.MAX_UNATTRIBUTED:.0%} of the time is unattributed; mixer_kernels_share: "
+                          "kernels whose names mark them as the mixers' own (falcon-jax's Pallas kernels, cuDNN "
+                          "attention), from the names alone; on a GPU the step is compiled with "
+                          "xla_enable_command_buffers_during_profiling=false, so that the traced step launches "
+                          "the CUDA graphs' kernels one at a time, each naming its instruction (untraced steps keep "
+                          "the graphs) (benchmarks/trace_scopes.py)".format(**timing),
                "compile": "lower_s: tracing the step to StableHLO; compile_s: XLA's compilation, with "
                           "compiled_alongside other configurations compiling in their processes at the same time"
                           + ("" if autotune is None else "; the configurations share XLA's per-fusion autotuning "

@@ -3,7 +3,7 @@
 The model runs its mixers under ``jax.named_scope("mixer")`` and their sequence-mixing op under
 ``mixer/core`` (``falcon_jax/nn/blocks.py``).  JAX writes the scope path into every HLO instruction's
 ``op_name`` metadata (``jit(step)/transpose(jvp())/mixer/core/pallas_call``; the backward keeps the
-scopes), and the profiler names the HLO instruction each device event ran (``args.hlo_op``).  So:
+scopes).  So:
 
     device time in scope S = Σ durations of the device events whose instruction's op_name has S as
                              consecutive path components
@@ -12,14 +12,39 @@ over the kernels (and copies) the trace records on the device's streams — on a
 ``Stream ...`` lines of the ``/device:GPU:N`` processes, not the lines the profiler derives from them
 (``XLA Ops``, ``XLA Modules``, ...); on the CPU, whose ops run on host threads, every event that
 names an HLO instruction.  A fusion counts wholly on one side of a scope boundary it crosses (its own
-op_name, else its root's: :func:`op_names`).  Events whose instruction is not in the program (a CUDA
-graph's ``command_buffer`` launch, a copy without an instruction) are counted as unattributed.
+op_name, else its root's: :func:`op_names`).
+
+An event is matched to the step's program (:func:`program`), first method that applies:
+
+1. ``hlo_op``: the instruction the event's args name.  XLA's GPU runtime annotates each launch
+   ``XlaModule:#prefix=P,hlo_module=M,program_id=N#::Thunk:#name=OP_NAME,hlo_op=INSTRUCTION#`` and the
+   profiler copies those keys into the kernel's args (``hlo_op``, ``hlo_module``, ``name``,
+   ``prefix``; ``tf_op`` holds the outermost annotation's name); the CPU's thunks carry ``hlo_op`` and
+   ``hlo_module``.  A ``long_name`` holding an instruction's text (``%fusion.3 = ...``) names it too.
+2. ``annotation``: the op_name XLA wrote into the annotation itself (``prefix`` + ``/`` + ``name``,
+   or a ``tf_op`` that is a path), for an instruction missing from the text.
+3. ``kernel_name``: the kernel's own name.  XLA names a fusion's kernel after the instruction
+   (``loop_add_fusion.2`` -> ``loop_add_fusion_2``); a Pallas Triton call's kernel is its backend
+   config's ``name``; a Mosaic GPU call's kernel carries its host function's name
+   (``NAME_mosaic_gpu``) as a prefix.  This is what is left inside a CUDA graph, whose kernels all
+   name the graph's launch (``hlo_op=command_buffer``).  A kernel XLA reuses for identical fusions
+   keeps the first one's name, and a kernel name shared by instructions of different scopes is not
+   attributed; vendor kernels (cuBLAS, cuDNN) have no such name and need method 1.
+
+Events of another program (an ``hlo_module`` other than the step's, when the step's appears in the
+trace) and events nothing matches are unattributed; the largest of them are listed
+(:func:`scope_times`) so that a trace in an unforeseen layout shows what it holds.  Shares are only
+meaningful while the unattributed time stays small (:data:`MAX_UNATTRIBUTED`).
+
+Independently of all metadata, :func:`named_kernel_time` sums the kernels whose names mark them as a
+mixer's sequence-mixing kernels (:data:`MIXER_KERNELS`).
 
 No jax import: this module only reads text and JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -34,6 +59,19 @@ _DEVICE = re.compile(r"/device:(GPU|TPU):\d+")
 # custom-call targets (substrings) and fusion kinds -> the kernel family a report names
 KERNEL_FAMILIES = (("triton", "triton"), ("mosaic_gpu", "mosaic_gpu"), ("tpu_custom_call", "mosaic_tpu"),
                    ("cudnn", "cudnn"))
+_MODULE = re.compile(r"^\s*HloModule\s+([\w.\-]+)", re.M)
+# a custom call's kernel name in its backend config: Triton's ``name = "K"`` (``"name": "K"`` as JSON), and the
+# host function ``K_mosaic_gpu`` inside a Mosaic GPU call's serialized module (a NUL-separated string table)
+_CONFIG_NAME = re.compile(r'(?:^|[\s{,])"?(?:kernel_)?name"?\s*[=:]\s*"([\w.$\-]+)"')
+_MOSAIC_HOST = re.compile(r"\\00(\w+_mosaic_gpu)\\00")
+_LONG_NAME = re.compile(r"^\s*%?([\w.\-]+)\s*=")
+# the mixers' own sequence-mixing kernels, by name: falcon-jax's Pallas kernels (every ``name=`` /
+# ``kernel_name=`` under pallas_kernels/ starts ``falcon_`` or is the gate transpose; Mosaic GPU appends
+# ``_mosaic_gpu_kernel``) and cuDNN's attention kernels (``..._sdpa_...``, ``..._fmha_...``, flash)
+MIXER_KERNELS = re.compile(r"^(falcon_|gate_transpose)|sdpa|fmha|flash", re.IGNORECASE)
+# past this share of unattributed device time the scope shares say nothing and are withheld
+MAX_UNATTRIBUTED = 0.5
+METHODS = ("hlo_op", "annotation", "kernel_name")
 
 
 def _operands(rest: str) -> list[str]:
@@ -186,24 +224,153 @@ def device_events(events: list[dict], host: bool = False) -> list[dict]:
     return [e for e in complete if e.get("pid") in devices and (e.get("args") or {}).get("hlo_op")]
 
 
-def scope_times(events: list[dict], names: dict[str, str], scopes: tuple[str, ...], host: bool = False) -> dict:
-    """``{"total_us", "unattributed_us", "events", "by_scope_us": {scope: us}}`` over the device events
-    of ``events`` (a trace's; ``host`` as in :func:`device_events`), attributed through ``names``
-    (:func:`op_names` of the program)."""
+def sanitized(name: str) -> str:
+    """The kernel name XLA gives an instruction's kernel: characters other than ``[A-Za-z0-9_$]`` become
+    ``_`` (``loop_add_fusion.2`` -> ``loop_add_fusion_2``), and a leading digit gets a ``_`` before it."""
+    out = re.sub(r"[^A-Za-z0-9_$]", "_", name) or "__unnamed"
+    return "_" + out if out[0].isdigit() else out
+
+
+@dataclasses.dataclass
+class Program:
+    """What attribution reads from a compiled program's HLO text (:func:`program`).
+
+    ``module``: the ``HloModule`` name (``None`` when unknown); ``names``: :func:`op_names`;
+    ``kernels``: ``{kernel name: [instruction, ...]}`` by XLA's naming (:func:`sanitized`);
+    ``stems``: ``{kernel name or prefix: [custom call, ...]}`` from the custom calls' backend configs."""
+    module: str | None
+    names: dict[str, str]
+    kernels: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    stems: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+def program(hlo_text: str) -> Program:
+    """The :class:`Program` of a compiled program's HLO text (``compiled.as_text()``)."""
+    module = _MODULE.search(hlo_text)
+    kernels: dict[str, list[str]] = {}
+    stems: dict[str, list[str]] = {}
+    for _, name, _, _, _, line in _instructions(hlo_text):
+        kernels.setdefault(sanitized(name), []).append(name)
+        if "custom-call(" in line:
+            for stem in {*_CONFIG_NAME.findall(line), *_MOSAIC_HOST.findall(line)}:
+                stems.setdefault(stem, []).append(name)
+    return Program(module.group(1) if module else None, op_names(hlo_text), kernels, stems)
+
+
+def _as_program(names) -> Program:
+    return names if isinstance(names, Program) else Program(None, dict(names))
+
+
+def _instruction_candidates(args: dict) -> list[str]:
+    """The instruction names an event's args give: ``hlo_op`` (as written, without ``%``, each of a list,
+    the last ``/`` component) and the instruction a ``long_name`` holding HLO text defines."""
+    out = []
+    raw = str(args.get("hlo_op") or "").strip()
+    if raw:
+        out.append(raw)
+        for piece in re.split(r"[,;\s]+", raw):
+            piece = piece.lstrip("%")
+            out += [piece, piece.rsplit("/", 1)[-1]]
+    long_name = _LONG_NAME.match(str(args.get("long_name") or ""))
+    if long_name:
+        out.append(long_name.group(1))
+    return [c for c in dict.fromkeys(out) if c]
+
+
+def _annotation_path(args: dict) -> str | None:
+    """The op_name XLA's launch annotation carries: ``prefix/name`` (``name`` is the op_name without the
+    module's common prefix), else a ``tf_op`` that is a path."""
+    name = str(args.get("name") or "").strip()
+    if name and ("hlo_op" in args or "hlo_module" in args):
+        prefix = str(args.get("prefix") or "").strip().rstrip("/")
+        return f"{prefix}/{name}" if prefix else name
+    tf_op = str(args.get("tf_op") or "")
+    return tf_op if "/" in tf_op else None
+
+
+class _KernelNames:
+    """Kernel name -> op_name path through :attr:`Program.kernels` and :attr:`Program.stems`, cached;
+    ``None`` when no instruction has that kernel name or its instructions disagree on ``scopes``."""
+
+    def __init__(self, prog: Program, scopes):
+        self.prog, self.scopes, self.cache = prog, scopes, {}
+
+    def __call__(self, kernel: str) -> str | None:
+        if kernel not in self.cache:
+            instructions = self.prog.kernels.get(kernel)
+            if not instructions:
+                # a custom call's kernel: its name, or its name then ``_...`` (the longest such stem)
+                stems = [s for s in self.prog.stems if kernel == s or kernel.startswith(s + "_")]
+                instructions = self.prog.stems[max(stems, key=len)] if stems else []
+            paths = [p for p in (self.prog.names.get(i) for i in instructions) if p]
+            sides = {tuple(in_scope(p, s) for s in self.scopes) for p in paths}
+            self.cache[kernel] = paths[0] if len(sides) == 1 else None
+        return self.cache[kernel]
+
+
+def _sample(event: dict, limit: int = 80, keys: int = 16) -> dict:
+    """An event's args, at most ``keys`` of them, each value cut to ``limit`` characters."""
+    args = event.get("args") or {}
+    return {str(k): (str(v) if len(str(v)) <= limit else str(v)[:limit] + "...")
+            for k, v in list(args.items())[:keys]}
+
+
+def scope_times(events: list[dict], names, scopes: tuple[str, ...], host: bool = False, top: int = 10) -> dict:
+    """The device time of ``events`` (a trace's; ``host`` as in :func:`device_events`) split by named scope.
+
+    ``names``: the step's :class:`Program` (a plain ``{instruction: op_name}`` mapping is taken as a program
+    of unknown module and kernel names).  Returns ``{"total_us", "unattributed_us", "events",
+    "by_scope_us": {scope: us}, "by_method_us": {method: us} (METHODS), "modules_us": {hlo_module: us}
+    (the device events naming one), "module_matched": whether the step's module was among them,
+    "unattributed_top": [{"name", "us", "events", "args"}, ...]}`` — the ``top`` unattributed kernel names by
+    time, each with the args of its longest event (values cut short)."""
+    prog = _as_program(names)
+    by_kernel_name = _KernelNames(prog, scopes)
+    chosen = device_events(events, host)
+    modules: dict[str, float] = {}
+    for e in chosen:
+        module = (e.get("args") or {}).get("hlo_module")
+        if module:
+            modules[str(module)] = modules.get(str(module), 0.0) + float(e["dur"])
+    # the module filter applies only when the step's module is seen: a name spelled otherwise filters nothing
+    strict = prog.module is not None and prog.module in modules
     total = unattributed = 0.0
     by_scope = dict.fromkeys(scopes, 0.0)
-    chosen = device_events(events, host)
+    by_method = dict.fromkeys(METHODS, 0.0)
+    missed: dict[str, list] = {}
     for e in chosen:
         dur = float(e["dur"])
         total += dur
         args = e.get("args") or {}
-        path = names.get(args.get("hlo_op", ""))
-        if path is None and "/" in str(args.get("tf_op", "")):
-            path = args["tf_op"]
+        path = method = None
+        if not (strict and args.get("hlo_module") and str(args["hlo_module"]) != prog.module):
+            path = next((prog.names[c] for c in _instruction_candidates(args) if c in prog.names), None)
+            method = "hlo_op"
+            if path is None:
+                path, method = _annotation_path(args), "annotation"
+            if path is None:
+                path, method = by_kernel_name(str(e.get("name", ""))), "kernel_name"
         if path is None:
             unattributed += dur
+            entry = missed.setdefault(str(e.get("name", "")), [0.0, 0, 0.0, e])
+            entry[0] += dur
+            entry[1] += 1
+            if dur > entry[2]:
+                entry[2], entry[3] = dur, e
             continue
+        by_method[method] += dur
         for scope in scopes:
             if in_scope(path, scope):
                 by_scope[scope] += dur
-    return {"total_us": total, "unattributed_us": unattributed, "events": len(chosen), "by_scope_us": by_scope}
+    ranked = sorted(missed.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"total_us": total, "unattributed_us": unattributed, "events": len(chosen), "by_scope_us": by_scope,
+            "by_method_us": by_method, "modules_us": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
+            "module_matched": strict,
+            "unattributed_top": [{"name": name[:120], "us": us, "events": n, "args": _sample(longest)}
+                                 for name, (us, n, _, longest) in ranked]}
+
+
+def named_kernel_time(events: list[dict], pattern: re.Pattern = MIXER_KERNELS, host: bool = False) -> float:
+    """Device time (µs) of the device events of ``events`` whose kernel name matches ``pattern`` (default:
+    :data:`MIXER_KERNELS`) — from the names alone, no program or op_name needed."""
+    return sum(float(e["dur"]) for e in device_events(events, host) if pattern.search(str(e.get("name", ""))))

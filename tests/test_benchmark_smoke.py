@@ -1,8 +1,9 @@
 """``python -m benchmarks.run --suite bench --smoke`` and ``--suite lm --smoke`` on the CPU (tiny shapes, the Triton
 kernels in interpret mode, no peers): the whole entry point runs as a subprocess, and the JSON it writes holds
 every row with finite times and the metadata a result needs.  The lm suite's split of device time by named scope
-(``benchmarks/trace_scopes.py``, which imports nothing heavy) is also checked on a hand-written program and trace
-in the GPU profiler's layout."""
+(``benchmarks/trace_scopes.py``, which imports nothing heavy) is also checked on hand-written programs and traces
+in the GPU profiler's layouts: launches that name their instruction, kernels inside a CUDA graph (found by kernel
+name), annotations carrying only the op_name, other programs' kernels; and its printed table on hand-written rows."""
 
 import datetime
 import json
@@ -93,12 +94,20 @@ def test_lm_smoke_times_the_train_step_and_splits_it_by_scope(tmp_path):
         assert row["tokens_per_s"] == pytest.approx(128 / (row["step_ms"] / 1e3), rel=1e-9)
         assert row["step_ms"] == pytest.approx(statistics.median(row["step_ms_samples"]), abs=1e-3)
         assert row["peak_bytes"] is None  # the CPU keeps no allocator statistics
-        # the mixer and its core are real parts of the step, and nearly every device event is attributed
+        # the mixer and its core are real parts of the step, and nearly every device event is attributed, by the
+        # instruction the CPU's thunks name
         assert 0 < row["core_share"] < row["mixer_share"] < 1, row
         assert row["unattributed_share"] < 0.05, row
+        assert row["attributed_by"]["hlo_op"] > 0.95, row
+        assert sum(row["attributed_by"].values()) + row["unattributed_share"] == pytest.approx(1.0, abs=1e-9)
+        assert row["hlo_module"].startswith("jit_") and row["trace_modules"][row["hlo_module"]] > 0.95, row
+        assert row["mixer_kernels_share"] == 0.0, row  # interpret mode: no kernel of the mixer's own
+        assert len(row["unattributed_top"]) <= 10
+        assert all(set(r) == {"name", "ms", "events", "args"} for r in row["unattributed_top"]), row
 
     log = (tmp_path / "lm.log").read_text()
     assert "tokens/s" in log and "x falcon-1A.3" in log and all(m in log for m in mixers)
+    assert "mixer kernels %" in log
 
 
 # a compiled program's HLO text, as ``compiled.as_text()`` prints it, reduced to what the attribution reads
@@ -130,26 +139,80 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 }
 """
 
+# a GPU program: fusions named as XLA names them, a cuBLAS GEMM, Pallas calls lowered through Triton (the kernel
+# name in the backend config; a quote inside the serialized IR is escaped) and Mosaic GPU (the host function
+# ``NAME_mosaic_gpu`` in the serialized module's string table), and one Triton kernel called in two scopes
+HLO_GPU = r"""HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(bf16[8]{0})->bf16[8]{0}}
 
-def _gpu_trace():
-    """Events in the layout ``jax.profiler`` writes on a GPU: kernels on a device process's ``Stream`` lines,
-    the same work again on the lines derived from them, and host-side events naming HLO ops."""
+%fused_gate (param_0: bf16[8]) -> bf16[8] {
+  %param_0 = bf16[8]{0} parameter(0)
+  ROOT %multiply.4 = bf16[8]{0} multiply(%param_0, %param_0), metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mixer/mul"}
+}
+
+%fused_up (param_0.1: bf16[8]) -> bf16[8] {
+  %param_0.1 = bf16[8]{0} parameter(0)
+  ROOT %add.7 = bf16[8]{0} add(%param_0.1, %param_0.1), metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mlp/add"}
+}
+
+ENTRY %main.9 (p: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  %custom-call.3 = bf16[8]{0} custom-call(%p), custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mixer/dot_general"}
+  %loop_multiply_fusion.2 = bf16[8]{0} fusion(%custom-call.3), kind=kLoop, calls=%fused_gate
+  %pallas_call.1 = bf16[8]{0} custom-call(%loop_multiply_fusion.2), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, backend_config={debug = false, grid_x = 4 : i32, ir = "ML\EFR\00k\00falcon_attn_col_grads\00name = \22decoy\22", name = "falcon_attn_col_grads", num_warps = 4 : i32}, metadata={op_name="jit(train_step)/transpose(jvp(FalconLM))/blocks/mixer/core/pallas_call"}
+  %pallas_call.2 = bf16[8]{0} custom-call(%pallas_call.1), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, backend_config={kernel_hash = "G\CC", module = "ML\EFR\01\00falcon_delta_walk_mgpu\00pallas_call:\00llvm.emit_c_interface\00falcon_delta_walk_mgpu_mosaic_gpu\00ordering\00"}, metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mixer/core/pallas_call"}
+  %pallas_call.5 = bf16[8]{0} custom-call(%pallas_call.2), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "gate_transpose", num_warps = 4 : i32}, metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mixer/core/pallas_call"}
+  %pallas_call.6 = bf16[8]{0} custom-call(%pallas_call.5), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "gate_transpose", num_warps = 4 : i32}, metadata={op_name="jit(train_step)/jvp(FalconLM)/blocks/mlp/pallas_call"}
+  ROOT %loop_add_fusion = bf16[8]{0} fusion(%pallas_call.6), kind=kLoop, calls=%fused_up
+}
+"""
+SCOPES = ("mixer", "mixer/core", "mlp")
+# (instruction, kernel name, µs): what the GPU launches for HLO_GPU, durations powers of two so that sums tell
+LAUNCHES = (("custom-call.3", "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0),
+            ("loop_multiply_fusion.2", "loop_multiply_fusion_2", 2.0),
+            ("pallas_call.1", "falcon_attn_col_grads", 4.0),
+            ("pallas_call.2", "falcon_delta_walk_mgpu_mosaic_gpu_kernel", 8.0),
+            ("pallas_call.5", "gate_transpose", 16.0),
+            ("pallas_call.6", "gate_transpose", 32.0),
+            ("loop_add_fusion", "loop_add_fusion", 64.0))
+MIXER, CORE, MLP = 1.0 + 2.0 + 4.0 + 8.0 + 16.0, 4.0 + 8.0 + 16.0, 32.0 + 64.0
+
+
+def _device_trace(kernels, derived=True):
+    """Events in the layout ``jax.profiler`` writes on a GPU: ``kernels`` (``(name, tid, µs, args)``) on a device
+    process's ``Stream`` lines, the same work again on a line derived from them, and a host-side event."""
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "python"}},
-            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7(Kernel,MemcpyD2D)"}},
             {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "Stream #8(MemcpyD2D)"}},
             {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "XLA Ops"}}]
+    events = [{"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": 0, "dur": dur, "args": args}
+              for name, tid, dur, args in kernels]
+    derived_events = [dict(e, tid=9) for e in events] if derived else []  # "XLA Ops": a second view of the time
+    host = [{"ph": "X", "pid": 1, "tid": 5, "name": "ThunkExecute", "ts": 0, "dur": 1e6,
+             "args": {"hlo_op": "loop_add_fusion"}}]
+    return meta + events + derived_events + host
+
+
+def _annotated(hlo_op, module="jit_train_step", name=None, **extra):
+    """A kernel's args as XLA's launch annotation gives them (``XlaModule:#prefix=...,hlo_module=...#::
+    Thunk:#name=...,hlo_op=...#``), with the CUPTI record's own keys."""
+    args = {"correlation_id": "4711", "kernel_details": "regs:32 static_shared:0 grid:4,1,1 block:128,1,1",
+            "tf_op": "XlaModule", "hlo_module": module, "program_id": "17", "prefix": "jit(train_step)",
+            "hlo_op": hlo_op}
+    if name is not None:
+        args["name"] = name
+    return dict(args, **extra)
+
+
+def _gpu_trace():
+    """HLO's kernels, each naming its instruction, a kernel whose args carry a path, and a CUDA graph's launch."""
     kernels = [("proj", 7, 10.0), ("kernel", 7, 20.0), ("attn", 7, 40.0), ("loop_fusion", 7, 80.0),
                ("copy.3", 8, 160.0), ("mlp_fusion", 7, 320.0), ("both", 7, 640.0), ("scope_lookalike", 7, 1280.0),
                ("head", 7, 2560.0), ("command_buffer", 7, 5120.0)]
-    events = [{"ph": "X", "pid": 2, "tid": tid, "name": f"kernel_{op}", "ts": 0, "dur": dur,
-               "args": {"hlo_op": op, "hlo_module": "jit_step"}} for op, tid, dur in kernels]
-    events.append({"ph": "X", "pid": 2, "tid": 7, "name": "sm90_gemm", "ts": 0, "dur": 10240.0,
-                   "args": {"hlo_op": "gone.1", "tf_op": "jit(step)/jvp(mixer)/core/dot_general"}})
-    derived = [dict(e, tid=9) for e in events]  # "XLA Ops": a second view of the same time
-    host = [{"ph": "X", "pid": 1, "tid": 5, "name": "ThunkExecute", "ts": 0, "dur": 1e6, "args": {"hlo_op": "proj"}}]
-    return meta + events + derived + host
+    events = [(f"kernel_{op}", tid, dur, {"hlo_op": op, "hlo_module": "jit_step"}) for op, tid, dur in kernels]
+    events.append(("sm90_gemm", 7, 10240.0, {"hlo_op": "gone.1", "tf_op": "jit(step)/jvp(mixer)/core/dot_general"}))
+    return _device_trace(events)
 
 
 def test_trace_scopes_attributes_device_time_through_op_names():
@@ -171,25 +234,165 @@ def test_trace_scopes_attributes_device_time_through_op_names():
     assert ts.kernel_families(HLO, "mixer/core") == ["cudnn", "triton"]  # the cuBLAS projection is outside core
     assert ts.kernel_families(HLO, "mlp") == []
 
-    split = ts.scope_times(_gpu_trace(), names, ("mixer", "mixer/core", "mlp"))
+    prog = ts.program(HLO)
+    assert prog.module == "jit_step" and prog.names == names
+    split = ts.scope_times(_gpu_trace(), prog, SCOPES)
     core = 20.0 + 40.0 + 80.0 + 160.0 + 10240.0  # kernel, attn, loop_fusion, copy.3, and the tf_op event
     assert split["by_scope_us"] == {"mixer": 10.0 + core, "mixer/core": core, "mlp": 320.0}
     assert split["unattributed_us"] == 5120.0  # the command buffer names no instruction of the program
     assert split["total_us"] == sum([10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 5120.0, 10240.0])
     assert split["events"] == 11  # the Stream lines only: not the derived "XLA Ops" line, not the host
+    assert split["by_method_us"] == {"hlo_op": split["total_us"] - 5120.0 - 10240.0, "annotation": 10240.0,
+                                     "kernel_name": 0.0}
+    assert [r["name"] for r in split["unattributed_top"]] == ["kernel_command_buffer"]
+    # a bare {instruction: op_name} mapping still serves (no module, no kernel names)
+    assert ts.scope_times(_gpu_trace(), names, SCOPES)["by_scope_us"] == split["by_scope_us"]
 
 
-def test_trace_scopes_reads_the_cpu_layout():
+def test_trace_scopes_reads_gpu_kernels_by_instruction_annotation_and_kernel_name():
     from benchmarks import trace_scopes as ts
 
-    # no device process: XLA's CPU thunks on host threads, each naming its instruction; "end:" markers do not
-    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
-              {"ph": "X", "pid": 1, "tid": 3, "name": "kernel", "dur": 3.0, "args": {"hlo_op": "kernel"}},
-              {"ph": "X", "pid": 1, "tid": 3, "name": "end: kernel", "dur": 1.0, "args": {}},
-              {"ph": "X", "pid": 1, "tid": 4, "name": "head", "dur": 5.0, "args": {"hlo_op": "head"}},
-              {"ph": "X", "pid": 1, "tid": 4, "name": "$python", "dur": 100.0}]
-    split = ts.scope_times(events, ts.op_names(HLO), ("mixer", "mixer/core"), host=True)
-    assert split == {"total_us": 8.0, "unattributed_us": 0.0, "events": 2,
-                     "by_scope_us": {"mixer": 3.0, "mixer/core": 3.0}}
-    # on a GPU the same trace means the profiler saw no device: host-side events do not stand in for them
-    assert ts.scope_times(events, ts.op_names(HLO), ("mixer",))["events"] == 0
+    prog = ts.program(HLO_GPU)
+    assert prog.module == "jit_train_step"
+    assert prog.kernels["loop_multiply_fusion_2"] == ["loop_multiply_fusion.2"]
+    assert prog.stems == {"falcon_attn_col_grads": ["pallas_call.1"],  # not the escaped decoy inside the IR
+                          "falcon_delta_walk_mgpu_mosaic_gpu": ["pallas_call.2"],
+                          "gate_transpose": ["pallas_call.5", "pallas_call.6"]}
+    total = sum(us for _, _, us in LAUNCHES)
+
+    # standalone launches: every kernel, the cuBLAS one included, names its instruction
+    split = ts.scope_times(_device_trace([(k, 7, us, _annotated(op)) for op, k, us in LAUNCHES]), prog, SCOPES)
+    assert split["by_scope_us"] == {"mixer": MIXER, "mixer/core": CORE, "mlp": MLP}
+    assert split["by_method_us"] == {"hlo_op": total, "annotation": 0.0, "kernel_name": 0.0}
+    assert split["unattributed_us"] == 0.0 and split["unattributed_top"] == [] and split["module_matched"]
+    assert split["modules_us"] == {"jit_train_step": total}
+
+    # inside a CUDA graph every kernel names the graph's launch: XLA's fusions and the Pallas kernels are found by
+    # kernel name; the cuBLAS kernel is not, and neither is the kernel two scopes' custom calls share
+    graph = [(k, 7, us, _annotated("command_buffer", cuda_graph_id="3")) for _, k, us in LAUNCHES]
+    split = ts.scope_times(_device_trace(graph), prog, SCOPES)
+    assert split["by_scope_us"] == {"mixer": 2.0 + 4.0 + 8.0, "mixer/core": 4.0 + 8.0, "mlp": 64.0}
+    assert split["by_method_us"] == {"hlo_op": 0.0, "annotation": 0.0, "kernel_name": 2.0 + 4.0 + 8.0 + 64.0}
+    assert split["unattributed_us"] == 1.0 + 16.0 + 32.0
+    top = split["unattributed_top"]
+    assert [(r["name"], r["us"], r["events"]) for r in top] == [
+        ("gate_transpose", 48.0, 2), ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0, 1)]
+    assert top[0]["args"]["hlo_op"] == "command_buffer" and top[0]["args"]["cuda_graph_id"] == "3"
+
+    # the op_name the annotation carries stands in for an instruction the text lacks; a "%" and a long_name's
+    # HLO text still name one
+    events = [("nvjet_a", 7, 1.0, _annotated("custom-call.99", name="jvp(FalconLM)/blocks/mixer/core/dot_general")),
+              ("nvjet_b", 7, 2.0, _annotated("%custom-call.3")),
+              ("nvjet_c", 8, 4.0, {"long_name": "%loop_add_fusion = bf16[8]{0} fusion(%pallas_call.6), kind=kLoop"}),
+              ("nvjet_d", 7, 8.0, _annotated("custom-call.98"))]  # no path, no such instruction or kernel
+    split = ts.scope_times(_device_trace(events), prog, SCOPES)
+    assert split["by_scope_us"] == {"mixer": 1.0 + 2.0, "mixer/core": 1.0, "mlp": 4.0}
+    assert split["by_method_us"] == {"hlo_op": 2.0 + 4.0, "annotation": 1.0, "kernel_name": 0.0}
+    assert split["unattributed_us"] == 8.0
+
+    # another program's kernels are not the step's, whatever they are called; when the step's module never
+    # appears (spelled otherwise), the module does not filter
+    events = [("loop_add_fusion", 7, 1.0, _annotated("loop_add_fusion")),
+              ("loop_add_fusion", 7, 2.0, _annotated("loop_add_fusion", module="jit_other"))]
+    split = ts.scope_times(_device_trace(events), prog, SCOPES)
+    assert (split["by_scope_us"]["mlp"], split["unattributed_us"], split["module_matched"]) == (1.0, 2.0, True)
+    renamed = [(k, t, us, dict(a, hlo_module="jit_train_step.1")) for k, t, us, a in events[:1]]
+    split = ts.scope_times(_device_trace(renamed), prog, SCOPES)
+    assert (split["by_scope_us"]["mlp"], split["unattributed_us"], split["module_matched"]) == (1.0, 0.0, False)
+
+
+def test_trace_scopes_lists_the_largest_unattributed_kernels_with_their_args():
+    from benchmarks import trace_scopes as ts
+
+    long_value = "x" * 300
+    events = [(f"vendor_kernel_{i}", 7, float(i + 1), {"hlo_op": "command_buffer", "kernel_details": long_value})
+              for i in range(14)]
+    events += [("vendor_kernel_3", 7, 100.0, {"hlo_op": "command_buffer", "correlation_id": "9"})]  # longest: its args
+    split = ts.scope_times(_device_trace(events), ts.program(HLO_GPU), SCOPES, top=10)
+    top = split["unattributed_top"]
+    assert [r["name"] for r in top] == ["vendor_kernel_3"] + [f"vendor_kernel_{i}" for i in range(13, 4, -1)]
+    assert (top[0]["us"], top[0]["events"], top[0]["args"]) == (104.0, 2, {"hlo_op": "command_buffer",
+                                                                            "correlation_id": "9"})
+    assert top[1]["args"]["kernel_details"] == "x" * 80 + "..."
+    assert split["unattributed_us"] == split["total_us"] == sum(range(1, 15)) + 100.0
+
+
+def test_mixer_kernels_are_found_by_name_alone():
+    from benchmarks import trace_scopes as ts
+
+    # every kernel name pallas_kernels/ gives (Triton names, Mosaic GPU kernel names with the suffix Mosaic adds)
+    source = "\n".join(p.read_text() for p in (ROOT / "pallas_kernels").rglob("*.py"))
+    given = [name for expr in re.findall(r"(?<![\w.])(?:kernel_)?name=([^,)\n]+)", source)
+             for name in re.findall(r'"(\w+)"', expr)]
+    assert len(given) > 20 and "gate_transpose_back" in given
+    for name in given + [n + "_mosaic_gpu_kernel" for n in given]:
+        assert ts.MIXER_KERNELS.search(name), name
+    for name in ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+                 "fmha_cutlassF_bf16_aligned_64x64_rf_sm80"):
+        assert ts.MIXER_KERNELS.search(name), name
+    for name in ("loop_multiply_fusion", "input_convert_reduce_select_fusion", "gemm_fusion_dot_3",
+                 "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",
+                 "MemcpyD2D", "wrapped_sine", "triton_softmax_2"):
+        assert not ts.MIXER_KERNELS.search(name), name
+
+    graph = [(k, 7, us, _annotated("command_buffer")) for _, k, us in LAUNCHES]
+    events = _device_trace(graph + [("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 8, 128.0, {})])
+    assert ts.named_kernel_time(events) == 4.0 + 8.0 + 16.0 + 32.0 + 128.0  # not the fusions, not cuBLAS
+    assert ts.named_kernel_time(events, re.compile("^loop_")) == 2.0 + 64.0
+
+
+def test_lm_table_withholds_scope_shares_when_most_time_is_unattributed():
+    from benchmarks.run import lm_table
+
+    base = {"shape": "8x4096", "kernels": "triton", "tokens_per_s": 1000.0, "step_ms": 95.3, "notes": {}}
+    rows = [dict(base, mixer="falcon-1A.3", mixer_share=0.41, core_share=0.22, unattributed_share=0.02,
+                 mixer_kernels_share=0.131),
+            dict(base, mixer="falcon-1.3", mixer_share=None, core_share=None, unattributed_share=0.998,
+                 mixer_kernels_share=0.094),
+            dict(base, mixer="transformer", kernels="xla", mixer_share=0.0015, core_share=0.0015,
+                 unattributed_share=0.51, mixer_kernels_share=0.0),
+            dict(base, mixer="mamba2")]  # no profile
+    header, _, *lines = lm_table(rows).splitlines()
+    columns = [c.strip() for c in header.split("|")]
+    cells = {line.split("|")[0].strip(): dict(zip(columns, (c.strip() for c in line.split("|")))) for line in lines}
+    share = lambda m: tuple(cells[m][c] for c in ("mixer %", "core %", "unattr. %", "mixer kernels %"))  # noqa: E731
+    assert share("falcon-1A.3") == ("41.0", "22.0", "2.0", "13.1")
+    assert share("falcon-1.3") == ("–", "–", "99.8", "9.4")
+    assert share("transformer") == ("–", "–", "51.0", "–")  # numbers in the row, but over half unattributed
+    assert share("mamba2") == ("-", "-", "-", "-")
+
+
+def test_lm_compile_drops_the_options_an_xla_does_not_know():
+    from benchmarks.lm import compile_with
+
+    class Lowered:  # an XLA that knows only ``known``
+        def __init__(self, known):
+            self.known, self.calls = known, []
+
+        def compile(self, compiler_options=None):
+            self.calls.append(dict(compiler_options or {}))
+            for key in compiler_options or {}:
+                if key not in self.known:
+                    raise RuntimeError(f"INVALID_ARGUMENT: No such compile option: '{key}'")
+            return "compiled"
+
+    options = {"xla_enable_command_buffers_during_profiling": False, "xla_gpu_per_fusion_autotune_cache_dir": "/a"}
+    notes = {}
+    lowered = Lowered({"xla_gpu_per_fusion_autotune_cache_dir"})
+    assert compile_with(lowered, options, notes)[0] == "compiled"
+    assert lowered.calls == [options, {"xla_gpu_per_fusion_autotune_cache_dir": "/a"}]
+    assert list(notes) == ["xla_enable_command_buffers_during_profiling"] and "has no" in notes[
+        "xla_enable_command_buffers_during_profiling"]
+    assert len(options) == 2  # the caller's dict is left alone
+
+    notes = {}
+    lowered = Lowered(set())
+    compile_with(lowered, options, notes)
+    assert lowered.calls[-1] == {} and set(notes) == set(options)
+
+    class Broken(Lowered):
+        def compile(self, compiler_options=None):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        compile_with(Broken(set()), options, {})
