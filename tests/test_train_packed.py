@@ -110,6 +110,39 @@ def test_packed_width_distribution(sampling):
     assert abs(sum(v["problems"] for k, v in shares.items() if k != "padding") - 1) < 1e-9
 
 
+@pytest.mark.parametrize("sampling", ["uniform", "token_balanced"])
+def test_curriculum_caps_each_rows_widths_and_then_opens_the_full_range(sampling):
+    """Row g draws widths in [min, cap(g)], cap growing by equal steps from the start width to the widest over
+    curriculum_rows rows; within the cap the sampling keeps its shape; past the curriculum the stream draws
+    from the full range (the rows past it differ from the no-curriculum stream only by the cap)."""
+    kw = dict(train_min_width=1, train_max_width=9, pack_len=256, width_sampling=sampling, seed=4)
+    d = _packed(curriculum_rows=600, curriculum_start_width=3, **kw)
+    idx = np.arange(900)
+    cap = d.width_cap(idx)
+    assert cap[0] == 3 and cap[-1] == 9 and (np.diff(cap) >= 0).all()
+    steps = [int((cap[:600] == c).sum()) for c in range(3, 10)]  # 600 rows in 7 equal steps
+    assert sum(steps) == 600 and max(steps) - min(steps) <= 1
+    w = d.packed_rows(idx, with_widths=True)["widths"]
+    assert ((w <= cap[:, None]) | (w == 0)).all()
+    for c in (3, 6, 9):  # every width up to the cap is drawn, in the sampling's proportions
+        ws = w[cap == c]
+        ws = ws[ws > 0]
+        assert set(np.unique(ws)) == set(range(1, c + 1))
+    late = w[idx >= 600]
+    late = late[late > 0]
+    count = np.array([(late == n).sum() for n in range(1, 10)], float)
+    if sampling == "uniform":
+        np.testing.assert_allclose(count / count.sum(), 1 / 9, rtol=0.2)
+    # past the curriculum: the same rows as without one
+    np.testing.assert_array_equal(d.packed_rows(idx[600:])["tokens"], _packed(**kw).packed_rows(idx[600:])["tokens"])
+    shares = d.width_shares(rows=200, span=900)
+    assert shares[9]["problems"] > 0  # measured over the whole span, not the first (capped) rows
+    with pytest.raises(ValueError, match="curriculum_start_width"):
+        _packed(curriculum_rows=10, curriculum_start_width=12, **kw)
+    with pytest.raises(ValueError, match="pack"):
+        D.AdditionData(curriculum_rows=10)
+
+
 def test_packed_config_errors_name_the_key():
     from falcon_jax.train.config import ConfigError, build_config
     with pytest.raises(ConfigError, match="data.seq_len"):
@@ -118,6 +151,10 @@ def test_packed_config_errors_name_the_key():
         build_config("addition-packed", overrides=["data.width_sampling=balanced"])
     with pytest.raises(ConfigError, match="train.time_limit_s"):
         build_config("addition-packed", overrides=["train.time_limit_s=-1"])
+    with pytest.raises(ConfigError, match="data.curriculum_start_width"):
+        build_config("addition-packed", overrides=["data.curriculum_steps=100", "data.curriculum_start_width=40"])
+    with pytest.raises(ConfigError, match="data.curriculum_steps.*data.pack=true"):
+        build_config("addition-paper", overrides=["data.curriculum_steps=100"])
     with pytest.raises(ValueError, match="width_sampling"):
         D.AdditionData(width_sampling="by-length")
     cfg = build_config("addition-packed", overrides=["model.mixer=transformer"])

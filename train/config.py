@@ -30,7 +30,9 @@ class DataConfig:
     """``kind="addition"``: the paper's task (docs/results.md; train widths uniform in [train_min_width, train_max_width],
     eval widths split into in-distribution and longer-than-trained by the training range).
     ``pack=true`` fills rows of ``seq_len`` tokens with many problems, each its own segment, widths drawn per
-    problem by ``width_sampling`` ("uniform" or "token_balanced": the same share of tokens per width).
+    problem by ``width_sampling`` ("uniform" or "token_balanced": the same share of tokens per width);
+    ``curriculum_steps > 0`` lets the widest training width grow by equal steps from ``curriculum_start_width``
+    to ``train_max_width`` over that many steps (packed rows only).
     ``kind="text"``: local files (``paths``), packed windows of ``seq_len`` tokens.
     ``loader``: "grain" (Grain pipeline, per-host rows, iterator state in checkpoints) or
     "builtin" (index-based; every host builds the global batch); see :mod:`falcon_jax.train.loader`."""
@@ -51,6 +53,8 @@ class DataConfig:
     split_seed: int = 1234
     pack: bool = False  # many problems per row of seq_len tokens, one segment each (else one problem a row)
     width_sampling: str = "uniform"  # packed rows: "uniform" width per problem, or "token_balanced"
+    curriculum_steps: int = 0  # packed rows: the widest width grows from curriculum_start_width to train_max_width
+    curriculum_start_width: int = 4  # over this many steps (0 = no curriculum)
     # text (and packed addition: seq_len)
     paths: list = dataclasses.field(default_factory=list)
     seq_len: int = 256
@@ -432,6 +436,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
           "must be in (0, 1) (the share of problems held out for evaluation).")
     _int_at_least("data.split_seed", d.split_seed, 0)
     _choice("data.width_sampling", d.width_sampling, ("uniform", "token_balanced"))
+    _int_at_least("data.curriculum_steps", d.curriculum_steps, 0, " (0 = no width curriculum)")
+    if d.kind == "addition" and d.curriculum_steps:
+        _need(d.pack, "data.curriculum_steps", d.curriculum_steps, "needs packed rows: add --set data.pack=true.")
+        _need(_is_int(d.curriculum_start_width) and d.train_min_width <= d.curriculum_start_width <= d.train_max_width,
+              "data.curriculum_start_width", d.curriculum_start_width,
+              f"must lie in [data.train_min_width, data.train_max_width] = [{d.train_min_width}, {d.train_max_width}].")
     if d.kind == "addition" and d.pack:
         need = 3 * d.train_max_width + 4  # one problem of the widest width (its last token is only a target)
         _need(_is_int(d.seq_len) and d.seq_len >= need, "data.seq_len", d.seq_len,

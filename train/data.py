@@ -270,6 +270,10 @@ class AdditionData:
       (:meth:`packed_rows`); ``width_sampling`` draws every problem's width: ``"uniform"`` (each
       width equally likely, so longer widths get more tokens) or ``"token_balanced"`` (width n with
       probability ∝ 1 / addition_seq_len(n): each width gets about the same share of tokens);
+    * a width curriculum (packed rows, ``curriculum_rows > 0``): row ``g`` draws its widths from
+      ``[train_min_width, cap(g)]`` with ``cap(g) = curriculum_start_width + ⌊(train_max_width −
+      curriculum_start_width + 1) · g / curriculum_rows⌋`` (at most ``train_max_width``): the widest width
+      grows by equal steps over the first ``curriculum_rows`` rows, then stays at ``train_max_width``;
     * evaluation: ``eval_examples`` held-out problems per width in ``eval_widths``, all padded
       to one length (one compiled program for every width).  Eval problems come from the
       held-out bucket of the hash split at *every* width, so they are disjoint from training
@@ -286,6 +290,8 @@ class AdditionData:
     pack: bool = False
     pack_len: int = 1024
     width_sampling: str = "uniform"
+    curriculum_rows: int = 0
+    curriculum_start_width: int = 1
 
     def __post_init__(self):
         if not 1 <= self.train_min_width <= self.train_max_width:
@@ -296,6 +302,12 @@ class AdditionData:
         if self.width_sampling not in WIDTH_SAMPLING:
             raise ValueError(f"data.width_sampling={self.width_sampling!r}: use one of "
                              f"{', '.join(repr(w) for w in WIDTH_SAMPLING)}.")
+        if self.curriculum_rows < 0 or (self.curriculum_rows and not self.pack):
+            raise ValueError(f"data.curriculum_steps: a width curriculum needs packed rows (data.pack=true) and "
+                             f"a count >= 0; got {self.curriculum_rows} rows with pack={self.pack}.")
+        if self.curriculum_rows and not self.train_min_width <= self.curriculum_start_width <= self.train_max_width:
+            raise ValueError(f"data.curriculum_start_width={self.curriculum_start_width} must lie in "
+                             f"[train_min_width, train_max_width] = [{self.train_min_width}, {self.train_max_width}].")
         if self.pack and self.pack_len + 1 < addition_seq_len(self.train_max_width):
             raise ValueError(f"data.seq_len={self.pack_len}: a packed row must hold one problem of "
                              f"train_max_width={self.train_max_width} ({addition_seq_len(self.train_max_width)} "
@@ -401,7 +413,11 @@ class AdditionData:
                                           + np.uint64(0x51075)))  # [N, slots]: one key per problem slot
             u = (_mix64(pkey ^ np.uint64(0xA11CE)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
         cdf = np.cumsum(self.width_probs())
-        widths = self.train_min_width + np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+        # a row whose widest width is cap draws from the first cap - min + 1 widths, with their probabilities
+        # renormalised: u scaled into [0, cdf[cap - min])
+        top = len(cdf) - 1 if not self.curriculum_rows else self.width_cap(idx) - self.train_min_width
+        u = u * cdf[top][..., None] if self.curriculum_rows else u
+        widths = self.train_min_width + np.minimum(np.searchsorted(cdf, u, side="right"), np.asarray(top)[..., None])
         ends = np.cumsum(addition_seq_len(widths), axis=1)
         fits = ends <= L  # a prefix of every row's slots (ends grow along a row)
         widths = np.where(fits, widths, 0)
@@ -427,13 +443,22 @@ class AdditionData:
             out["widths"] = widths.astype(np.int32)
         return out
 
-    def width_shares(self, rows: int = 4096) -> dict[int, dict[str, float]]:
-        """Measured over the first ``rows`` training rows: per width, its share of the problems
-        and of the row tokens (problem tokens over all columns, padding included), and
-        ``"padding"``: the share of columns that are padding."""
-        w = self.packed_rows(np.arange(rows), with_widths=True)["widths"] if self.pack else None
+    def width_cap(self, idx) -> np.ndarray:
+        """The widest width of packed rows ``idx`` under the curriculum (``train_max_width`` without one)."""
+        idx = np.asarray(idx, np.int64)
+        if not self.curriculum_rows:
+            return np.full(idx.shape, self.train_max_width, np.int64)
+        lo, hi = self.curriculum_start_width, self.train_max_width
+        return np.minimum(lo + (hi - lo + 1) * idx // self.curriculum_rows, hi)
+
+    def width_shares(self, rows: int = 4096, span: int | None = None) -> dict[int, dict[str, float]]:
+        """Measured over ``rows`` training rows spread evenly over the first ``span`` (default: the first
+        ``rows``): per width, its share of the problems and of the row tokens (problem tokens over all
+        columns, padding included), and ``"padding"``: the share of columns that are padding."""
+        idx = np.arange(rows) if span is None or span <= rows else np.linspace(0, span - 1, rows).astype(np.int64)
+        w = self.packed_rows(idx, with_widths=True)["widths"] if self.pack else None
         if w is None:  # one problem a row: the width of row g, read back from its tokens
-            toks = self.rows(np.arange(rows))["tokens"]
+            toks = self.rows(idx)["tokens"]
             w = ((toks == PLUS).argmax(axis=1) - 1)[:, None]
             cols = toks.shape[1]
         else:

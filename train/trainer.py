@@ -54,7 +54,9 @@ def _build_data(cfg: TrainConfig):
         return AdditionData(seed=d.seed, train_min_width=d.train_min_width, train_max_width=d.train_max_width,
                             eval_widths=tuple(d.eval_widths), eval_examples=d.eval_examples,
                             heldout_frac=d.heldout_frac, split_seed=d.split_seed, pack=d.pack,
-                            pack_len=d.seq_len, width_sampling=d.width_sampling)
+                            pack_len=d.seq_len, width_sampling=d.width_sampling,
+                            curriculum_rows=d.curriculum_steps * cfg.train.batch_size if d.pack else 0,
+                            curriculum_start_width=d.curriculum_start_width)
     if d.kind == "text":
         if not d.paths:
             raise ValueError("data.paths is empty: give local text files, e.g. "
@@ -168,7 +170,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     check_sequence(mesh, cfg.data.seq_len if cfg.data.kind == "text" else None, max(windows, default=1))
     data = build_data(cfg)
     if cfg.data.kind == "addition" and is_main:
-        write_width_shares(data, run_dir, say)
+        write_width_shares(data, run_dir, say, run_rows=cfg.train.steps * cfg.train.batch_size)
     shard = host_shard(mesh, cfg.train.batch_size, cfg.train.grad_accum) if cfg.data.loader == "grain" else (0, 1)
     loader = make_loader(cfg.data.loader, data, cfg.train.batch_size, shard=shard,
                          threads=cfg.data.grain_threads, prefetch=cfg.data.grain_prefetch)
@@ -428,13 +430,17 @@ def best_in_dist(evals: list[dict]) -> dict | None:
                                   "heldout_width_digit")}
 
 
-def write_width_shares(data: AdditionData, run_dir: str, say) -> dict:
-    """Measure the training stream's share of problems and tokens per width (and of padding) over its first
-    rows, say it in one line and save it as ``<run_dir>/width_shares.json``."""
-    shares = data.width_shares(rows=1024 if data.pack else 4096)
+def write_width_shares(data: AdditionData, run_dir: str, say, run_rows: int | None = None) -> dict:
+    """Measure the training stream's share of problems and tokens per width (and of padding) over rows spread
+    over the run's ``run_rows`` rows (the first rows when None), say it in one line and save it as
+    ``<run_dir>/width_shares.json``."""
+    shares = data.width_shares(rows=1024 if data.pack else 4096, span=run_rows)
     pad = shares.pop("padding")
     layout = (f"packed rows of {data.pack_len} tokens, widths {data.width_sampling} per problem" if data.pack
               else "one problem a row, widths uniform per row")
+    if data.curriculum_rows:
+        layout += (f", widest width growing from {data.curriculum_start_width} to {data.train_max_width} over the "
+                   f"first {data.curriculum_rows} rows")
     say(f"[data] {layout}; token share per width (padding {100 * pad:.1f}%): "
         + " ".join(f"{n}:{100 * v['tokens']:.1f}%" for n, v in shares.items()))
     out = {"layout": layout, "padding": pad, "widths": {str(n): v for n, v in shares.items()}}
