@@ -569,6 +569,21 @@ def lm_table(rows):
                         ("mixer kernels %", kernels_share), ("note", note)])
 
 
+
+def _merge_reply(row: dict, stage: str, status: str, reply) -> str:
+    """Fold a worker's reply to ``stage`` ("prepare" or "measure") into ``row``: its numbers as fields (its
+    "seconds" as ``<stage>_s``) and its notes, or the error under ``row["notes"][stage]``.  Returns the status."""
+    if status == "ok" and "error" in reply:
+        row["notes"][stage] = reply["error"]
+        return "error"
+    if status != "ok":
+        row["notes"][stage] = status
+        return status
+    row["notes"].update(reply.pop("notes", {}))
+    row[f"{stage}_s"] = reply.pop("seconds", None)
+    row.update(reply)
+    return status
+
 def lm_main(args, argv) -> int:
     """The lm suite: waves of ``--jobs`` configurations, each in a fresh worker process, built and compiled
     together, then measured one at a time; the JSON is rewritten after every row."""
@@ -682,29 +697,14 @@ def lm_main(args, argv) -> int:
                 name, t0 = f"{mixer} @ {b}x{t}", time.monotonic()
                 row = {"mixer": mixer, "shape": f"{b}x{t}", "batch": b, "length": t, "tokens_per_step": b * t,
                        "wave": index, "compiled_alongside": len(wave) - 1, "notes": {}}
-                if status == "ok" and "error" in prep:
-                    status = "error"
-                    row["notes"]["prepare"] = prep["error"]
-                elif status != "ok":
-                    row["notes"]["prepare"] = status
-                else:
-                    row["notes"].update(prep.pop("notes", {}))
-                    row.update({k: v for k, v in prep.items() if k != "seconds"})
-                    row["prepare_s"] = prep.get("seconds")
+                status = _merge_reply(row, "prepare", status, prep)
+                if status == "ok":
                     if left() is not None and left() <= 0:
                         status = "skipped: past --budget"
                         row["notes"]["skipped"] = "past --budget (compiled, not measured)"
                     else:
-                        status, result = worker.request({"cmd": "lm_measure", "timing": timing}, limit("measure"))
-                        if status == "ok" and "error" in result:
-                            status = "error"
-                            row["notes"]["measure"] = result["error"]
-                        elif status != "ok":
-                            row["notes"]["measure"] = status
-                        else:
-                            row["notes"].update(result.pop("notes", {}))
-                            row.update(result)
-                            row["measure_s"] = row.pop("seconds", None)
+                        reply = worker.request({"cmd": "lm_measure", "timing": timing}, limit("measure"))
+                        status = _merge_reply(row, "measure", *reply)
                 worker.stop()
                 failed |= status != "ok" and not status.startswith("skipped")
                 payload["rows"].append(row)
