@@ -131,7 +131,7 @@ class TritonPerColumn(PerColumnChecks):
     def test_attention_extreme_decays(self, rng):
         """Falcon-2A with log γ from −30 to −10 per step in a quarter of the columns (a chunk's cumulative decay
         down to −1900), γ = 1 in another quarter, the rest ordinary; one segment start inside a chunk (long runs:
-        every sub-block pair within a segment), an initial state: values and every gradient.  Only differences
+        every level's pairs within a segment), an initial state: values and every gradient.  Only differences
         with the later row first are exponentiated, so nothing overflows and the exact decays (however small)
         come out."""
         (q, x, y, eta, log_gamma, s0), _ = column_inputs(rng, T=70, dv=32)
