@@ -219,7 +219,7 @@ class TestPerColumn(KernelOpChecks):
 
 class TestPerColumnAttention(KernelOpChecks, Bf16GradientChecks, LongSequenceChecks):
     """``per_column`` without the residual: Falcon-2A with per-column gains (its own passes: state walks, cut into
-    pieces when few heads walk, and per-chunk output and gradient passes in 16-row sub-blocks)."""
+    pieces when few heads walk, and per-chunk output and gradient passes over a binary tree of row groups)."""
 
     RULES = {"2A": dict(variant="2A", timing="rbw")}
     BF16_RULES = LONG_RULES = ("2A",)

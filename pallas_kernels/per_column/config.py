@@ -16,8 +16,9 @@ class KernelConfig:
     Falcon-2A on a GPU (``decayed_attention_per_column``, :mod:`.triton_attention`): ``walk_block_v`` value
     columns per program of the state walks, with ``walk_warps`` warps and ``walk_stages`` pipelining stages;
     ``pieces_below``: cut the sequence into pieces while fewer walk programs (batch·heads × value blocks × pieces)
-    would run; ``out_block_v`` and ``grad_block_v``: the value columns the per-chunk output and gradient passes
-    take at a time (each holds a ``[16, 16, width]`` fp32 tile of decays), with ``out_warps`` and
+    would run; ``out_block_v``: the value columns of one program of the output pass (grid batch·head × chunk ×
+    value block), with ``out_warps`` warps; ``grad_block_v``: the value columns the gradient pass takes at a
+    time (one program per chunk; several ``[C, width]`` fp32 tiles live beside the ``[C, C]`` sums), with
     ``grad_warps`` warps."""
 
     block_v: int = 32

@@ -12,17 +12,27 @@ cumsum.  Value column c of a chunk is decayed linear attention with its own deca
     S_C[:, c] = a_c S_0[:, c] + Σ_s w_{s,c} x_s u[s, c]
 
 (``M[t, s] = [s ≤ t, same segment]``; c, w, a as in docs/kernels.md "Notation", per column.)  The decay of a
-pair depends on the column, so ``o`` is not one product of ``[C, C]`` scores with the values.  The chunk is cut
-into 16-row sub-blocks ``i`` (rows ``16i … 16i+15``, last row ``b_i``); for t in sub-block i and s in an earlier
-sub-block j the decay factors through the sub-blocks' last rows,
+pair depends on the column, so ``o`` is not one product of ``[C, C]`` scores with the values.  The pairs s < t
+of a chunk are split by a binary tree: at level k (k = 0 … log₂C − 1) the rows fall into groups of
+``2m = 2^{k+1}``, each cut into halves, and the level's pairs are t in the second half and s in the first half
+of one group (every pair s < t at exactly one level).  With the group's pivot p, the last row of its first half
+(s ≤ p < t),
 
-    e^{g_t − g_s} = E_i[t] · V_ij · F_j[s],
-    E_i = e^{g_t − g_{b_{i−1}}},   V_ij = e^{g_{b_{i−1}} − g_{b_j}},   F_j = e^{g_{b_j} − g_s},
+    e^{g_t − g_s} = e^{g_t − g_p} · e^{g_p − g_s},
 
-each factor an exponential of a difference with the later row first (≤ 1: nothing overflows, nothing is divided
-by a small decay), so that sub-block pair's share is ``E_i ⊙ V_ij ⊙ (A_ij (F_j ⊙ U_j))``, one ``[16, 16]`` by
-``[16, block_v]`` product.  Inside a sub-block the decays ``e^{g_t − g_s}`` are formed exactly, one
-``[16, 16, block_v]`` tile of exponentials (:func:`_diagonal`), masked to ``s ≤ t`` before ``exp``.
+each factor an exponential of a later row's g minus an earlier row's (≤ 1: nothing overflows, nothing is
+divided by a small decay).  One ``[C, block_v]`` tile of exponentials per level, every row against its group's
+pivot, gives ``src`` (``e^{g_p − g_s}`` on first-half rows, else 0) and ``dst`` (``e^{g_t − g_p}`` on second-half
+rows, else 0), and the level's share of each sum is one full-chunk product (``A_k = A ⊙ P_k``, ``P_k`` the level's
+pairs):
+
+    o  += dst ⊙ (A_k (src ⊙ U))                 the read
+    dU += src ⊙ (A_kᵀ (dst ⊙ dO))               its transpose
+    dA += P_k ⊙ ((dst ⊙ dO)(src ⊙ U)ᵀ)          dA[t, s] = Σ_c dO[t, c] e^{g_{t,c} − g_{s,c}} u[s, c]
+
+The pairs t = s (decay 1) add ``A[t, t] u_t``, ``A[t, t] dO_t`` and ``Σ_c dO[t, c] u[t, c]``.  Per chunk that is
+log₂ C exponentials per value element and log₂ C products of ``[C, C]`` by ``[C, block_v]`` (three per level in
+the backward: o again, dU, dA) where Falcon-1A has one (two); no tile has a third axis.
 
 Passes (``api.py`` runs them):
 
@@ -30,32 +40,31 @@ Passes (``api.py`` runs them):
   ``S ← a ⊙ S + Xᵀ (w ⊙ U)``, optionally storing every chunk's start state h; returns each piece's end state.
   A piece's walk is affine in its start state with a per-column slope (the product of its chunks' ``a``), so
   pieces walked from zero and a short scan over pieces give the exact start states.
-* :func:`output_pass` — grid (batch·head, chunk): ``o`` of one chunk from its start state h, value blocks of
-  ``block_v`` columns in turn.
+* :func:`output_pass` — grid (batch·head, chunk, value block): ``o = c ⊙ Q h`` plus the levels' reads and the
+  pairs t = s.
 * :func:`state_grad_pass` — the reverse walk: ``dS ← a ⊙ dS + Qᵀ (c ⊙ dO)``, storing every chunk's end-state
   gradient dh.
-* :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk: per value
-  block ``o`` again and ``dU = (the transposed intra-chunk read) + w ⊙ X dh``, written, and the gradient of g,
-  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); summed over the value blocks,
-  ``dA[t, s] = Σ_c dO[t, c] e^{g_{t,c} − g_{s,c}} u[s, c]`` per sub-block pair (the same factorization) and the
-  state terms ``(c ⊙ dO) hᵀ``, ``(w ⊙ U) dhᵀ``; then ``dq = (dA ⊙ M) X + …`` and ``dx = (dA ⊙ M)ᵀ Q + …``
-  per sub-block.
+* :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk.  Per value
+  block of ``block_v`` columns: o again, ``dU = w ⊙ X dh`` plus the levels' transposed reads, written, and
+  the gradient of g, ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); dA summed
+  over the value blocks.  Then, as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ`` and
+  ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from falcon_jax.kernels.common import (call, chunk_specs, dot, precision_for, token_dims, triton_params, walk_layout,
-                                       walk_outputs)
+from falcon_jax.kernels.common import (call, chunk_specs, dot, precision_for, row_block, token_dims, triton_params,
+                                       walk_layout, walk_outputs)
 
 F32 = jnp.float32
-SUB = 16  # rows of a sub-block (Triton's smallest dot tile)
 
 
 def _mm(a, b, dtype, precision):
@@ -109,152 +118,108 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
 
-def _diagonal(A, g, left, right, *, sums):
-    """One sub-block's own pairs, exactly: ``D[t, s, c] = e^{g_{t,c} − g_{s,c}}`` on ``s ≤ t`` (masked before
-    ``exp``), ``A [16, 16]`` the masked scores.  ``sums``: which of
-
-    * ``"read"``: ``Σ_s A[t, s] D[t, s, c] right[s, c]`` (the read of ``right`` = U),
-    * ``"back"``: ``Σ_t A[t, s] D[t, s, c] left[t, c]`` (the transposed read of ``left`` = dO),
-    * ``"pairs"``: ``Σ_c left[t, c] D[t, s, c] right[s, c]`` (``[16, 16]``, before the mask M)
-
-    to return, in that order."""
-    shape = (SUB, SUB, g.shape[1])
-    t = lax.broadcasted_iota(jnp.int32, shape, 0)
-    s = lax.broadcasted_iota(jnp.int32, shape, 1)
-    D = jnp.exp2(jnp.where(t >= s, g[:, None, :] - g[None, :, :], -jnp.inf))
-    out = []
-    if "read" in sums or "back" in sums:
-        AD = A[:, :, None] * D
-        if "read" in sums:
-            out.append(jnp.sum(AD * right[None, :, :], axis=1))
-        if "back" in sums:
-            out.append(jnp.sum(AD * left[:, None, :], axis=0))
-    if "pairs" in sums:
-        out.append(jnp.sum(D * left[:, None, :] * right[None, :, :], axis=2))
-    return out
+def _scores(q, x, rl, chunk, precision):
+    """``A = Q Xᵀ ⊙ M`` ``[C, C]`` fp32, its diagonal ``[C]`` and the mask ``M[t, s] = [s ≤ t, same segment]``."""
+    t = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    s = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    mask = (t >= s) & (rl[:, None] == rl[None, :])
+    A = jnp.where(mask, dot(q, x.T, precision), 0.0)
+    return A, jnp.sum(jnp.where(t == s, A, 0.0), axis=1), mask
 
 
-class _Chunk:
-    """One chunk's sub-blocks: row slices, run indices, the query tiles ``Q_i``, the masks ``M_ij`` and scores
-    ``A_ij = Q_i X_jᵀ ⊙ M_ij`` (j ≤ i; fp32)."""
-
-    def __init__(self, q_ref, x_ref, rl_ref, chunk, precision):
-        self.nb = chunk // SUB
-        self.rows = [pl.ds(i * SUB, SUB) for i in range(self.nb)]
-        self.rl = [rl_ref[r] for r in self.rows]
-        self.rl_last = rl_ref[chunk - 1]
-        causal = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) >= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-        self.q = [q_ref[r, :] for r in self.rows]
-        x = [x_ref[r, :] for r in self.rows]
-        self.mask, self.A = {}, {}
-        for i in range(self.nb):
-            for j in range(i + 1):
-                same = self.rl[i][:, None] == self.rl[j][None, :]
-                self.mask[i, j] = (same & causal) if i == j else same
-                self.A[i, j] = jnp.where(self.mask[i, j], dot(self.q[i], x[j].T, precision), 0.0)
+def _levels(chunk):
+    return chunk.bit_length() - 1  # log₂ C
 
 
-class _Columns:
-    """One value block of a chunk, per sub-block: g, u (fp32), the decay factors ``E_i`` (i ≥ 1), ``F_j``
-    (j < last), the inter-chunk read's ``c_i`` and, with ``walk``, the state update's ``w_i`` and ``a``; ``g_b[i]``:
-    g at sub-block i's last row."""
-
-    def __init__(self, ch: _Chunk, g_ref, u_ref, cols, walk: bool):
-        nb = ch.nb
-        self.g = [g_ref[r, cols] for r in ch.rows]
-        self.u = [u_ref[r, cols].astype(F32) for r in ch.rows]
-        self.g_b = [g_ref[(i + 1) * SUB - 1, cols] for i in range(nb)]
-        g_last = self.g_b[-1]
-        self.E = [None] + [jnp.exp2(self.g[i] - self.g_b[i - 1][None, :]) for i in range(1, nb)]
-        self.F = [jnp.exp2(self.g_b[j][None, :] - self.g[j]) for j in range(nb - 1)] + [None]
-        self.cont = [jnp.where((ch.rl[i] == 0)[:, None], jnp.exp2(self.g[i]), 0.0) for i in range(nb)]
-        if walk:  # the backward's state terms
-            gates = [_walk_gates(self.g[i], ch.rl[i], g_last, ch.rl_last) for i in range(nb)]
-            self.w = [w for w, _ in gates]
-            self.a = gates[0][1]
-
-    def V(self, i, j):
-        """``e^{g_{b_{i−1}} − g_{b_j}}`` (``[1, block_v]``) for ``j < i − 1``; None for ``j = i − 1`` (1)."""
-        return None if j == i - 1 else jnp.exp2(self.g_b[i - 1] - self.g_b[j])[None, :]
+def _level(k, chunk):
+    """Level k of the pair tree (rows in groups of ``2m = 2^{k+1}``, each cut into halves): ``pivot [C]``, each
+    row's group's pivot row (the first half's last row); ``first [C, 1]``, the row is in its group's first half;
+    ``pairs [C, C]``, t and s in different halves of one group (the highest bit of ``t xor s`` is k).  Of those
+    only t > s (t in the second half) count: the others meet a zero (A is causal, ``dst`` zero on first
+    halves)."""
+    t = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    pivot = ((t >> (k + 1)) << (k + 1)) + (1 << k) - 1
+    first = ((t >> k) & 1) == 0
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return pivot, first[:, None], ((rows ^ cols) >> k) == 1
 
 
-def _scaled(term, factor):
-    return term if factor is None else term * factor
+def _level_factors(g_ref, cols, g, pivot, first):
+    """``(src, dst)`` ``[C, block_v]``: ``e^{g_p − g_s}`` on first-half rows s and ``e^{g_t − g_p}`` on second-half
+    rows t (zero elsewhere), p the row's pivot — one exponential per element, of a later row's g minus an earlier
+    row's.  The pivot rows' g by one gathered load."""
+    g_p = g_ref[pivot, cols]
+    z = jnp.exp2(jnp.where(first, g_p - g, g - g_p))
+    return jnp.where(first, z, 0.0), jnp.where(first, 0.0, z)
 
 
-def _output_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, block_v, precision):
+def _output_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, precision):
     dtype = q_ref.dtype
-    ch = _Chunk(q_ref, x_ref, rl_ref, chunk, precision)
-    for v in range(u_ref.shape[-1] // block_v):  # unrolled: static column slices
-        cols = pl.ds(v * block_v, block_v)
-        col = _Columns(ch, g_ref, u_ref, cols, walk=False)
-        h = h_ref[:, cols]
-        Ut = [_scaled(col.u[j], col.F[j]) for j in range(ch.nb - 1)]  # F_j ⊙ U_j
-        for i in range(ch.nb):
-            o = col.cont[i] * _mm(ch.q[i], h, dtype, precision)
-            if i > 0:
-                cross = sum(_scaled(_mm(ch.A[i, j], Ut[j], dtype, precision), col.V(i, j)) for j in range(i))
-                o = o + col.E[i] * cross
-            (diag,) = _diagonal(ch.A[i, i], col.g[i], None, col.u[i], sums=("read",))
-            o_ref[ch.rows[i], cols] = (o + diag).astype(o_ref.dtype)
+    q, rl = q_ref[...], rl_ref[...]
+    A, A_diag, _ = _scores(q, x_ref[...], rl, chunk, precision)
+    A_lo = A.astype(dtype)  # the products' operand (fp32 inputs: unchanged)
+    g, u = g_ref[...], u_ref[...].astype(F32)
+    cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
+    o = cont * _mm(q, h_ref[...], dtype, precision) + A_diag[:, None] * u
+
+    def level(k, o):
+        pivot, first, pairs = _level(k, chunk)
+        src, dst = _level_factors(g_ref, slice(None), g, pivot, first)
+        return o + dst * _mm(jnp.where(pairs, A_lo, 0.0), src * u, dtype, precision)
+
+    o_ref[...] = lax.fori_loop(0, _levels(chunk), level, o).astype(o_ref.dtype)
 
 
 def _chunk_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, du_ref, dg_ref, *,
                        chunk, block_v, precision):
     dtype = q_ref.dtype
-    ch = _Chunk(q_ref, x_ref, rl_ref, chunk, precision)
-    nb, dk = ch.nb, q_ref.shape[-1]
-    dA = {key: jnp.zeros((SUB, SUB), F32) for key in ch.A}
-    dq_state = [jnp.zeros((SUB, dk), F32) for _ in range(nb)]  # (c ⊙ dO) hᵀ
-    dx_state = [jnp.zeros((SUB, dk), F32) for _ in range(nb)]  # (w ⊙ U) dhᵀ
-    last_row = (lax.broadcasted_iota(jnp.int32, (SUB, 1), 0) == SUB - 1)
-    for v in range(u_ref.shape[-1] // block_v):  # unrolled: static column slices
+    q, x, rl = q_ref[...], x_ref[...], rl_ref[...]
+    rl_last = rl_ref[chunk - 1]
+    A, A_diag, mask = _scores(q, x, rl, chunk, precision)
+    A_lo = A.astype(dtype)
+    last = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) == chunk - 1
+    dA = jnp.zeros((chunk, chunk), F32)  # Σ over the columns: dA[t, s] = Σ_c dO[t, c] e^{g_t,c − g_s,c} u[s, c]
+    dA_diag = jnp.zeros((chunk,), F32)
+    n_blocks = u_ref.shape[-1] // block_v
+    for v in range(n_blocks):  # unrolled: static column slices
         cols = pl.ds(v * block_v, block_v)
-        col = _Columns(ch, g_ref, u_ref, cols, walk=True)
+        g, u, do = g_ref[:, cols], u_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
         h, dh = h_ref[:, cols], dh_ref[:, cols]
-        do = [do_ref[r, cols].astype(F32) for r in ch.rows]
-        Ut = [_scaled(col.u[j], col.F[j]) for j in range(nb - 1)]  # F_j ⊙ U_j
-        Et = [None] + [col.E[i] * do[i] for i in range(1, nb)]  # E_i ⊙ dO_i
+        w, a = _walk_gates(g, rl, g_ref[chunk - 1, cols], rl_last)
+        cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
+        du_state = w * _mm(x, dh, dtype, precision)
+        o = cont * _mm(q, h, dtype, precision) + A_diag[:, None] * u
+        du = du_state + A_diag[:, None] * do
+        dA_diag = dA_diag + jnp.sum(do * u, axis=1)
         # ⟨S_C, dS_C⟩ per column: a ⟨h, dh⟩ + Σ_s u_s (w ⊙ X dh)_s
-        end = col.a * jnp.sum(h.astype(F32) * dh.astype(F32), axis=0)
-        o, dU = [], []
-        for i in range(nb):
-            # q and x tiles loaded again (from cache) rather than held across the value blocks: the
-            # accumulators below already hold [C, dk] twice
-            q_i, x_i = q_ref[ch.rows[i], :], x_ref[ch.rows[i], :]
-            o_i = col.cont[i] * _mm(q_i, h, dtype, precision)
-            if i > 0:
-                o_i = o_i + col.E[i] * sum(_scaled(_mm(ch.A[i, j], Ut[j], dtype, precision), col.V(i, j))
-                                           for j in range(i))
-            du_state = col.w[i] * _mm(x_i, dh, dtype, precision)
-            end = end + jnp.sum(col.u[i] * du_state, axis=0)
-            du_i = du_state
-            if i < nb - 1:
-                du_i = du_i + col.F[i] * sum(_scaled(_mm(ch.A[t, i].T, Et[t], dtype, precision), col.V(t, i))
-                                             for t in range(i + 1, nb))
-            read, back, pairs = _diagonal(ch.A[i, i], col.g[i], do[i], col.u[i], sums=("read", "back", "pairs"))
-            o.append(o_i + read)
-            dU.append(du_i + back)
-            dA[i, i] = dA[i, i] + pairs
-            for j in range(i):
-                dA[i, j] = dA[i, j] + _mm(_scaled(Et[i], col.V(i, j)), Ut[j].T, dtype, precision)
-            dq_state[i] = dq_state[i] + _mm(col.cont[i] * do[i], h.T, dtype, precision)
-            dx_state[i] = dx_state[i] + _mm(col.w[i] * col.u[i], dh.T, dtype, precision)
-        for i in range(nb):
-            rows = ch.rows[i]
-            du_ref[rows, cols] = dU[i].astype(du_ref.dtype)
-            dg = do[i] * o[i] - col.u[i] * dU[i]
-            if i == nb - 1:
-                dg = dg + jnp.where(last_row, end[None, :], 0.0)
-            dg_ref[rows, cols] = dg
-    for i in range(nb):
-        dq, dx = dq_state[i], dx_state[i]
-        for j in range(i + 1):
-            dq = dq + _mm(jnp.where(ch.mask[i, j], dA[i, j], 0.0), x_ref[ch.rows[j], :], dtype, precision)
-        for t in range(i, nb):
-            dx = dx + _mm(jnp.where(ch.mask[t, i], dA[t, i], 0.0).T, q_ref[ch.rows[t], :], dtype, precision)
-        dq_ref[ch.rows[i], :] = dq.astype(dq_ref.dtype)
-        dx_ref[ch.rows[i], :] = dx.astype(dx_ref.dtype)
+        end = a * jnp.sum(h.astype(F32) * dh.astype(F32), axis=0) + jnp.sum(u * du_state, axis=0)
+
+        def level(k, carry, g=g, u=u, do=do, cols=cols):
+            o, du, dA = carry
+            pivot, first, pairs = _level(k, chunk)
+            src, dst = _level_factors(g_ref, cols, g, pivot, first)
+            su, dd = src * u, dst * do
+            A_k = jnp.where(pairs, A_lo, 0.0)
+            return (o + dst * _mm(A_k, su, dtype, precision), du + src * _mm(A_k.T, dd, dtype, precision),
+                    dA + jnp.where(pairs, _mm(dd, su.T, dtype, precision), 0.0))
+
+        o, du, dA = lax.fori_loop(0, _levels(chunk), level, (o, du, dA))
+        du_ref[:, cols] = du.astype(du_ref.dtype)
+        dg_ref[:, cols] = do * o - u * du + jnp.where(last, end[None, :], 0.0)
+    eye = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) == lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    dA = jnp.where(mask, dA + jnp.where(eye, dA_diag[:, None], 0.0), 0.0)
+    dq = _mm(dA, x, dtype, precision)
+    dx = _mm(dA.T, q, dtype, precision)
+    for v in range(n_blocks):  # the state terms (c ⊙ dO) hᵀ and (w ⊙ U) dhᵀ, the gates formed again
+        cols = pl.ds(v * block_v, block_v)
+        g = g_ref[:, cols]
+        w, _ = _walk_gates(g, rl, g_ref[chunk - 1, cols], rl_last)
+        cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
+        dq = dq + _mm(cont * do_ref[:, cols].astype(F32), h_ref[:, cols].T, dtype, precision)
+        dx = dx + _mm(w * u_ref[:, cols].astype(F32), dh_ref[:, cols].T, dtype, precision)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
 def _params(interpret, num_warps, num_stages):
@@ -294,11 +259,16 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
 
 
 def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1, heads=None):
-    """o (like u) of every chunk from its start state h [BH, n_chunks, dk, dv]."""
-    BH, L, _ = token_dims(q, heads)
-    sp = chunk_specs(q, u.shape[-1], chunk, heads)
-    kernel = functools.partial(_output_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
-    (o,) = call(kernel, grid=(BH, L // chunk), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.state],
+    """o (like u) of every chunk from its start state h [BH, n_chunks, dk, dv]; grid (batch·head, chunk, value
+    block of ``block_v`` columns)."""
+    BH, L, dk = token_dims(q, heads)
+    dv = u.shape[-1]
+    sp = types.SimpleNamespace(k=row_block(heads, chunk, dk, lambda b, c, v: (b, c, 0)),
+                               v=row_block(heads, chunk, block_v, lambda b, c, v: (b, c, v)),
+                               row=pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
+                               state=pl.BlockSpec((None, None, dk, block_v), lambda b, c, v: (b, c, 0, v)))
+    kernel = functools.partial(_output_kernel, chunk=chunk, precision=precision_for(q.dtype))
+    (o,) = call(kernel, grid=(BH, L // chunk, dv // block_v), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.state],
                 out_specs=[sp.v], out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype)], args=(q, x, u, g, rl, h),
                 compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
                 name="falcon_attn_col_out")

@@ -4,10 +4,11 @@ against their definitions in float64.  Value column c has its own write weight a
     Falcon-2:   s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} x_t (y_{t,c} − (S'_{t-1}ᵀ x_t)_c)
     Falcon-2A:  s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t               o_t = S_tᵀ q_t
 
-The Triton kernels work in 16-row sub-blocks (chunks of 32 and 64: 2 and 4 sub-blocks, the decays factored at
-the sub-blocks' last rows; Falcon-2A's cross-sub-block factor ``e^{g_{b_{i−1}} − g_{b_j}}`` appears from 3
-sub-blocks on, so its default checks take chunks of 64); the TPU kernel row by row.  One class of checks per
-lowering (``IMPLEMENTATION``, ``INTERPRET = False``); the ``Test...Interpret`` subclasses run in interpret mode.
+Falcon-2's Triton kernels work in 16-row sub-blocks (chunks of 32 and 64: 2 and 4 sub-blocks, the decays factored
+at the sub-blocks' last rows); Falcon-2A's split a chunk's pairs by a binary tree of row groups, the decays
+factored at each group's pivot row (chunk 64: 6 levels; ``test_attention_one_tree_level`` isolates single
+levels); the TPU kernel row by row.  One class of checks per lowering (``IMPLEMENTATION``, ``INTERPRET = False``);
+the ``Test...Interpret`` subclasses run in interpret mode.
 """
 
 from __future__ import annotations
@@ -130,13 +131,33 @@ class TritonPerColumn(PerColumnChecks):
     def test_attention_extreme_decays(self, rng):
         """Falcon-2A with log γ from −30 to −10 per step in a quarter of the columns (a chunk's cumulative decay
         down to −1900), γ = 1 in another quarter, the rest ordinary; one segment start inside a chunk (long runs:
-        every sub-block pair within a segment), an initial state: values and every gradient.  Only differences
+        every level's pairs within a segment), an initial state: values and every gradient.  Only differences
         with the later row first are exponentiated, so nothing overflows and the exact decays (however small)
         come out."""
         (q, x, y, eta, log_gamma, s0), _ = column_inputs(rng, T=70, dv=32)
         run = long_runs(70, 41)
         log_gamma[..., :8] = -rng.uniform(10.0, 30.0, size=log_gamma[..., :8].shape)
         log_gamma[..., 8:16] = 0.0
+        check_op(rng, self.op("attention", run, 64), reference("attention", run), (q, x, y, eta, log_gamma, s0),
+                 NAMES)
+
+    @pytest.mark.parametrize("level", [5, 4, 2, 0])
+    def test_attention_one_tree_level(self, rng, level):
+        """Falcon-2A's pairs at one level of the kernels' pair tree alone, values and every gradient: segments of
+        ``2m = 2^{level+1}`` rows (the level's groups), queries only on each group's second half, keys and values
+        only on its first half, so o's in-chunk terms are exactly the pairs split at that level's pivot (level 5:
+        the two halves of a chunk of 64; level 0: neighbouring rows).  Per-column decays: ordinary, γ = 1, log γ
+        from −30 to −10 per step and up to −2: a backward that pairs a level's source and target factors wrongly
+        (or exponentiates a positive difference, which overflows in the steep columns) fails here."""
+        T, dv, m = 141, 32, 1 << level
+        (q, x, y, eta, log_gamma, s0), _ = column_inputs(rng, T=T, dv=dv, segments=False)
+        second_half = (np.arange(T) // m) % 2 == 1
+        q = np.where(second_half[:, None], q, 0.0)
+        x, y = (np.where(second_half[:, None], 0.0, a) for a in (x, y))
+        log_gamma[..., 8:16] = 0.0
+        log_gamma[..., 16:24] = -rng.uniform(10.0, 30.0, size=log_gamma[..., 16:24].shape)
+        log_gamma[..., 24:] = -rng.uniform(0.0, 2.0, size=log_gamma[..., 24:].shape)
+        run = jnp.asarray((np.arange(T) // (2 * m))[None, None].astype(np.int32))
         check_op(rng, self.op("attention", run, 64), reference("attention", run), (q, x, y, eta, log_gamma, s0),
                  NAMES)
 
