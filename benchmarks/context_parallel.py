@@ -1,6 +1,6 @@
 """Context parallelism of the 130M LM, compiled for several GPUs on one, through JAX's mock GPU topology.
 
-    python -m benchmarks.context_parallel [--cases NAME,...] [--out FILE.json] [--hlo DIR] [--smoke]
+    python -m benchmarks.context_parallel [--cases NAME,...] [--out FILE.json] [--hlo DIR] [--smoke | --cpu]
 
 Each case compiles (and does not run) ``falcon-train``'s whole training step — forward, backward, AdamW — of the
 ``lm-130m`` model (Falcon-1A.3, 12 layers, d = 768, bf16 compute, its kernels on the GPU) under its mesh, in a
@@ -17,7 +17,9 @@ before the backend starts, and a compiler crash ends only that process.  XLA's s
 Per case: ``compiled.memory_analysis()`` of one device (arguments, outputs, aliased, temporaries, and their sum
 less the aliased bytes: the step's peak estimate), the collectives of the compiled step (kind, count, the largest
 result) and the kernels' largest output (a per-device slice, not the whole sequence).  ``--smoke``: the same cases,
-a tiny LM and short sequences on simulated CPU devices, to check the script anywhere.
+a tiny LM and short sequences on simulated CPU devices, to check the script anywhere.  ``--cpu``: the full-size
+cases compiled for simulated CPU devices instead (no GPU needed; the chunk form runs in XLA there, not in the
+kernels, so the memory is XLA-CPU's estimate of that program, not a GPU's).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # name: (data, seq, batch, T)
@@ -49,7 +52,7 @@ def child(case: dict) -> dict:
     import falcon_jax
 
     devices = case["data"] * case["seq"]
-    if not case["smoke"] and devices > 1:
+    if case["platform"] == "gpu" and devices > 1:
         jax.config.update("mock_num_gpu_processes", devices)
         jax.config.update("jax_mock_gpu_topology", f"1x{devices}x1")
     import jax.numpy as jnp
@@ -110,7 +113,7 @@ def child(case: dict) -> dict:
             kernels.append(line.split(" = ", 1)[1].split(" custom-call(", 1)[0])
     largest_kernel = max(kernels, key=_bytes, default=None)
     return {"name": case["name"], "mesh": sizes, "batch": B, "T": T, "devices": devices,
-            "backend": jax.default_backend(), "falcon_jax": falcon_jax.__file__, "memory_per_device": memory, "collectives": collectives,
+            "backend": jax.default_backend(), "jax": jax.__version__, "falcon_jax": falcon_jax.__file__, "memory_per_device": memory, "collectives": collectives,
             "kernel_calls": len(kernels), "largest_kernel_output": largest_kernel}
 
 
@@ -130,13 +133,14 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
-def run_case(name: str, smoke: bool, hlo: str | None, import_path: str) -> dict:
+def run_case(name: str, smoke: bool, hlo: str | None, import_path: str, cpu: bool = False) -> dict:
     data, seq, batch, T = CASES[name]
+    platform = "cpu" if smoke or cpu else "gpu"
     case = {"name": name, "data": data, "seq": seq, "batch": batch, "T": SMOKE_T[T] if smoke else T, "smoke": smoke,
-            "hlo": hlo and os.path.abspath(hlo)}
+            "platform": platform, "hlo": hlo and os.path.abspath(hlo)}
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     flags = env.get("XLA_FLAGS", "")
-    if smoke:
+    if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         flags = " ".join([f for f in flags.split() if "device_count" not in f]
                          + [f"--xla_force_host_platform_device_count={data * seq}"])
@@ -199,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the results to this JSON file")
     p.add_argument("--hlo", metavar="DIR", help="also write each case's compiled HLO to DIR/CASE.hlo.txt")
     p.add_argument("--smoke", action="store_true", help="a tiny LM on simulated CPU devices")
+    p.add_argument("--cpu", action="store_true", help="the full-size cases on simulated CPU devices (XLA chunk form)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -218,11 +223,14 @@ def main(argv=None) -> int:
         import_path = source_tree.import_path(ROOT, os.path.join(scratch, "tree"))
         for name in names:
             print(f"compiling {name} ...", flush=True)
-            results.append(run_case(name, args.smoke, args.hlo, import_path))
+            results.append(run_case(name, args.smoke, args.hlo, import_path, cpu=args.cpu))
     print(report(results))
     if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"command": " ".join(["python -m benchmarks.context_parallel"] + (argv or sys.argv[1:])),
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit.stdout.strip() or None,
+                       "cases": results}, f, indent=2)
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -364,7 +364,7 @@ def test_mock_topology_script_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--smoke", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {r["name"]: r for r in json.loads(out.read_text())}
+    results = {r["name"]: r for r in json.loads(out.read_text())["cases"]}
     assert set(results) == {"seq2", "data2-seq2", "seq8-262k", "one-32k"}
     split, whole = results["seq8-262k"], results["one-32k"]
     assert split["T"] == 8 * whole["T"] and split["mesh"]["seq"] == 8
