@@ -381,3 +381,26 @@ __all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dt
            "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for", "reverse_chunk_cumsum",
            "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
            "unsupported_dims_reason", "walk_layout"]
+
+
+WARPS = (1, 2, 4, 8, 16)
+
+
+def check_launch_parameters(config, *, widths=(), warps=(), counts=(), optional=()) -> None:
+    """Validate a ``KernelConfig``'s fields by kind, raising ``ValueError`` naming the field: ``widths``
+    (value columns per program: powers of two ≥ 16), ``warps`` (Triton warps: 1, 2, 4, 8 or 16), ``counts``
+    (stages, program counts: ints ≥ 1).  Fields in ``optional`` may also be None (chosen per call)."""
+    for name in widths:
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, int) or value < 16 or value & (value - 1):
+            where = " (or None)" if name in optional else ""
+            raise ValueError(f"KernelConfig: {name} must be a power of two >= 16{where}, got {value!r}.")
+    for name in warps:
+        if getattr(config, name) not in WARPS:
+            raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(config, name)!r}.")
+    for name in counts:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"KernelConfig: {name} must be an int >= 1, got {value!r}.")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from falcon_jax.kernels.common import check_launch_parameters
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -21,11 +23,7 @@ class KernelConfig:
     pieces_below: int = 128
 
     def __post_init__(self):
-        if not isinstance(self.block_v, int) or self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"KernelConfig: block_v must be a power of two >= 16, got {self.block_v!r}.")
-        for name in ("fwd_warps", "state_warps", "grad_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}.")
+        check_launch_parameters(self, widths=("block_v",), warps=("fwd_warps", "state_warps", "grad_warps"))
 
 
 # Measured on one H200 (jax 0.11.2, bf16 q/k/v, H16, d128 at 8x2048, 2x8192 and 1x32768; the whole op timed

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from falcon_jax.kernels.common import pieces_for
+from falcon_jax.kernels.common import check_launch_parameters, pieces_for
 
 PRECISIONS = ("input", "fp32")
 
@@ -59,16 +59,9 @@ class KernelConfig:
         for name in ("walk_operands", "tri_dtype", "stored_dr"):
             if getattr(self, name) not in PRECISIONS:
                 raise ValueError(f"KernelConfig: {name} must be 'input' or 'fp32', got {getattr(self, name)!r}.")
-        for name in ("block_v", "split_block_v", "grad_block_v", "grad_block_k"):
-            width = getattr(self, name)
-            if width is None and name in ("block_v", "split_block_v"):  # chosen per call
-                continue
-            if not isinstance(width, int) or width < 16 or width & (width - 1):
-                raise ValueError(f"KernelConfig: {name} must be a power of two >= 16 (or None where allowed), "
-                                 f"got {width!r}.")
-        for name in ("tri_warps", "fwd_warps", "state_warps", "prepare_warps", "grad_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}.")
+        check_launch_parameters(self, widths=("block_v", "split_block_v", "grad_block_v", "grad_block_k"),
+                                warps=("tri_warps", "fwd_warps", "state_warps", "prepare_warps", "grad_warps"),
+                                optional=("block_v", "split_block_v"))
 
     # ---- one call's choices ----------------------------------------------------------------------------------
 

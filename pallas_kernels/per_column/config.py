@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-_WARPS = (1, 2, 4, 8, 16)
-
+from falcon_jax.kernels.common import check_launch_parameters
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -33,17 +32,9 @@ class KernelConfig:
     grad_warps: int = 8
 
     def __post_init__(self):
-        for name in ("block_v", "walk_block_v", "out_block_v", "grad_block_v"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"KernelConfig: {name} must be a power of two >= 16, got {value!r}.")
-        for name in ("num_warps", "walk_warps", "out_warps", "grad_warps"):
-            if getattr(self, name) not in _WARPS:
-                raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}.")
-        for name in ("walk_stages", "pieces_below"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KernelConfig: {name} must be an int >= 1, got {value!r}.")
+        check_launch_parameters(self, widths=("block_v", "walk_block_v", "out_block_v", "grad_block_v"),
+                                warps=("num_warps", "walk_warps", "out_warps", "grad_warps"),
+                                counts=("walk_stages", "pieces_below"))
 
 
 # Falcon-2 measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps.  Falcon-2A's fields: the
