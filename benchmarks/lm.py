@@ -18,7 +18,8 @@ settings, parameters and optimizer state donated).  ``--smoke`` uses the ``tiny`
 
 The batch has no ``segment_ids`` (every row one sequence, so the Transformer takes cuDNN attention on a
 GPU) unless ``packed``: then ``segment_ids`` of zeros, as the trainer's text loader passes, which sends the
-mixers down their segment-aware paths (the Transformer to XLA attention with a ``T × T`` mask).
+mixers down their segment-aware paths (the Transformer to the Pallas flash attention with the ids in the
+kernel, ``falcon_jax.kernels.flash_attention``: ``kernels`` reads ``triton``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ overruns is reported and skipped; results are written as they come):
              device time matches no instruction; ``mixer kernels``: the mixers' own kernels found by
              name; ``benchmarks/trace_scopes.py``).  Rows are one sequence each (no ``segment_ids``: the
              Transformer takes cuDNN attention on a GPU); ``--packed`` passes the trainer's
-             ``segment_ids``.  Every configuration runs in a fresh process
+             ``segment_ids`` (the Transformer then takes the Pallas flash attention).  Every configuration runs in a fresh process
              (the peak is its own).  ``--jobs N`` builds and compiles N configurations at once (CPU-bound),
              then times them one after another with nothing else running; rows are written as each finishes.
              On a GPU the first configuration compiles alone and the others read its GEMMs' autotuning

@@ -67,8 +67,10 @@ _MOSAIC_HOST = re.compile(r"\\00(\w+_mosaic_gpu)\\00")
 _LONG_NAME = re.compile(r"^\s*%?([\w.\-]+)\s*=")
 # the mixers' own sequence-mixing kernels, by name: falcon-jax's Pallas kernels (every ``name=`` /
 # ``kernel_name=`` under pallas_kernels/ starts ``falcon_`` or is the gate transpose; Mosaic GPU appends
-# ``_mosaic_gpu_kernel``) and cuDNN's attention kernels (``..._sdpa_...``, ``..._fmha_...``, flash)
-MIXER_KERNELS = re.compile(r"^(falcon_|gate_transpose)|sdpa|fmha|flash", re.IGNORECASE)
+# ``_mosaic_gpu_kernel``), the Pallas flash attention of the softmax layers (JAX's ``mha_forward``,
+# ``mha_preprocess_backward``, ``mha_backward``) and cuDNN's attention kernels (``..._sdpa_...``, ``..._fmha_...``,
+# flash)
+MIXER_KERNELS = re.compile(r"^(falcon_|gate_transpose|mha_)|sdpa|fmha|flash", re.IGNORECASE)
 # past this share of unattributed device time the scope shares say nothing and are withheld
 MAX_UNATTRIBUTED = 0.5
 METHODS = ("hlo_op", "annotation", "kernel_name")

@@ -328,7 +328,8 @@ def test_mixer_kernels_are_found_by_name_alone():
     for name in given + [n + "_mosaic_gpu_kernel" for n in given]:
         assert ts.MIXER_KERNELS.search(name), name
     for name in ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
-                 "fmha_cutlassF_bf16_aligned_64x64_rf_sm80"):
+                 "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+                 "mha_forward", "mha_preprocess_backward", "mha_backward"):  # the Pallas flash attention
         assert ts.MIXER_KERNELS.search(name), name
     for name in ("loop_multiply_fusion", "input_convert_reduce_select_fusion", "gemm_fusion_dot_3",
                  "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",

@@ -219,6 +219,141 @@ def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
     assert float(jnp.max(jnp.abs(y_leak[:, 6:] - y[:, 6:]))) > 1e-4
 
 
+def test_softmax_attention_flash_kernel_equals_the_masked_layer_on_packed_rows(rng):
+    """``attn_impl="triton"`` (the Pallas flash attention, interpreted here) in fp32 against the XLA masked layer
+    in float64 with the same parameters: outputs and the gradients w.r.t. the input and every parameter, odd T
+    with a one-token segment at each end of a row."""
+    B, T = 2, 29
+    seg = np.zeros((B, T), np.int32)
+    seg[0, 1:] += 1
+    seg[0, 11:] += 1
+    seg[0, T - 1:] += 1
+    seg[1, 17:] = 4
+    seg = jnp.asarray(seg)
+    h = rng.standard_normal((B, T, D))
+    ct = jnp.asarray(rng.standard_normal((B, T, D)))
+
+    def value_and_grads(impl, dtype):
+        graphdef, state = nnx.split(build("transformer", dtype=dtype, attn_impl=impl))
+
+        def loss(state, h):
+            y = nnx.merge(graphdef, state)(h, segment_ids=seg)
+            return jnp.sum(y * ct.astype(y.dtype)), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, jnp.asarray(h, dtype))
+        return y, grads
+
+    got, got_grads = value_and_grads("triton", "float32")
+    want, want_grads = value_and_grads("xla", "float64")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    leaves = jax.tree_util.tree_leaves_with_path(got_grads)
+    for (path, g), w in zip(leaves, jax.tree_util.tree_leaves(want_grads), strict=True):
+        assert float(jnp.max(jnp.abs(w))) > 0, path
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * float(jnp.max(jnp.abs(w))), err_msg=jax.tree_util.keystr(path))
+
+
+def test_softmax_attention_auto_choice_and_errors(rng, monkeypatch):
+    """``attn_impl="auto"`` on a GPU: cuDNN without segment ids (bf16), the Pallas flash attention with them
+    (its kernels traced), XLA with a one-time warning naming the reason where the kernel declines (fp64); off a
+    GPU, XLA.  A bad ``attn_impl`` names the choices; ``"triton"`` declining raises with its reason."""
+    import warnings
+
+    from falcon_jax.nn import baselines
+    from tests.kernels.helpers import on_backend, pallas_calls
+
+    h = jnp.asarray(rng.standard_normal((2, 21, D)), jnp.bfloat16)
+    seg = jnp.asarray(np.repeat([[0, 1, 2]], 7, axis=1).repeat(2, 0), jnp.int32)
+    x = jnp.zeros((2, 21, H, DK), jnp.bfloat16)
+    m = build("transformer", dtype="bfloat16")
+    assert m._implementation(x, x, x, packed=True) == "xla"  # a CPU
+    graphdef, state = nnx.split(m)
+    on_backend(monkeypatch, "gpu")
+    assert m._implementation(x, x, x, packed=False) == "cudnn"
+    assert m._implementation(x, x, x, packed=True) == "triton"
+    assert build("transformer", dtype="float32")._implementation(x, x, x, packed=False) == "xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pallas_calls(lambda h: nnx.merge(graphdef, state)(h, segment_ids=seg), h) == ["mha_forward"]
+    m64 = build("transformer", dtype="float64")
+    g64, s64 = nnx.split(m64)
+    monkeypatch.setattr(baselines, "_warned_fallback", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert pallas_calls(lambda h: nnx.merge(g64, s64)(h, segment_ids=seg), h.astype(jnp.float64)) == []
+    messages = [str(w.message) for w in caught if "declined" in str(w.message)]
+    assert len(messages) == 1 and "float64" in messages[0] and "T x T mask" in messages[0], messages
+    with pytest.raises(NotImplementedError, match=r"attn_impl='triton' declined: dtypes q float64"):
+        nnx.merge(*nnx.split(build("transformer", dtype="float64", attn_impl="triton")))(h.astype(jnp.float64),
+                                                                                          segment_ids=seg)
+    with pytest.raises(ValueError, match=r"attn_impl='flash'.*'auto', 'triton'.*'cudnn' or 'xla'"):
+        SoftmaxAttention(D, H, attn_impl="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"LMConfig.attn_impl='pallas'.*'auto', 'triton', 'cudnn', 'xla'"):
+        LMConfig(attn_impl="pallas")
+
+
+SHARDED_ATTENTION = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from falcon_jax.nn import SoftmaxAttention
+from falcon_jax.sharding import kernel_sharding
+
+def kernel_operands(jaxpr, acc):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            acc.append(list(e.invars[0].aval.shape))
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    kernel_operands(inner, acc)
+    return acc
+
+mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "tensor"))
+B, T, D, H = 4, 21, 32, 4
+graphdef, state = nnx.split(SoftmaxAttention(D, H, attn_impl="triton", init_std=0.3, rngs=nnx.Rngs(0)))
+rng = np.random.default_rng(0)
+h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
+out = {}
+for packed in (True, False):
+    ids = seg if packed else None
+    def loss(state, h):
+        y = nnx.merge(graphdef, state)(h, segment_ids=ids)
+        return jnp.sum(y * jnp.cos(y))
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    l0, g0 = f(state, h)
+    hs = jax.device_put(h, NamedSharding(mesh, P("data")))
+    with kernel_sharding(mesh, batch_axes="data", head_axis="tensor"):
+        f_sh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        l1, g1 = f_sh(state, hs)
+        shapes = kernel_operands(jax.make_jaxpr(f_sh)(state, hs).jaxpr, [])
+    err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+              for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
+    out[str(packed)] = {"loss": [float(l0), float(l1)], "grad_err": err,
+                        "operands": sorted({tuple(s) for s in shapes})}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_softmax_attention_flash_kernel_runs_per_shard_under_kernel_sharding():
+    """On a data=2 x tensor=2 mesh of simulated CPU devices, ``attn_impl="triton"`` runs the flash attention on
+    each device's rows and heads ([B/2, T', H/2, d] operands, never the whole batch), with the loss and the
+    gradients of the unsharded call, with and without segment ids."""
+    from tests.helpers import run_on_simulated_devices
+
+    out = run_on_simulated_devices(SHARDED_ATTENTION, 4)
+    for packed, got in out.items():
+        one, sharded = got["loss"]
+        assert abs(one - sharded) < 1e-5 * abs(one), (packed, got)
+        assert got["grad_err"] < 1e-5, (packed, got)
+        assert got["operands"] and all(s[0] == 2 and s[2] == 2 for s in got["operands"]), (packed, got)
+
+
 @pytest.mark.parametrize("mixer", ["gated_deltanet", "deltanet"])
 def test_delta_rule_baseline_layers_run_the_kernels(mixer, rng, monkeypatch):
     """The (Gated) DeltaNet layer with the default ``impl="auto"`` traces the decayed delta rule's kernels on a

@@ -161,10 +161,12 @@ def test_packed_config_errors_name_the_key():
     assert cfg.train.batch_size * cfg.data.seq_len * cfg.train.steps > 1e9
 
 
-@pytest.mark.parametrize("mixer", ["falcon-1A.3", "transformer", "mamba2"])
-def test_model_on_a_packed_row_equals_each_problem_alone(mixer):
+@pytest.mark.parametrize("mixer,attn_impl", [("falcon-1A.3", "auto"), ("transformer", "auto"),
+                                             ("transformer", "triton"), ("mamba2", "auto")])
+def test_model_on_a_packed_row_equals_each_problem_alone(mixer, attn_impl):
     """The logits of every problem of a packed addition row equal those of the problem run alone, and the
-    packed loss is the sum of the problems' losses (float32, small shapes)."""
+    packed loss is the sum of the problems' losses (float32, small shapes).  The Transformer runs both its
+    masked attention (XLA on a CPU) and the Pallas flash attention (``attn_impl="triton"``, interpreted)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -173,7 +175,7 @@ def test_model_on_a_packed_row_equals_each_problem_alone(mixer):
     from falcon_jax.train.evaluate import loss_terms
 
     cfg = LMConfig(mixer=mixer, vocab_size=16, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
-                   chunk_size=8, dtype="float32", param_dtype="float32")
+                   chunk_size=8, attn_impl=attn_impl, dtype="float32", param_dtype="float32")
     model = FalconLM(cfg, rngs=nnx.Rngs(1))
     d = _packed(train_max_width=5, pack_len=60, seed=7)
     row = d.packed_rows(np.array([11]))

@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
+from falcon_jax.kernels.flash_attention import flash_attention, flash_attention_reason
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
 from falcon_jax.nn.layers import dense, l2_normalize, make_param
-from falcon_jax.sharding import current
+from falcon_jax.sharding import current, shard_map_nonempty
 from falcon_jax.validation import is_concrete
 
 
@@ -71,6 +73,35 @@ def _warn_if_sequence_sharded(T: int) -> None:
                       f"values in these layers); ring attention is not implemented.", stacklevel=3)
 
 
+ATTN_IMPLS = ("auto", "triton", "cudnn", "xla")
+_warned_fallback: set = set()
+
+
+def _per_shard_attention(batch: int, heads: int, packed: bool):
+    """:func:`flash_attention` as ``fn(q, k, v, segment_ids)``; under :func:`falcon_jax.kernel_sharding` run once
+    per device shard of rows and heads (a pallas_call under a sharded jit would otherwise see the whole batch
+    gathered onto every device).  Under a sequence axis each shard holds all T positions (no ring attention)."""
+    ks = current()
+    if ks is None or not ks.shard_axes:
+        return flash_attention
+    if batch % ks.batch_shards or heads % ks.head_shards:
+        key = ("attention", batch, heads, ks.batch_shards, ks.head_shards)
+        if key not in _warned_fallback:
+            _warned_fallback.add(key)
+            warnings.warn(f"SoftmaxAttention: batch {batch} / heads {heads} do not split over the mesh's "
+                          f"{ks.batch_shards} batch x {ks.head_shards} head shards; the flash attention runs "
+                          f"replicated on every device (correct, slower). Use a batch divisible by "
+                          f"{ks.batch_shards} and heads divisible by {ks.head_shards}.", stacklevel=5)
+        return flash_attention
+    b, h = ks.batch_entry, ks.head_axis
+    tok = P(b, None, h)
+    if packed:
+        return shard_map_nonempty(flash_attention, ks.mesh, (tok, tok, tok, P(b)), tok, ks.shard_axes)
+    run = shard_map_nonempty(lambda q, k, v: flash_attention(q, k, v), ks.mesh, (tok, tok, tok), tok,
+                             ks.shard_axes)
+    return lambda q, k, v, segment_ids: run(q, k, v)
+
+
 class SoftmaxAttention(nnx.Module):
     """Causal multi-head softmax attention with RoPE, no bias (the paper's Transformer mixer)::
 
@@ -78,10 +109,21 @@ class SoftmaxAttention(nnx.Module):
         o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s
         y    = W_o o                         [B, T, D]
 
-    Runs through ``jax.nn.dot_product_attention``.  ``attn_impl="auto"`` picks cuDNN on GPU for
-    bf16/fp16 (where it is supported) and XLA elsewhere (``jax.nn.dot_product_attention``'s own
-    ``implementation=None`` means XLA in jax 0.10–0.11); ``"xla"``/``"cudnn"`` force one.
-    Packed sequences use a ``segment_ids`` mask.  The decode cache is a :class:`KVCache`
+    ``attn_impl`` picks the attention (training and scoring calls; a call with a cache runs XLA):
+
+    * ``"auto"``: on a GPU, without ``segment_ids`` cuDNN in bf16/fp16 and XLA in fp32; with
+      ``segment_ids`` the fused Pallas flash attention (``"triton"``) in bf16/fp16/fp32, XLA where it declines
+      (with a one-time warning naming the reason).  Off a GPU, XLA.
+    * ``"triton"``: :func:`falcon_jax.kernels.flash_attention.flash_attention`, JAX's Pallas GPU flash
+      attention with the segment ids in the kernel (memory O(T); Pallas's interpret mode off a GPU);
+      ``NotImplementedError`` with the reason where it declines.
+    * ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that implementation; packed
+      sequences as a ``[B, 1, T, T]`` mask (``jax.nn.dot_product_attention`` has no packed-segment argument).
+
+    Under :func:`falcon_jax.kernel_sharding` the flash attention runs once per device shard of rows and
+    heads.  Given ``segment_ids`` always take the segment path, even when every row is one sequence (under
+    ``jit`` the ids are traced and cannot be inspected): pass ``segment_ids=None`` for cuDNN.  The decode
+    cache is a :class:`KVCache`
     preallocated to ``max_len``; a call with a cache writes its T new keys/values at
     ``cache.length`` and attends causally to everything written so far in the current segment.
     Writing past ``max_len`` raises ``ValueError`` when the cache's length is concrete (eager decoding);
@@ -97,8 +139,9 @@ class SoftmaxAttention(nnx.Module):
         dk, dv = resolve_head_dims(self.owner, d_model, n_heads, head_dim, v_head_dim)
         if dk % 2:
             raise _err(self.owner, "head_dim", dk, "must be even for RoPE.")
-        if attn_impl not in ("auto", "xla", "cudnn"):
-            raise _err(self.owner, "attn_impl", attn_impl, "must be 'auto', 'xla' or 'cudnn'.")
+        if attn_impl not in ATTN_IMPLS:
+            raise _err(self.owner, "attn_impl", attn_impl, "must be 'auto', 'triton' (Pallas flash attention, "
+                       "packed segments in the kernel), 'cudnn' or 'xla'.")
         self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
         self.rope_theta, self.attn_impl = float(rope_theta), attn_impl
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
@@ -109,12 +152,39 @@ class SoftmaxAttention(nnx.Module):
         self.v_proj = dense(d_model, n_heads * dv, ("embed", "heads"), std=init_std, **kw)
         self.o_proj = dense(n_heads * dv, d_model, ("heads", "embed"), std=out_std, **kw)
 
-    def _implementation(self, has_mask: bool):
-        if self.attn_impl == "auto":
-            gpu = jax.default_backend() == "gpu"
-            half = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            return "cudnn" if gpu and half and not has_mask else "xla"
-        return self.attn_impl
+    def _implementation(self, q, k, v, packed: bool) -> str:
+        """The attention of a call without a cache (see the class docstring)."""
+        if self.attn_impl == "triton":
+            reason = flash_attention_reason(q, k, v)
+            if reason is not None:
+                raise NotImplementedError(f"{self.owner}: attn_impl='triton' declined: {reason}; use "
+                                          f"attn_impl='auto' or 'xla'.")
+            return "triton"
+        if self.attn_impl != "auto":
+            return self.attn_impl
+        if jax.default_backend() != "gpu":
+            return "xla"
+        if not packed:
+            return "cudnn" if self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else "xla"
+        reason = flash_attention_reason(q, k, v, interpret=False)
+        if reason is None:
+            return "triton"
+        if reason not in _warned_fallback:
+            _warned_fallback.add(reason)
+            warnings.warn(f"{self.owner}: attn_impl='auto' runs packed segments through XLA attention with a "
+                          f"T x T mask (memory O(T^2)): the Pallas flash attention declined: {reason}.",
+                          stacklevel=4)
+        return "xla"
+
+    def _attention(self, q, k, v, segment_ids):
+        """Causal attention within segments, ``[B, T, H, d]`` in and out (no cache)."""
+        impl = self._implementation(q, k, v, segment_ids is not None)
+        if impl == "triton":
+            return _per_shard_attention(q.shape[0], self.n_heads, segment_ids is not None)(q, k, v, segment_ids)
+        mask = None
+        if segment_ids is not None:
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B,1,T,T]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Zeros ``[B, max_len, H, d]`` in the compute dtype; ``length = 0``."""
@@ -138,12 +208,8 @@ class SoftmaxAttention(nnx.Module):
         q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
         if cache is None:
             _warn_if_sequence_sharded(T)
-            mask = None
-            if segment_ids is not None:
-                mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B,1,T,T]
             with jax.named_scope("core"):  # the attention alone, for profiles (blocks.py)
-                o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                 implementation=self._implementation(mask is not None))
+                o = self._attention(q, k, v, segment_ids)
             return self.o_proj(o.reshape(B, T, H * self.dv))
         if T > cache.max_len:  # a static check; a traced overflow would be clamped by XLA, silently
             raise ValueError(f"SoftmaxAttention: {T} new positions do not fit a KV cache of max_len="

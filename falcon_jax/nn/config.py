@@ -112,7 +112,8 @@ class LMConfig:
     log-spaced, ``per_column_gains`` (None = True exactly for variants 2/2A), ``alignment``,
     ``timing``, ``eps``, ``eps_gamma``.  Recurrent mixers share ``conv_size`` (0 = no short
     convolution), ``form``, ``chunk_size``, ``impl``.  Softmax layers use ``rope_theta`` and
-    ``attn_impl`` ("auto": cuDNN on GPU in bf16/fp16, else XLA).
+    ``attn_impl`` ("auto": on a GPU cuDNN without ``segment_ids`` in bf16/fp16, the Pallas flash attention
+    with them, else XLA; "triton", "cudnn", "xla" force one: :class:`~falcon_jax.nn.SoftmaxAttention`).
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (both explicit so that
     ``jax_enable_x64`` does not change them).
     """
@@ -178,7 +179,7 @@ class LMConfig:
         _choice("timing", self.timing, ("raw", "rbw"))
         _choice("form", self.form, ("recurrent", "parallel", "chunk"))
         _choice("impl", self.impl, ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla"))
-        _choice("attn_impl", self.attn_impl, ("auto", "xla", "cudnn"))
+        _choice("attn_impl", self.attn_impl, ("auto", "triton", "cudnn", "xla"))
         if not self.lam_max > 0:
             raise ValueError(f"LMConfig.lam_max={self.lam_max!r} must be > 0.")
         lo, hi = self.lam_init
