@@ -1,4 +1,5 @@
-"""The ``lm`` suite's measurements, run inside a ``benchmarks.worker`` process (one process per configuration).
+"""The ``lm`` suite's measurements, run inside a ``benchmarks.worker`` process (one process per configuration,
+started by :mod:`benchmarks.lm_suite`).
 
 One configuration is a mixer name and a shape ``B × T``: the ``lm-130m`` preset's model (``train/config.py``:
 D = 768, 12 layers, 12 heads of 64, SwiGLU 2048, vocabulary 50304, chunk 64, bf16 compute, fp32 parameters)

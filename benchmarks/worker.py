@@ -9,8 +9,9 @@ It reads one JSON request per line on stdin and answers each with one line ``@@R
 * ``profile``: GPU time per kernel of one forward+backward, from CUPTI through ``torch.profiler`` (it records
   every kernel of the process, JAX's included).
 * ``lm_prepare`` / ``lm_measure``: the ``lm`` suite's train step of one configuration, built and compiled, then
-  timed, its peak memory read and its device time split by named scope (:mod:`benchmarks.lm`; the parent
-  starts a fresh process per configuration, so the allocator's peak is that configuration's).
+  timed, its peak memory read and its device time split by named scope (:mod:`benchmarks.lm`; the parent,
+  :mod:`benchmarks.lm_suite`, starts a fresh process per configuration, so the allocator's peak is that
+  configuration's).
 
 Compiled functions and inputs are kept for the life of the process, so a second ``time`` request for the same
 op and shape measures again without compiling.  The parent kills the process when a request overruns.

@@ -343,7 +343,7 @@ def test_mixer_kernels_are_found_by_name_alone():
 
 
 def test_lm_table_withholds_scope_shares_when_most_time_is_unattributed():
-    from benchmarks.run import lm_table
+    from benchmarks.lm_suite import lm_table
 
     base = {"shape": "8x4096", "kernels": "triton", "tokens_per_s": 1000.0, "step_ms": 95.3, "notes": {}}
     rows = [dict(base, mixer="falcon-1A.3", mixer_share=0.41, core_share=0.22, unattributed_share=0.02,

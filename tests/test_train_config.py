@@ -105,7 +105,7 @@ def test_gradient_accumulation_applies_the_gradient_of_the_whole_batch():
 
     from falcon_jax.nn import FalconLM
     from falcon_jax.train import evaluate as ev
-    from falcon_jax.train.data import AdditionData
+    from falcon_jax.train.addition import AdditionData
     from falcon_jax.train.mesh import make_mesh, put_batch
     from falcon_jax.train.trainer import make_train_step
 

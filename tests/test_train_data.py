@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from falcon_jax.train import data as D
+from falcon_jax.train import addition as ad, text as txt
 
 
 def _num(digits) -> int:
@@ -12,20 +12,20 @@ def _num(digits) -> int:
 
 
 def test_addition_batches_are_deterministic_per_step():
-    d = D.AdditionData(seed=3, train_min_width=1, train_max_width=6)
-    b1, b2 = d.batch(17, 32), D.AdditionData(seed=3, train_min_width=1, train_max_width=6).batch(17, 32)
+    d = ad.AdditionData(seed=3, train_min_width=1, train_max_width=6)
+    b1, b2 = d.batch(17, 32), ad.AdditionData(seed=3, train_min_width=1, train_max_width=6).batch(17, 32)
     for k in b1:
         np.testing.assert_array_equal(b1[k], b2[k])
     assert not np.array_equal(d.batch(18, 32)["tokens"], b1["tokens"])
-    assert not np.array_equal(D.AdditionData(seed=4, train_max_width=6).batch(17, 32)["tokens"], b1["tokens"])
+    assert not np.array_equal(ad.AdditionData(seed=4, train_max_width=6).batch(17, 32)["tokens"], b1["tokens"])
 
 
 def test_addition_rows_encode_the_sum_lsd_first_and_mask_only_the_target():
-    d = D.AdditionData(seed=0, train_min_width=1, train_max_width=7)
+    d = ad.AdditionData(seed=0, train_min_width=1, train_max_width=7)
     b = d.batch(0, 200)
     widths = set()
     for tok, mask in zip(b["tokens"], b["loss_mask"]):
-        text = D.decode_addition(tok)
+        text = ad.decode_addition(tok)
         assert text.startswith("<bos>")
         body = text[len("<bos>"):].split("<eos>")[0]
         lhs, rhs = body.split("=")
@@ -34,31 +34,31 @@ def test_addition_rows_encode_the_sum_lsd_first_and_mask_only_the_target():
         widths.add(n)
         assert len(bb) == n and len(rhs) == n + 1
         assert int(rhs[::-1]) == int(a) + int(bb)  # the target is the sum, least significant digit first
-        sl = D.target_slice(n)
+        sl = ad.target_slice(n)
         expect = np.zeros_like(mask)
         expect[sl.start:sl.stop + 1] = True  # n+1 digits and EOS
         np.testing.assert_array_equal(mask, expect)
-        assert (tok[D.addition_seq_len(n):] == D.PAD).all()
+        assert (tok[ad.addition_seq_len(n):] == ad.PAD).all()
     assert widths == set(range(1, 8))  # uniform widths cover the whole configured range
 
 
 def test_problem_hash_is_symmetric_and_split_is_disjoint():
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 10, (500, 5)), rng.integers(0, 10, (500, 5))
-    np.testing.assert_array_equal(D.problem_hash(a, b, 7), D.problem_hash(b, a, 7))
-    assert len(set(D.problem_hash(a, b, 7).tolist())) > 490  # spreads distinct problems
-    frac = D.is_heldout(rng.integers(0, 10, (20000, 6)), rng.integers(0, 10, (20000, 6)), 7, 0.1).mean()
+    np.testing.assert_array_equal(ad.problem_hash(a, b, 7), ad.problem_hash(b, a, 7))
+    assert len(set(ad.problem_hash(a, b, 7).tolist())) > 490  # spreads distinct problems
+    frac = ad.is_heldout(rng.integers(0, 10, (20000, 6)), rng.integers(0, 10, (20000, 6)), 7, 0.1).mean()
     assert 0.08 < frac < 0.12
 
 
 @pytest.mark.parametrize("width", [2, 3])
 def test_train_stream_never_contains_heldout_problems(width):
-    d = D.AdditionData(seed=1, train_min_width=width, train_max_width=width, eval_widths=(width,),
+    d = ad.AdditionData(seed=1, train_min_width=width, train_max_width=width, eval_widths=(width,),
                        eval_examples=64, heldout_frac=0.1)
     train = set()
     for step in range(60):
         for row in d.batch(step, 64)["tokens"]:
-            a, b = _num(row[1:1 + width] - D.DIGIT0), _num(row[2 + width:2 + 2 * width] - D.DIGIT0)
+            a, b = _num(row[1:1 + width] - ad.DIGIT0), _num(row[2 + width:2 + 2 * width] - ad.DIGIT0)
             train.add((min(a, b), max(a, b)))
     ev = d.eval_set(width)
     held = {(min(_num(x), _num(y)), max(_num(x), _num(y))) for x, y in zip(ev["a"], ev["b"])}
@@ -67,20 +67,20 @@ def test_train_stream_never_contains_heldout_problems(width):
 
 
 def test_eval_sets_are_fixed_and_heldout_at_every_width():
-    d = D.AdditionData(seed=0, train_max_width=4, eval_widths=(1, 4, 9), eval_examples=32)
+    d = ad.AdditionData(seed=0, train_max_width=4, eval_widths=(1, 4, 9), eval_examples=32)
     for n in (1, 4, 9):
         e1, e2 = d.eval_set(n), d.eval_set(n)
         np.testing.assert_array_equal(e1["tokens"], e2["tokens"])
         assert e1["tokens"].shape == (32, d.eval_seq_len)
-        assert D.is_heldout(e1["a"], e1["b"], d.split_seed, d.heldout_frac).all()
-        assert D.is_heldout(e1["b"], e1["a"], d.split_seed, d.heldout_frac).all()
+        assert ad.is_heldout(e1["a"], e1["b"], d.split_seed, d.heldout_frac).all()
+        assert ad.is_heldout(e1["b"], e1["a"], d.split_seed, d.heldout_frac).all()
 
 
 def test_pack_windows_segments_follow_documents():
-    tok = D.ByteTokenizer()
-    stream, docs = D.tokenize_documents(["ab", "cde", "f"], tok)
+    tok = txt.ByteTokenizer()
+    stream, docs = txt.tokenize_documents(["ab", "cde", "f"], tok)
     assert stream.tolist() == [257, 97, 98, 258, 257, 99, 100, 101, 258, 257, 102, 258]
-    b = D.pack_windows(stream, docs, np.array([2, 0]), 8)
+    b = txt.pack_windows(stream, docs, np.array([2, 0]), 8)
     assert b["segment_ids"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 2]
     assert b["segment_ids"][1].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     np.testing.assert_array_equal(b["tokens"][1], stream[:8])
@@ -126,12 +126,12 @@ def test_text_data_from_local_files(tmp_path):
         for i in range(40):
             f.write(json.dumps({"text": f"json doc {i} " * 6}) + "\n")
     kw = dict(paths=(str(tmp_path),), seq_len=33, seed=0, val_frac=0.1, cache_dir=str(tmp_path / "cache"))
-    d = D.TextData(**kw)
+    d = txt.TextData(**kw)
     b = d.batch(5, 4)
     assert b["tokens"].shape == (4, 33) and b["tokens"].max() < d.vocab_size
-    np.testing.assert_array_equal(b["tokens"], D.TextData(**kw).batch(5, 4)["tokens"])  # cached + deterministic
+    np.testing.assert_array_equal(b["tokens"], txt.TextData(**kw).batch(5, 4)["tokens"])  # cached + deterministic
     assert len(d.splits["val"][0]) > 0 and len(d.splits["train"][0]) > 0
     vb = list(d.val_batches(4, 2))
     assert vb and vb[0]["tokens"].shape == (4, 33)
     with pytest.raises(FileNotFoundError, match="matched no"):
-        D.TextData(**dict(kw, paths=(str(tmp_path / "nothing*.txt"),)))
+        txt.TextData(**dict(kw, paths=(str(tmp_path / "nothing*.txt"),)))

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from falcon_jax.train import data as D
+from falcon_jax.train import addition as ad, text as txt
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -19,7 +19,7 @@ TEXTS = [
 
 def test_bpe_tokenizer_trained_locally(tmp_path):
     pytest.importorskip("tokenizers")
-    tok = D.BPETokenizer.train(TEXTS, vocab_size=320, path=str(tmp_path / "bpe.json"))
+    tok = txt.BPETokenizer.train(TEXTS, vocab_size=320, path=str(tmp_path / "bpe.json"))
     assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
     assert 259 < tok.vocab_size <= 320  # 3 specials + 256 byte symbols + learned merges
     for t in TEXTS[:4] + ["unseen words: zebra quokka ÆØÅ 🙂"]:
@@ -27,9 +27,9 @@ def test_bpe_tokenizer_trained_locally(tmp_path):
         assert tok.decode(ids) == t  # byte-level: any text, seen or not, round-trips
         assert all(3 <= i < tok.vocab_size for i in ids)
     assert len(tok.encode(TEXTS[0])) < 0.6 * len(TEXTS[0].encode())  # merges learned on the corpus
-    again = D.BPETokenizer.train(TEXTS, vocab_size=320)  # deterministic training
+    again = txt.BPETokenizer.train(TEXTS, vocab_size=320)  # deterministic training
     assert again.encode(TEXTS[1]) == tok.encode(TEXTS[1]) and again.vocab_size == tok.vocab_size
-    loaded = D.BPETokenizer.train(["something else entirely"], vocab_size=300, path=str(tmp_path / "bpe.json"))
+    loaded = txt.BPETokenizer.train(["something else entirely"], vocab_size=300, path=str(tmp_path / "bpe.json"))
     assert loaded.encode(TEXTS[2]) == tok.encode(TEXTS[2])  # the saved tokenizer is reused as is
 
 
@@ -41,12 +41,12 @@ def test_jsonl_and_parquet_corpora(tmp_path):
             f.write(json.dumps({"body": t, "id": 1}) + "\n\n")  # blank lines are skipped
     pq.write_table(pa.table({"body": TEXTS[3:6], "n": [1, 2, 3]}), tmp_path / "b.parquet")
     (tmp_path / "c.txt").write_text("first block\n\nsecond block\n")
-    docs = D.read_documents([str(tmp_path)], text_key="body")
+    docs = txt.read_documents([str(tmp_path)], text_key="body")
     assert docs == TEXTS[:3] + TEXTS[3:6] + ["first block", "second block"]  # sorted file order
     with pytest.raises(KeyError, match="no key 'text'.*data.text_key"):
-        D.read_documents([str(tmp_path / "a.jsonl")])
+        txt.read_documents([str(tmp_path / "a.jsonl")])
     with pytest.raises(Exception, match="text"):
-        D.read_documents([str(tmp_path / "b.parquet")])  # no 'text' column
+        txt.read_documents([str(tmp_path / "b.parquet")])  # no 'text' column
 
 
 def test_pretokenized_cache_is_memory_mapped_and_reused(tmp_path, monkeypatch):
@@ -61,28 +61,28 @@ def test_pretokenized_cache_is_memory_mapped_and_reused(tmp_path, monkeypatch):
             f.write(json.dumps({"text": t}) + "\n")
     kw = dict(paths=(str(corpus),), seq_len=25, seed=0, tokenizer="bpe", bpe_vocab_size=300, val_frac=0.1,
               cache_dir=str(tmp_path / "cache"))
-    d = D.TextData(**kw)
+    d = txt.TextData(**kw)
     stream, dids = d.splits["train"]
     assert isinstance(stream, np.memmap) and isinstance(dids, np.memmap) and stream.dtype == np.int32
     assert len(d.splits["val"][0]) > 0
     files = sorted(os.listdir(tmp_path / "cache"))
     assert len([f for f in files if f.endswith(".npy")]) == 4 and any(f.endswith("-bpe.json") for f in files)
     assert not any("tmp" in f for f in files)  # written atomically
-    docs = D.read_documents(kw["paths"])
+    docs = txt.read_documents(kw["paths"])
     n_train = sum(1 for i in range(len(docs)) if i not in set(np.unique(d.splits["val"][1]).tolist()))
     assert stream[0] == d.tok.bos_id and (np.asarray(stream) == d.tok.bos_id).sum() == n_train
     b = d.batch(3, 4)
     assert b["tokens"].shape == (4, 25) and b["tokens"].max() < d.vocab_size <= 300
 
     # a second run reads the arrays back without tokenizing anything
-    monkeypatch.setattr(D, "tokenize_documents", lambda *a: pytest.fail("the token cache was not reused"))
-    d2 = D.TextData(**kw)
+    monkeypatch.setattr(txt, "tokenize_documents", lambda *a: pytest.fail("the token cache was not reused"))
+    d2 = txt.TextData(**kw)
     np.testing.assert_array_equal(d2.batch(3, 4)["tokens"], b["tokens"])
     # changing a file (size / mtime) invalidates its cache entry
     with open(corpus / "b.jsonl", "a") as f:
         f.write(json.dumps({"text": "one more document"}) + "\n")
     with pytest.raises(pytest.fail.Exception, match="not reused"):
-        D.TextData(**kw)
+        txt.TextData(**kw)
 
 
 def test_plots_are_written(tmp_path):
@@ -136,7 +136,7 @@ def test_bf16_compute_with_fp32_master_params_overfits_a_batch():
         "optim.lr=1e-2", "optim.warmup_steps=2"])
     lm = cfg.lm_config(vocab_size=16)
     model = FalconLM(lm, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(D.AdditionData(train_max_width=3).batch(0, 8)["tokens"])
+    tokens = jnp.asarray(ad.AdditionData(train_max_width=3).batch(0, 8)["tokens"])
     # the projections compute in bf16 (the fast-weight recurrence itself runs in fp32)
     dots = [ln for ln in str(jax.make_jaxpr(lambda t: model(t))(tokens)).splitlines() if "dot_general" in ln]
     assert sum(":bf16[" in ln for ln in dots) >= 4, dots
@@ -146,7 +146,7 @@ def test_bf16_compute_with_fp32_master_params_overfits_a_batch():
     opt_state = tx.init(params)
     step = make_train_step(graphdef, tx)
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    batch = put_batch(D.AdditionData(train_max_width=3).batch(0, 8), mesh, 1)
+    batch = put_batch(ad.AdditionData(train_max_width=3).batch(0, 8), mesh, 1)
     losses = []
     for _ in range(40):  # the same 8 problems every step: an overfit
         params, opt_state, m = step(params, rest, opt_state, batch)

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from falcon_jax.train import data as D
+from falcon_jax.train import addition as ad, text as txt
 from falcon_jax.train.config import ConfigError
 from falcon_jax.train.loader import BuiltinLoader, GrainLoader, make_loader
 
@@ -19,7 +19,7 @@ def _num(digits) -> int:
 
 def _text_data(tmp_path, **kw):
     (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph {i} " * (3 + i % 4) for i in range(30)))
-    return D.TextData(paths=(str(tmp_path / "a.txt"),), seq_len=17, seed=0, val_frac=0.1,
+    return txt.TextData(paths=(str(tmp_path / "a.txt"),), seq_len=17, seed=0, val_frac=0.1,
                       cache_dir=str(tmp_path / "cache"), **kw)
 
 
@@ -31,28 +31,28 @@ def test_ragged_heldout_equals_is_heldout_row_by_row(rng):
     a[40:80], b[40:80] = b[40:80], a[40:80].copy()
     pad = np.arange(W)[None] < n[:, None]
     a, b = a * pad, b * pad
-    got = D._is_heldout_ragged(a, b, n, 11, 0.3)
-    want = np.array([D.is_heldout(a[r:r + 1, :n[r]], b[r:r + 1, :n[r]], 11, 0.3)[0] for r in range(N)])
+    got = ad._is_heldout_ragged(a, b, n, 11, 0.3)
+    want = np.array([ad.is_heldout(a[r:r + 1, :n[r]], b[r:r + 1, :n[r]], 11, 0.3)[0] for r in range(N)])
     np.testing.assert_array_equal(got, want)
     assert 0.25 < got.mean() < 0.35
 
 
 def test_addition_rows_depend_on_the_row_index_only():
-    d = D.AdditionData(seed=5, train_min_width=1, train_max_width=7)
+    d = ad.AdditionData(seed=5, train_min_width=1, train_max_width=7)
     all_rows = d.rows(np.arange(300))
     some = d.rows(np.array([299, 7, 150]))  # other neighbours, other order: the same rows
     for k in all_rows:
         np.testing.assert_array_equal(some[k], all_rows[k][[299, 7, 150]])
-    assert not np.array_equal(D.AdditionData(seed=6, train_max_width=7).rows(np.arange(300))["tokens"],
+    assert not np.array_equal(ad.AdditionData(seed=6, train_max_width=7).rows(np.arange(300))["tokens"],
                               all_rows["tokens"])
     widths = set()
     for tok, mask in zip(all_rows["tokens"], all_rows["loss_mask"]):
-        lhs, rhs = D.decode_addition(tok)[len("<bos>"):].split("<eos>")[0].split("=")
+        lhs, rhs = ad.decode_addition(tok)[len("<bos>"):].split("<eos>")[0].split("=")
         x, y = lhs.split("+")
         n = len(x)
         widths.add(n)
         assert len(y) == n and len(rhs) == n + 1 and int(rhs[::-1]) == int(x) + int(y)
-        sl = D.target_slice(n)
+        sl = ad.target_slice(n)
         assert mask.sum() == n + 2 and mask[sl].all() and mask[sl.stop]  # the sum digits and EOS
     assert widths == set(range(1, 8))
     assert (all_rows["segment_ids"] == 0).all()
@@ -60,11 +60,11 @@ def test_addition_rows_depend_on_the_row_index_only():
 
 def test_grain_addition_stream_never_contains_heldout_problems():
     w = 2
-    d = D.AdditionData(seed=1, train_min_width=w, train_max_width=w, eval_widths=(w,), eval_examples=64,
+    d = ad.AdditionData(seed=1, train_min_width=w, train_max_width=w, eval_widths=(w,), eval_examples=64,
                        heldout_frac=0.1)
     rows = d.rows(np.arange(20000))["tokens"]
     train = {(min(p, q), max(p, q)) for p, q in
-             ((_num(r[1:1 + w] - D.DIGIT0), _num(r[2 + w:2 + 2 * w] - D.DIGIT0)) for r in rows)}
+             ((_num(r[1:1 + w] - ad.DIGIT0), _num(r[2 + w:2 + 2 * w] - ad.DIGIT0)) for r in rows)}
     ev = d.eval_set(w)
     held = {(min(_num(x), _num(y)), max(_num(x), _num(y))) for x, y in zip(ev["a"], ev["b"])}
     assert held and not (held & train)
@@ -74,7 +74,7 @@ def test_grain_addition_stream_never_contains_heldout_problems():
 
 @pytest.mark.parametrize("threads", [0, 1])
 def test_grain_loader_batches_and_checkpointable_state(threads):
-    d = D.AdditionData(seed=2, train_min_width=1, train_max_width=5)
+    d = ad.AdditionData(seed=2, train_min_width=1, train_max_width=5)
     B = 12
     it = GrainLoader(d, B, threads=threads, prefetch=2)
     got = [next(it) for _ in range(3)]
@@ -98,7 +98,7 @@ def test_grain_host_shards_partition_each_global_batch():
     """Host s of k reads rows (i*B/k + j)*k + s of the stream; together the k hosts hold exactly the
     rows of the one-host batch, and put_batch's layout puts host s's rows in slice s of every
     micro-batch."""
-    d = D.AdditionData(seed=0, train_min_width=1, train_max_width=4)
+    d = ad.AdditionData(seed=0, train_min_width=1, train_max_width=4)
     B, k, A = 16, 4, 2
     one = GrainLoader(d, B, threads=0)
     hosts = [GrainLoader(d, B, shard=(s, k), threads=0) for s in range(k)]
@@ -141,7 +141,7 @@ def test_grain_text_loader_shuffles_each_epoch_and_resumes(tmp_path):
 
 
 def test_builtin_loader_is_the_index_based_iterator():
-    d = D.AdditionData(seed=3, train_max_width=4)
+    d = ad.AdditionData(seed=3, train_max_width=4)
     it = make_loader("builtin", d, 8)
     assert isinstance(it, BuiltinLoader) and it.shard == (0, 1)
     next(it), next(it)
@@ -154,7 +154,7 @@ def test_builtin_loader_is_the_index_based_iterator():
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 3])
 def test_builtin_read_ahead_keeps_the_stream_across_state_changes(read_ahead):
-    d = D.AdditionData(seed=5, train_max_width=6, pack=True, pack_len=64)
+    d = ad.AdditionData(seed=5, train_max_width=6, pack=True, pack_len=64)
     it = BuiltinLoader(d, 4, read_ahead=read_ahead)
     order = [0, 1, 2]
     got = [next(it)["tokens"] for _ in order]
@@ -169,7 +169,7 @@ def test_builtin_read_ahead_keeps_the_stream_across_state_changes(read_ahead):
 
 
 def test_loader_errors_name_the_setting_and_the_fix(monkeypatch):
-    d = D.AdditionData(train_max_width=3)
+    d = ad.AdditionData(train_max_width=3)
     with pytest.raises(ConfigError, match="data.loader='tf.data'.*'grain', 'builtin'"):
         make_loader("tf.data", d, 8)
     monkeypatch.setitem(sys.modules, "grain", None)  # import grain -> ImportError

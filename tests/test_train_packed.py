@@ -8,13 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from falcon_jax.train import data as D
+from falcon_jax.train import addition as ad
 
 
 def _packed(**kw):
     args = dict(seed=3, train_min_width=1, train_max_width=9, pack=True, pack_len=200, heldout_frac=0.2)
     args.update(kw)
-    return D.AdditionData(**args)
+    return ad.AdditionData(**args)
 
 
 def _problems(row):
@@ -40,12 +40,12 @@ def test_packed_rows_decode_to_valid_problems_one_segment_each():
         widths = [w for w in row["widths"] if w > 0]
         assert len(widths) >= 1
         for s, tok, mask, cols in segs:
-            text = D.decode_addition(tok)
+            text = ad.decode_addition(tok)
             if s == len(widths):  # the padding after the last problem: its own segment, no targets
-                assert set(tok.tolist()) == {D.PAD} and not mask.any() and cols[-1] == L - 1
+                assert set(tok.tolist()) == {ad.PAD} and not mask.any() and cols[-1] == L - 1
                 continue
             n = widths[s]
-            assert text.startswith("<bos>") and text.endswith("<eos>") and len(tok) == D.addition_seq_len(n)
+            assert text.startswith("<bos>") and text.endswith("<eos>") and len(tok) == ad.addition_seq_len(n)
             lhs, rhs = text[len("<bos>"):-len("<eos>")].split("=")
             x, y = lhs.split("+")
             assert len(x) == len(y) == n and len(rhs) == n + 1
@@ -55,8 +55,8 @@ def test_packed_rows_decode_to_valid_problems_one_segment_each():
             n_problems += 1
         assert len([s for s in segs if s[0] < len(widths)]) == len(widths)
         # packing stops at the first problem that does not fit: the padding is shorter than that problem
-        pad = L - sum(D.addition_seq_len(w) for w in widths)
-        assert 0 <= pad < D.addition_seq_len(d.train_max_width)
+        pad = L - sum(ad.addition_seq_len(w) for w in widths)
+        assert 0 <= pad < ad.addition_seq_len(d.train_max_width)
     assert n_problems > 40 * 5
 
 
@@ -66,19 +66,19 @@ def test_packed_rows_hold_no_heldout_problem_and_depend_on_the_row_index_only():
     seen = 0
     for r in range(64):
         for s, tok, mask, cols in _problems({k: b[k][r] for k in ("tokens", "segment_ids", "loss_mask")}):
-            if tok[0] != D.BOS:
+            if tok[0] != ad.BOS:
                 continue
-            text = D.decode_addition(tok)[len("<bos>"):]
+            text = ad.decode_addition(tok)[len("<bos>"):]
             x, y = text.split("=")[0].split("+")
             a = np.array([[int(c) for c in x]])
             bb = np.array([[int(c) for c in y]])
-            assert not D.is_heldout(a, bb, d.split_seed, d.heldout_frac)[0]
-            assert not D.is_heldout(bb, a, d.split_seed, d.heldout_frac)[0]
+            assert not ad.is_heldout(a, bb, d.split_seed, d.heldout_frac)[0]
+            assert not ad.is_heldout(bb, a, d.split_seed, d.heldout_frac)[0]
             seen += 1
     assert seen > 64 * 20
     # held-out problems do exist at these widths (30 %): the rejection is what keeps them out
     some = d.eval_set(2)
-    assert D.is_heldout(some["a"], some["b"], d.split_seed, d.heldout_frac).all()
+    assert ad.is_heldout(some["a"], some["b"], d.split_seed, d.heldout_frac).all()
     # row g is a function of (seed, g): other neighbours, other order, other batch -> the same rows
     again = d.packed_rows(np.array([63, 5, 20]))
     for k in again:
@@ -97,7 +97,7 @@ def test_packed_width_distribution(sampling):
     w = d.packed_rows(np.arange(1500), with_widths=True)["widths"]
     w = w[w > 0]
     count = np.array([(w == n).sum() for n in range(2, 13)], float)
-    tokens = count * D.addition_seq_len(np.arange(2, 13))
+    tokens = count * ad.addition_seq_len(np.arange(2, 13))
     if sampling == "uniform":
         p = count / count.sum()
         np.testing.assert_allclose(p, 1 / 11, rtol=0.12)
@@ -140,7 +140,7 @@ def test_curriculum_caps_each_rows_widths_and_then_opens_the_full_range(sampling
     with pytest.raises(ValueError, match="curriculum_start_width"):
         _packed(curriculum_rows=10, curriculum_start_width=12, **kw)
     with pytest.raises(ValueError, match="pack"):
-        D.AdditionData(curriculum_rows=10)
+        ad.AdditionData(curriculum_rows=10)
 
 
 def test_packed_config_errors_name_the_key():
@@ -156,7 +156,7 @@ def test_packed_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="data.curriculum_steps.*data.pack=true"):
         build_config("addition-paper", overrides=["data.curriculum_steps=100"])
     with pytest.raises(ValueError, match="width_sampling"):
-        D.AdditionData(width_sampling="by-length")
+        ad.AdditionData(width_sampling="by-length")
     cfg = build_config("addition-packed", overrides=["model.mixer=transformer"])
     assert cfg.train.batch_size * cfg.data.seq_len * cfg.train.steps > 1e9
 
@@ -183,7 +183,7 @@ def test_model_on_a_packed_row_equals_each_problem_alone(mixer, attn_impl):
     logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))
     packed = np.asarray(logits(model, jnp.asarray(row["tokens"]), jnp.asarray(row["segment_ids"])))
     # problems exclude the trailing padding (its positions see only padding)
-    n_seg = int(seg.max()) + (1 if row["tokens"][0, -1] != D.PAD else 0)
+    n_seg = int(seg.max()) + (1 if row["tokens"][0, -1] != ad.PAD else 0)
     assert n_seg >= 3
     lt = jax.jit(lambda m, *a: loss_terms(m, *a))
     total_s, total_n = 0.0, 0.0

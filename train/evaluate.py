@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from falcon_jax.sharding import constrain_replicated
-from falcon_jax.train.data import DIGIT0, AdditionData, target_slice
+from falcon_jax.train.addition import DIGIT0, AdditionData, target_slice
 
 
 def loss_terms(model, tokens, segment_ids, loss_mask):

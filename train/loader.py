@@ -1,8 +1,16 @@
 """Training-batch loaders (``data.loader``): Grain (default) or the builtin index-based iterator.
 
-Both are iterators of host numpy batches ``{"tokens", "segment_ids", "loss_mask"}``, each
-``[B_host, T]``, with ``get_state()`` / ``set_state()`` (small JSON dicts, saved in every
-checkpoint's ``meta`` item and restored on ``--resume``).
+Both are iterators of host numpy batches, each ``[B_host, T]``, with ``get_state()`` /
+``set_state()`` (small JSON dicts, saved in every checkpoint's ``meta`` item and restored on
+``--resume``).  A batch is a dict of
+
+* ``tokens`` int32 — the token ids (position t predicts t+1);
+* ``segment_ids`` int32 — packed-document ids (the model never passes information across a
+  change of id; pairs that cross one are not trained on);
+* ``loss_mask`` bool — whether the token at t is a training *target* (used for ``t >= 1``).
+
+Rows come from :mod:`falcon_jax.train.addition` (:class:`AdditionData`) or
+:mod:`falcon_jax.train.text` (:class:`TextData`).
 
 ``grain`` -- a ``grain.MapDataset`` pipeline::
 
@@ -26,8 +34,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from falcon_jax.train.addition import AdditionData
 from falcon_jax.train.config import ConfigError
-from falcon_jax.train.data import AdditionData, TextData, _mix64
+from falcon_jax.train.hashing import mix64
+from falcon_jax.train.text import TextData
 
 LOADERS = ("grain", "builtin")
 _ADDITION_ROWS = 1 << 62  # the addition row stream is endless; Grain needs a length
@@ -116,7 +126,7 @@ class GrainLoader:
         if isinstance(data, AdditionData):
             ds, fn = grain.MapDataset.range(_ADDITION_ROWS), data.rows
         elif isinstance(data, TextData):
-            seed = int(_mix64(np.asarray([data.seed], np.uint64) ^ np.uint64(0x7E77))[0] % np.uint64(1 << 31))
+            seed = int(mix64(np.asarray([data.seed], np.uint64) ^ np.uint64(0x7E77))[0] % np.uint64(1 << 31))
             ds = grain.MapDataset.range(data.num_train_starts).shuffle(seed=seed).repeat()
             fn = data.windows
         else:

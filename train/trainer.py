@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from falcon_jax.nn import FalconLM, param_counts, state_shardings
 from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
+from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
 from falcon_jax.train.config import ConfigError, TrainConfig, validate
-from falcon_jax.train.data import ADDITION_VOCAB_SIZE, AdditionData, TextData
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, check_batch, check_sequence, host_shard, make_mesh,
                                    maybe_initialize_distributed, put_batch, replicate)
@@ -38,6 +38,7 @@ from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
 from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
                                      check_writable, metric_records, read_metrics)
+from falcon_jax.train.text import TextData
 
 
 def build_data(cfg: TrainConfig):

@@ -1,0 +1,127 @@
+"""The parent's side of the measuring processes, shared by ``benchmarks.run``'s suites: :class:`Worker` (one
+``benchmarks.worker`` process), :class:`Log` and text tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
+RESULT = "@@RESULT "
+
+
+class Log:
+    """Prints, and keeps the same lines in ``path``."""
+
+    def __init__(self, path):
+        self.file = open(path, "w")
+        self.lock = threading.Lock()  # the lm suite's workers log from several threads
+
+    def __call__(self, text=""):
+        with self.lock:
+            print(text, flush=True)
+            self.file.write(text + "\n")
+            self.file.flush()
+
+
+class Worker:
+    """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash."""
+
+    def __init__(self, name, pythonpath, harness, smoke, log, torch=False, env=None):
+        self.name, self.pythonpath, self.harness, self.smoke, self.log = name, pythonpath, harness, smoke, log
+        self.torch = torch  # whether the process may run torch ops (fla)
+        self.env = env or {}  # set in the process's environment (over the inherited one)
+        self.proc, self.lines, self.environment = None, None, None
+
+    def _start(self):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
+        if self.smoke:
+            env["JAX_PLATFORMS"] = "cpu"
+        # cwd: a folder holding only a link to this benchmarks/, so that neither it nor the tree's own
+        # benchmarks/ shadows the measured tree's falcon_jax
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "benchmarks.worker"],
+                                     cwd=self.harness, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke, "torch": self.torch}, HELLO_LIMIT)
+        if status != "ok" or "error" in env_info:
+            raise RuntimeError(f"the {self.name} worker did not start: {status} {env_info.get('error', '')}")
+        self.environment = self.environment or env_info
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    def _exchange(self, request, limit):
+        proc = self.proc  # the lm suite may stop this worker from another thread meanwhile
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.stop()
+                return f"timed out after {limit:.0f} s", {}
+            if line is None:
+                code = proc.wait()
+                if self.proc is proc:
+                    self.proc = None
+                return f"worker died (exit code {code})", {}
+            if line.startswith(RESULT):
+                return "ok", json.loads(line[len(RESULT):])
+            self.log(f"    [{self.name}] {line}")
+
+    def start(self) -> str:
+        """"ok", or why the process did not start (it is started again by the next request)."""
+        try:
+            if self.proc is None:
+                self._start()
+        except RuntimeError as e:
+            self.stop()
+            return str(e)
+        return "ok"
+
+    def request(self, request, limit):
+        """``(status, result)``: status "ok", or why there is no result."""
+        status = self.start()
+        return self._exchange(request, limit) if status == "ok" else (status, {})
+
+    def stop(self):
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def table(rows, columns):
+    """Right-aligned text table of ``rows`` (dicts) by ``columns`` (``(header, key or function)``)."""
+    def cell(row, key):
+        value = key(row) if callable(key) else row.get(key)
+        if value is None:
+            return "-"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    cells = [[cell(r, key) for _, key in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(columns)]
+    lines = [" | ".join(h.rjust(w) for (h, _), w in zip(columns, widths)),
+             "-+-".join("-" * w for w in widths)]
+    return "\n".join(lines + [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells])
+
+
+def note(row):
+    notes = row.get("notes") or {}
+    return "; ".join(f"{key}: {text}" if key != "skipped" else f"skipped: {text}" for key, text in notes.items())

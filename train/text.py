@@ -1,0 +1,255 @@
+"""Local text corpora: tokenizers, reading and tokenizing documents, packed windows and
+:class:`TextData`.
+
+Rows for both loaders (:mod:`falcon_jax.train.loader`): :meth:`TextData.windows` at window starts
+the Grain loader shuffles lazily per epoch (``"grain"``), :meth:`TextData.batch` from a seeded
+permutation per epoch (``"builtin"``).  Batches are dicts of numpy ``[B, T]`` arrays ``tokens``,
+``segment_ids``, ``loss_mask`` (see the loader module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+
+from falcon_jax.train.hashing import mix64
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then PAD=256, BOS=257, EOS=258 (vocab 259)."""
+
+    kind = "byte"
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
+        self.vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A byte-level BPE trained locally with HF ``tokenizers`` (no download); special tokens
+    ``<pad>``, ``<bos>``, ``<eos>`` get the ids 0, 1, 2."""
+
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.pad_id, self.bos_id, self.eos_id = (tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>"))
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, path: str | None = None) -> "BPETokenizer":
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        except ImportError as e:
+            raise RuntimeError("data.tokenizer='bpe' needs the 'tokenizers' package: "
+                               "pip install 'falcon-jax[train]' (or pip install tokenizers), "
+                               "or use data.tokenizer='byte'.") from e
+        if path and os.path.exists(path):
+            return cls(Tokenizer.from_file(path))
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        if path:
+            tok.save(path)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+# ----------------------------------------------------------------------------- text corpora
+def expand_paths(patterns) -> list[str]:
+    """Glob patterns / directories -> a sorted list of .txt/.md/.jsonl/.json/.parquet files."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files = []
+    for p in patterns:
+        if os.path.isdir(p):
+            for ext in ("txt", "md", "jsonl", "json", "parquet"):
+                files += glob.glob(os.path.join(p, "**", f"*.{ext}"), recursive=True)
+        else:
+            files += glob.glob(p, recursive=True)
+    return sorted(set(files))
+
+
+def read_documents(paths, text_key: str = "text") -> list[str]:
+    """Documents from local files: a .txt/.md file is one document per blank-line-separated
+    block; .jsonl/.json rows give ``row[text_key]``; .parquet (needs pyarrow) its ``text_key``
+    column."""
+    files = expand_paths(paths)
+    if not files:
+        raise FileNotFoundError(f"data.paths={list(paths)!r} matched no .txt/.md/.jsonl/.parquet files.")
+    docs: list[str] = []
+    for f in files:
+        if f.endswith((".jsonl", ".json")):
+            with open(f, encoding="utf-8") as fh:
+                for line in fh:
+                    line = line.strip()
+                    if line:
+                        row = json.loads(line)
+                        if text_key not in row:
+                            raise KeyError(f"{f}: a row has no key {text_key!r} (set data.text_key).")
+                        docs.append(str(row[text_key]))
+        elif f.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as e:
+                raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
+            docs += [str(t) for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
+        else:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                docs += [blk.strip() for blk in fh.read().split("\n\n") if blk.strip()]
+    return docs
+
+
+def tokenize_documents(docs: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
+    """Documents -> one token stream ``[N]`` (each doc ``BOS ... EOS``) and its ``[N]`` doc ids."""
+    ids, doc_ids = [], []
+    for i, d in enumerate(docs):
+        t = [tok.bos_id] + tok.encode(d) + [tok.eos_id]
+        ids.append(np.asarray(t, np.int32))
+        doc_ids.append(np.full(len(t), i, np.int32))
+    if not ids:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    return np.concatenate(ids), np.concatenate(doc_ids)
+
+
+def pack_windows(stream: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Cut ``[B]`` windows of ``seq_len`` tokens from a packed stream.
+
+    ``segment_ids`` number the documents inside each row from 0 (a document cut by the window
+    start is just segment 0); the model resets its state at every change, and the loss skips
+    the pair that crosses it.  ``loss_mask`` is all true (each doc's first token is its BOS,
+    which is never a target because its pair crosses a boundary).
+    """
+    idx = starts[:, None] + np.arange(seq_len)[None, :]
+    tokens = np.asarray(stream[idx], np.int32)
+    d = np.asarray(doc_ids[idx])
+    seg = np.concatenate([np.zeros((len(starts), 1), np.int32),
+                          np.cumsum(d[:, 1:] != d[:, :-1], axis=1, dtype=np.int32)], axis=1)
+    return {"tokens": tokens, "segment_ids": seg, "loss_mask": np.ones_like(tokens, bool)}
+
+
+@dataclasses.dataclass
+class TextData:
+    """Packed LM data from local files, tokenized once into memory-mapped ``.npy`` arrays in
+    ``cache_dir`` (reused by later runs with the same files and tokenizer).
+
+    Documents are split into train / validation by a hash of their index (``val_frac``).  A
+    training batch is ``B`` windows of ``seq_len`` tokens whose start offsets come from a seeded
+    permutation of all window starts, a new one every epoch (:meth:`batch` for the builtin
+    loader; the Grain loader shuffles the starts itself and reads them with :meth:`windows`).
+    """
+
+    paths: tuple[str, ...]
+    seq_len: int
+    seed: int = 0
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    val_frac: float = 0.05
+    text_key: str = "text"
+    cache_dir: str = ".cache/falcon-train"
+
+    def __post_init__(self):
+        docs = read_documents(self.paths, self.text_key)
+        files = expand_paths(self.paths)
+        key = hashlib.sha1(json.dumps([[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
+                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac]).encode()).hexdigest()[:16]
+        os.makedirs(self.cache_dir, exist_ok=True)
+        base = os.path.join(self.cache_dir, key)
+        if self.tokenizer == "byte":
+            self.tok = ByteTokenizer()
+        elif self.tokenizer == "bpe":
+            self.tok = BPETokenizer.train(docs, self.bpe_vocab_size, base + "-bpe.json")
+        else:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: use 'byte' or 'bpe'.")
+        is_val = mix64(np.arange(len(docs), dtype=np.uint64) + np.uint64(7)) % np.uint64(10_000) \
+            < np.uint64(int(self.val_frac * 10_000))
+        if self.val_frac > 0 and not is_val.any() and len(docs) > 1:
+            is_val[-1] = True  # tiny corpora: still keep one validation document
+        self.splits = {}
+        for name, sel in (("train", ~is_val), ("val", is_val)):
+            f_tok, f_doc = f"{base}-{name}-tokens.npy", f"{base}-{name}-docs.npy"
+            if not (os.path.exists(f_tok) and os.path.exists(f_doc)):
+                stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s], self.tok)
+                for f, arr in ((f_tok, stream), (f_doc, dids)):
+                    np.save(f + ".tmp.npy", arr)
+                    os.replace(f + ".tmp.npy", f)  # atomic: a killed run never leaves half a file
+            self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
+        n_train = len(self.splits["train"][0])
+        if n_train < self.seq_len + 1:
+            raise ValueError(f"data: the training split has {n_train} tokens, fewer than seq_len={self.seq_len}; "
+                             "add more text or lower data.seq_len.")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.vocab_size
+
+    def _starts(self, name: str) -> int:
+        return len(self.splits[name][0]) - self.seq_len + 1
+
+    def _epoch_order(self, epoch: int, n: int) -> np.ndarray:
+        """The seeded permutation of the ``n`` window starts for ``epoch``.  Drawing it costs
+        O(n) (≈0.2 s for 10M starts), so the last two epochs' orders are kept."""
+        cache = self.__dict__.setdefault("_orders", {})
+        if epoch not in cache:
+            if len(cache) >= 2:
+                cache.pop(min(cache))
+            cache[epoch] = np.random.default_rng([self.seed, 0x7E77, epoch]).permutation(n)
+        return cache[epoch]
+
+    @property
+    def num_train_starts(self) -> int:
+        """How many windows of ``seq_len`` the training stream has (the Grain loader shuffles
+        these start offsets, lazily and afresh every epoch)."""
+        return self._starts("train")
+
+    def windows(self, starts) -> dict[str, np.ndarray]:
+        """Training windows at the token offsets ``starts`` ``[N]``: ``[N, seq_len]``."""
+        stream, dids = self.splits["train"]
+        return pack_windows(stream, dids, np.asarray(starts, np.int64).reshape(-1), self.seq_len)
+
+    def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        """The training batch of ``step``: ``[B, seq_len]`` packed windows."""
+        n = self._starts("train")
+        pos = int(step) * batch_size + np.arange(batch_size)
+        epochs, offs = pos // n, pos % n
+        starts = np.empty(batch_size, np.int64)
+        for e in np.unique(epochs):
+            starts[epochs == e] = self._epoch_order(int(e), n)[offs[epochs == e]]
+        stream, dids = self.splits["train"]
+        return pack_windows(stream, dids, starts, self.seq_len)
+
+    def val_batches(self, batch_size: int, max_batches: int):
+        """Non-overlapping validation windows, in order (the same every time)."""
+        stream, dids = self.splits["val"]
+        if len(stream) < self.seq_len:
+            return
+        starts = np.arange(0, len(stream) - self.seq_len + 1, self.seq_len)
+        for i in range(min(max_batches, -(-len(starts) // batch_size))):
+            s = starts[i * batch_size:(i + 1) * batch_size]
+            if len(s) < batch_size:  # keep one static shape: pad by repeating, masked out below
+                b = pack_windows(stream, dids, np.concatenate([s, np.repeat(s[:1], batch_size - len(s))]), self.seq_len)
+                b["loss_mask"][len(s):] = False
+                yield b
+            else:
+                yield pack_windows(stream, dids, s, self.seq_len)
