@@ -70,6 +70,20 @@ class KernelSharding:
         """Every mesh axis the kernels' operands are split over."""
         return (*self.batch_axes, *([self.head_axis] if self.head_axis else []))
 
+    def splits(self, batch: int, heads: int, who: str, what: str) -> bool:
+        """Whether ``batch`` rows and ``heads`` heads split evenly over this mesh's shards; if not, warn once
+        (per shape) that ``who``'s ``what`` run replicated on every device instead."""
+        if batch % self.batch_shards == 0 and heads % self.head_shards == 0:
+            return True
+        key = (who, batch, heads, self.batch_shards, self.head_shards)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"{who}: batch {batch} / heads {heads} do not split over the mesh's {self.batch_shards} "
+                          f"batch x {self.head_shards} head shards; {what} run replicated on every device "
+                          f"(correct, slower). Use a batch divisible by {self.batch_shards} and heads divisible by "
+                          f"{self.head_shards}.", stacklevel=4)
+        return False
+
     @property
     def batch_entry(self):
         """The batch axes as one ``PartitionSpec`` entry: a name, a tuple of names, or None."""
@@ -152,14 +166,7 @@ def per_shard(fn, *, batch: int, heads: int, head_dim: int):
     ks = current()
     if ks is None:
         return fn
-    if batch % ks.batch_shards or heads % ks.head_shards:
-        key = (batch, heads, ks.batch_shards, ks.head_shards)
-        if key not in _warned:
-            _warned.add(key)
-            warnings.warn(f"falcon: batch {batch} / heads {heads} do not split over the mesh's "
-                          f"{ks.batch_shards} batch x {ks.head_shards} head shards; the Pallas kernels run "
-                          f"replicated on every device (correct, slower). Use a batch divisible by "
-                          f"{ks.batch_shards} and heads divisible by {ks.head_shards}.", stacklevel=3)
+    if not ks.splits(batch, heads, "falcon", "the Pallas kernels"):
         return fn
     b, h = ks.batch_entry, ks.head_axis
     tok = P(*([b] + [None] * (head_dim - 1) + [h]))

@@ -199,3 +199,23 @@ def assert_cache_layout(cache, model, batch: int, max_len: int) -> None:
     expected = jax.eval_shape(lambda: model.init_cache(batch, max_len))
     chex.assert_trees_all_equal_structs(cache, expected)
     chex.assert_trees_all_equal_shapes_and_dtypes(cache, expected)
+
+
+def pallas_call_operand_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every Pallas kernel call ``fn(*args)`` traces, in program order, inside
+    ``shard_map``, ``custom_vjp`` and every other nested program — e.g. to check that under
+    :func:`falcon_jax.kernel_sharding` each kernel sees one device's rows and heads, not the whole batch."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append([tuple(v.aval.shape) for v in eqn.invars])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

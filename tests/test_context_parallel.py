@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 jax.config.update("jax_enable_x64", True)
 from falcon_jax import FalconState, falcon, kernel_sharding
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
+from falcon_jax.testing import pallas_call_operand_shapes
 assert jax.device_count() == 8
 
 def inputs(seed, B, T, H, dk, dv, per_column=False, window=1, dtype=np.float64):
@@ -156,20 +157,9 @@ DEFAULT_SCRIPT = COMMON + textwrap.dedent(r"""
                                                     segment_ids=jnp.concatenate([SEG, SEG[:, -23:] + 7], axis=1),
                                                     initial_state=state, return_final_state=True, impl="triton")
     out["kernels"] = compare(call, (q, k, v, beta, lam, state), mesh3, (("data",), "tensor"))
-    shapes = []
     with kernel_sharding(mesh3, ("data",), "tensor"):
-        jaxpr = jax.make_jaxpr(lambda *a: call(*a))(q, k, v, beta, lam, state)
-    def kernel_shapes(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                shapes.append([list(v.aval.shape) for v in e.invars])
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        kernel_shapes(inner)
-    kernel_shapes(jaxpr.jaxpr)
-    out["kernel_shapes"] = shapes
+        shapes = pallas_call_operand_shapes(call, q, k, v, beta, lam, state)
+    out["kernel_shapes"] = [[list(shape) for shape in operands] for operands in shapes]
 
     # the LM: Falcon-3 layers (window 3, short convolutions) on packed rows, loss and gradients, at two lengths
     from flax import nnx

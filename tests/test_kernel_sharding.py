@@ -10,18 +10,6 @@ import pytest
 from falcon_jax.sharding import kernel_sharding
 from tests.helpers import run_on_simulated_devices
 
-# defines kernel_shapes(jaxpr, acc): the first operand shape of every pallas_call, anywhere in a program
-KERNEL_SHAPES = """def kernel_shapes(jaxpr, acc):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                acc.append(list(e.invars[0].aval.shape))
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        kernel_shapes(inner, acc)
-        return acc
-"""
 
 SCRIPT = textwrap.dedent(r"""
     import json, warnings
@@ -34,7 +22,10 @@ SCRIPT = textwrap.dedent(r"""
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     out = {}
 
-    KERNEL_SHAPES
+    from falcon_jax.testing import pallas_call_operand_shapes
+
+    def kernel_shapes(fn, *args):  # the first operand's shape of every kernel call
+        return [list(operands[0]) for operands in pallas_call_operand_shapes(fn, *args)]
 
     for variant, window, per_col in (("1A", 4, False), ("3A", 3, False), ("1", 4, False), ("2", 4, True)):
         B, T, H, D = 4, 40, 4, 16
@@ -56,14 +47,13 @@ SCRIPT = textwrap.dedent(r"""
         with kernel_sharding(mesh):
             f_sh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
             (l1, o1), g1 = f_sh(*args)
-            shapes = kernel_shapes(jax.make_jaxpr(f_sh)(*args).jaxpr, [])
+            shapes = kernel_shapes(f_sh, *args)
         rel = lambda a, b: float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
         out[variant] = {"o": rel(o1, o0), "grads": max(rel(a, b) for a, b in zip(g1, g0)),
                         "kernel_first_dims": sorted({tuple(s[:1]) for s in shapes}), "n_kernels": len(shapes)}
         # without the context the same jit runs the kernels on the whole batch
         if variant == "1A":
-            out["unsharded_first_dims"] = sorted({tuple(s[:1]) for s in kernel_shapes(
-                jax.make_jaxpr(f)(*args).jaxpr, [])})
+            out["unsharded_first_dims"] = sorted({tuple(s[:1]) for s in kernel_shapes(f, *args)})
 
     # a batch the shards do not divide: warned once, replicated kernels, same values
     B = 2
@@ -77,7 +67,7 @@ SCRIPT = textwrap.dedent(r"""
     out["fallback_warning"] = [str(x.message) for x in w if "replicated" in str(x.message)]
     out["fallback_err"] = float(jnp.max(jnp.abs(got - ref)))
     print("RESULT" + json.dumps(out))
-""").replace("KERNEL_SHAPES", KERNEL_SHAPES)
+""")
 
 
 def test_kernels_run_per_shard_with_the_same_values_and_gradients():
@@ -214,7 +204,10 @@ STEP_SCRIPT = textwrap.dedent(r"""
     from falcon_jax.train.optim import make_optimizer
     from falcon_jax.train.trainer import make_train_step, place_like_params
 
-    KERNEL_SHAPES
+    from falcon_jax.testing import pallas_call_operand_shapes
+
+    def kernel_shapes(fn, *args):  # the first operand's shape of every kernel call
+        return [list(operands[0]) for operands in pallas_call_operand_shapes(fn, *args)]
 
     B, T = 8, 32
     out = {}
@@ -241,20 +234,20 @@ STEP_SCRIPT = textwrap.dedent(r"""
             batch = put_batch(batch_np, mesh, 1)
             step = make_train_step(gd, tx)
             with kernel_sharding(mesh, ("data", "fsdp"), "tensor"):
-                jaxpr = jax.make_jaxpr(step)(params, rest, opt, batch)
+                first_dims = sorted({s[0] for s in kernel_shapes(step, params, rest, opt, batch)})
                 compiled = step.lower(params, rest, opt, batch).compile()
             hlo = compiled.as_text()
             _, _, metrics = compiled(params, rest, opt, batch)
             gathered = re.findall(r"= (?:f32|bf16|f16)\[([0-9,]*)\][^=]*? all-gather(?:-start)?\(", hlo)
             results[name] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                             "kernel_first_dims": sorted({s[0] for s in kernel_shapes(jaxpr.jaxpr, [])}),
+                             "kernel_first_dims": first_dims,
                              "whole_batch_gathers": [g for g in gathered if g.startswith(f"{B},")]}
         one, sh = results["one device"], results["sharded"]
         out[mixer] = {"loss": [one["loss"], sh["loss"]], "grad_norm": [one["grad_norm"], sh["grad_norm"]],
                       "kernel_first_dims": [one["kernel_first_dims"], sh["kernel_first_dims"]],
                       "whole_batch_gathers": sh["whole_batch_gathers"]}
     print("RESULT" + json.dumps(out))
-""").replace("KERNEL_SHAPES", KERNEL_SHAPES)
+""")
 
 
 @pytest.mark.parametrize("mixer", ["falcon-1A.3", pytest.param("falcon-1.3", marks=pytest.mark.slow)])

@@ -301,17 +301,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from falcon_jax.nn import SoftmaxAttention
 from falcon_jax.sharding import kernel_sharding
-
-def kernel_operands(jaxpr, acc):
-    for e in jaxpr.eqns:
-        if e.primitive.name == "pallas_call":
-            acc.append(list(e.invars[0].aval.shape))
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    kernel_operands(inner, acc)
-    return acc
+from falcon_jax.testing import pallas_call_operand_shapes
 
 mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "tensor"))
 B, T, D, H = 4, 21, 32, 4
@@ -331,7 +321,7 @@ for packed in (True, False):
     with kernel_sharding(mesh, batch_axes="data", head_axis="tensor"):
         f_sh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         l1, g1 = f_sh(state, hs)
-        shapes = kernel_operands(jax.make_jaxpr(f_sh)(state, hs).jaxpr, [])
+        shapes = [operands[0] for operands in pallas_call_operand_shapes(f_sh, state, hs)]
     err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
               for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
     out[str(packed)] = {"loss": [float(l0), float(l1)], "grad_err": err,

@@ -84,14 +84,7 @@ def _per_shard_attention(batch: int, heads: int, packed: bool):
     ks = current()
     if ks is None or not ks.shard_axes:
         return flash_attention
-    if batch % ks.batch_shards or heads % ks.head_shards:
-        key = ("attention", batch, heads, ks.batch_shards, ks.head_shards)
-        if key not in _warned_fallback:
-            _warned_fallback.add(key)
-            warnings.warn(f"SoftmaxAttention: batch {batch} / heads {heads} do not split over the mesh's "
-                          f"{ks.batch_shards} batch x {ks.head_shards} head shards; the flash attention runs "
-                          f"replicated on every device (correct, slower). Use a batch divisible by "
-                          f"{ks.batch_shards} and heads divisible by {ks.head_shards}.", stacklevel=5)
+    if not ks.splits(batch, heads, "SoftmaxAttention", "the flash attention kernels"):
         return flash_attention
     b, h = ks.batch_entry, ks.head_axis
     tok = P(b, None, h)
