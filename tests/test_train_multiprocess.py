@@ -47,7 +47,7 @@ def test_two_processes_train_then_restore_on_one_device(tmp_path):
            "--preset", "addition-tiny", *_sets(TINY + ["mesh.data=2", "mesh.fsdp=2"]), "--run-dir", a]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} on 4 cpu device(s)" in proc.stdout
+    assert "mesh {'data': 2, 'fsdp': 2, 'seq': 1, 'tensor': 1} on 4 cpu device(s)" in proc.stdout
     assert "this host: rows slice 1 of 2" in proc.stdout  # each process loaded half of every batch
     # evaluation reads sharded predictions and greedy decodes back on every process
     assert re.search(r"\n +2 \| in-dist +\| +[0-9.]+% \| +[0-9.]+% \| +[0-9.]+%", proc.stdout), proc.stdout[-2000:]
