@@ -256,14 +256,14 @@ def call(kernel, *, grid, in_specs, out_specs, out_shape, args, compiler_params,
 
 
 def chunk_local(log_decay, run, chunk):
-    """Chunk-local inclusive cumsum of the log decay (``[BH, L]`` or per column ``[BH, L, dv]``) and the
-    chunk-local run index ``[BH, L]`` (0 = same segment as the chunk's initial state)."""
-    BH, L = log_decay.shape[:2]
-    rest = log_decay.shape[2:]
-    g = jnp.cumsum(log_decay.reshape(BH, L // chunk, chunk, *rest), axis=2).reshape(log_decay.shape)
-    r = run.reshape(BH, L // chunk, chunk)
-    before = jnp.concatenate([jnp.zeros((BH, 1), r.dtype), r[:, :-1, -1]], axis=1)
-    return g, (r - before[:, :, None]).reshape(BH, L)
+    """Chunk-local inclusive cumsum of the log decay along axis 1 (``[BH, L]``, per column ``[BH, L, dv]``, or
+    in the model's layout ``[B, L, H, dv]``) and the chunk-local run index of ``run`` ``[BH, L]`` (0 = same segment
+    as the chunk's initial state)."""
+    N, L = log_decay.shape[:2]
+    g = jnp.cumsum(log_decay.reshape(N, L // chunk, chunk, *log_decay.shape[2:]), axis=2).reshape(log_decay.shape)
+    r = run.reshape(run.shape[0], L // chunk, chunk)
+    before = jnp.concatenate([jnp.zeros_like(r[:, :1, -1]), r[:, :-1, -1]], axis=1)
+    return g, (r - before[:, :, None]).reshape(run.shape)
 
 
 def reverse_chunk_cumsum(dg, chunk):

@@ -108,17 +108,6 @@ class _AttentionStatic:
                     **layout_kw(self.heads))
 
 
-def _local_gates(log_gamma, run, chunk):
-    """``g``: each column's chunk-local inclusive cumsum of ``log₂ γ`` (base 2: the kernels' decays are exp2), in
-    log_gamma's layout (``[B·H, L, dv]`` or ``[B, L, H, dv]``: axis 1 is time either way); ``rl [B·H, L]``: the
-    chunk-local run index (0 = the segment of the chunk's initial state)."""
-    N, L = log_gamma.shape[:2]
-    g = jnp.cumsum((log_gamma * LOG2_E).reshape(N, L // chunk, chunk, *log_gamma.shape[2:]), axis=2)
-    r = run.reshape(run.shape[0], L // chunk, chunk)
-    before = jnp.concatenate([jnp.zeros_like(r[:, :1, -1]), r[:, :-1, -1]], axis=1)
-    return g.reshape(log_gamma.shape), (r - before[:, :, None]).reshape(run.shape)
-
-
 def _piece_decay(g, rl, st: _AttentionStatic):
     """[B·H, P, dv]: each column's total decay over each piece (0 if a segment starts inside it)."""
     g_last = g[:, st.chunk - 1::st.chunk]  # [B·H, n, dv] or, in place, [B, n, H, dv]
@@ -151,7 +140,8 @@ def _attention_op(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
 
 
 def _attention_forward(q, x, u, log_gamma, run, s0, st: _AttentionStatic):
-    g, rl = _local_gates(log_gamma, run, st.chunk)
+    # g in base 2 (the kernels' decays are exp2), in log_gamma's layout
+    g, rl = chunk_local(log_gamma * LOG2_E, run, st.chunk)
     BH, dk, dv = s0.shape
     if st.pieces > 1:
         zeros = jnp.zeros((BH, st.pieces, dk, dv), jnp.float32)
