@@ -99,14 +99,9 @@ def plan(ks: KernelSharding | None, rule: Rule, B: int, T: int, H: int) -> Plan 
                    f"T = {T} over {slices} devices gives {length}. The sequence runs whole on every device "
                    f"(correct, memory ∝ T). Use fewer devices on {ks.seq_axis!r} or a longer sequence.")
         return None
+    ks.splits(B, H, "falcon", "those of each sequence slice")  # warns once where they do not
     batch = ks.batch_entry if ks.batch_axes and B % ks.batch_shards == 0 else None
     heads = ks.head_axis if ks.head_axis and H % ks.head_shards == 0 else None
-    if (ks.batch_axes and batch is None) or (ks.head_axis and heads is None):
-        _warn_once(("split", B, H, ks.batch_shards, ks.head_shards),
-                   f"falcon: batch {B} / heads {H} do not split over the mesh's {ks.batch_shards} batch x "
-                   f"{ks.head_shards} head shards; those run whole on every device of the sequence slice "
-                   f"(correct, slower). Use a batch divisible by {ks.batch_shards} and heads divisible by "
-                   f"{ks.head_shards}.")
     return Plan(ks, slices, length, batch, heads)
 
 
@@ -181,9 +176,7 @@ def _slice(rule: Rule, forward_for, q, k, v, inputs, segment_ids, state: FalconS
     index = jax.lax.axis_index(axis)
     first = index == 0
     # 1. the previous slice's last W tokens, and the state this slice starts from
-    halo = jax.tree_util.tree_map(
-        lambda a: jax.lax.ppermute(a[:, L - W:], axis, [(i, i + 1) for i in range(slices - 1)]),
-        (k, v, segment_ids))
+    halo = jax.tree_util.tree_map(lambda a: from_previous_device(a, W, axis, slices), (k, v, segment_ids))
     received = boundary_state(rule, *halo)
     enter = jax.tree_util.tree_map(lambda mine, got: jnp.where(first, mine, got), state, received)
     reset = ~first & (segment_ids[:, 0] != halo[2][:, -1])  # [B] a segment starts at the slice's first position
@@ -249,6 +242,12 @@ def _slice(rule: Rule, forward_for, q, k, v, inputs, segment_ids, state: FalconS
     return o.reshape(B, L, H, dv), S_end.reshape(B, H, dk, dv), after
 
 
+def from_previous_device(a, count: int, axis: str, devices: int):
+    """Inside a shard_map over ``axis``: the previous device's last ``count`` positions of ``a`` (axis 1; zeros on
+    device 0)."""
+    return jax.lax.ppermute(a[:, a.shape[1] - count:], axis, [(i, i + 1) for i in range(devices - 1)])
+
+
 def halo_map(fn, arrays: tuple, params: tuple, *, halo: int):
     """A causal window op over the sequence axis of the active context, each device on its own slice.
 
@@ -272,8 +271,7 @@ def halo_map(fn, arrays: tuple, params: tuple, *, halo: int):
     def body(*local):
         extended = []
         for a in local[:len(present)]:
-            before = jax.lax.ppermute(a[:, a.shape[1] - halo:], axis, [(i, i + 1) for i in range(n - 1)])
-            extended.append(jnp.concatenate([before, a], axis=1))
+            extended.append(jnp.concatenate([from_previous_device(a, halo, axis, n), a], axis=1))
         it = iter(extended)
         return fn(*[None if a is None else next(it) for a in arrays], *local[len(present):])
 
