@@ -267,7 +267,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
         # the loader has handed out exactly `step` batches: its state is the one to resume from
         return {"data": {"step": step, "loader": loader.kind, "state": loader.get_state()}, "config": cfg.to_dict()}
 
+    earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
+    best = best_in_dist(earlier_evals)  # the checkpoint choice so far, kept up to date by do_eval
+
     def do_eval(step, final=False):
+        nonlocal best
         model_state = nnx.merge(graphdef, params, rest)
         gd, st = nnx.split(model_state)
         rec = {"kind": "eval", "step": step}
@@ -284,7 +288,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 ood = [v[metric] for k, v in acc.items() if k > cfg.data.train_max_width]
                 rec[f"in_dist_{metric}"] = float(np.mean(ind)) if ind else None
                 rec[f"heldout_width_{metric}"] = float(np.mean(ood)) if ood else None
-            rec["best_in_dist"] = best_in_dist(metric_records(run_dir, "eval") + [rec])
+            best = rec["best_in_dist"] = best_in_dist([rec] + ([best] if best else []))
             say(f"[eval step {step}] teacher-forced exact (per digit): in-distribution widths "
                 f"{percent(rec['in_dist_exact'])} ({percent(rec['in_dist_digit'])}), longer-than-trained widths "
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
@@ -298,7 +302,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
         return rec
 
     if cfg.data.kind == "addition" and cfg.train.eval_every and start % cfg.train.eval_every == 0 \
-            and 0 < start < cfg.train.steps and not any(r.get("step") == start for r in metric_records(run_dir, "eval")):
+            and 0 < start < cfg.train.steps and not any(r.get("step") == start for r in earlier_evals):
         do_eval(start)  # a run stopped at an evaluation step before evaluating it
 
     tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
@@ -313,7 +317,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     limit, every_s = cfg.train.time_limit_s, cfg.checkpoint.every_s
     timed = limit > 0 or every_s > 0
     in_flight, t_done = None, None
-    est = {"step": None, "save": 15.0, "eval": 30.0}
+    est = {"step": None, "save": None, "eval": None}  # measured seconds; until measured, 15 s a save, 30 s an eval
     t_saved = time.perf_counter()
     stopped = None
     # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard, and
@@ -335,7 +339,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                     est["step"] = now - t_done if step > start + 3 or est["step"] is None else min(est["step"], now - t_done)
                 in_flight, t_done = metrics["loss"], now
                 # stop when the next step, a save and an evaluation might not fit before the limit
-                reserve = 2 * (est["step"] or 0.0) + est["save"] + est["eval"] + 5.0
+                reserve = 2 * (est["step"] or 0.0) + (est["save"] or 15.0) + (est["eval"] or 30.0) + 5.0
                 out_of_time = limit > 0 and step < cfg.train.steps and now - t_begin + reserve > limit
             steps_since += 1
             if cfg.train.step_sleep:
@@ -398,7 +402,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 t_eval = time.perf_counter()
                 last_eval = do_eval(step)
                 t_last, steps_since = time.perf_counter(), 0
-                est["eval"] = t_last - t_eval if est["eval"] == 30.0 else max(est["eval"], t_last - t_eval)
+                est["eval"] = max(est["eval"] or 0.0, t_last - t_eval)
                 t_done = None
         if pending:
             flush(0, 0, 0)
