@@ -60,6 +60,15 @@ def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatc
     (started / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 200}) + "\n")
     assert suite.finished(str(done)) and not suite.finished(str(started))
     assert not suite.finished(str(tmp_path / "nothing"))
+    # an addition run cut during its final free-running decoding has the teacher-forced record only
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "config.json").write_text(json.dumps({"train": {"steps": 600}, "data": {"kind": "addition"}}))
+    (cut / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 600}) + "\n")
+    assert not suite.finished(str(cut))
+    with open(cut / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 600, "greedy": {"8": 0.5}}) + "\n")
+    assert suite.finished(str(cut))
     monkeypatch.setattr(suite.subprocess, "Popen", _FinishedProcess)
     monkeypatch.setattr(suite.time, "sleep", lambda s: None)
     _FinishedProcess.launched = []

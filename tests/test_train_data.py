@@ -135,3 +135,57 @@ def test_text_data_from_local_files(tmp_path):
     assert vb and vb[0]["tokens"].shape == (4, 33)
     with pytest.raises(FileNotFoundError, match="matched no"):
         txt.TextData(**dict(kw, paths=(str(tmp_path / "nothing*.txt"),)))
+
+
+class _OracleAdder:
+    """A stand-in for ``FalconLM.generate``: writes each row's true sum (LSD first) and EOS after its
+    own prompt, except the first ``wrong`` rows of width ``bad_width`` (their first sum digit off by one)."""
+
+    def __init__(self, bad_width, wrong):
+        self.bad_width, self.wrong, self.calls = bad_width, wrong, 0
+
+    def generate(self, tokens, max_new_tokens, *, lengths, greedy):
+        assert greedy
+        self.calls += 1
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        out = np.zeros((tokens.shape[0], tokens.shape[1] + max_new_tokens), np.int32)
+        seen = {}
+        for r, (row, L) in enumerate(zip(tokens, lengths)):
+            n = (L - 3) // 2  # BOS, n digits, '+', n digits, '='
+            a, b = row[1:1 + n] - ad.DIGIT0, row[2 + n:2 + 2 * n] - ad.DIGIT0
+            s = ad.add_digits(a[None], b[None])[0]
+            k = seen[n] = seen.get(n, -1) + 1
+            if n == self.bad_width and k < self.wrong:
+                s[0] = (s[0] + 1) % 10
+            out[r, :L] = row[:L]
+            out[r, L:L + n + 1] = s + ad.DIGIT0
+            out[r, L + n + 1:L + n + 2] = ad.EOS  # where the row has room for it
+        return out
+
+
+def test_greedy_accuracy_reads_each_rows_own_answer_from_one_generate_call():
+    from falcon_jax.train.evaluate import addition_greedy
+    d = ad.AdditionData(seed=1, train_max_width=4, eval_widths=(1, 3, 7), eval_examples=16)
+    oracle = _OracleAdder(bad_width=3, wrong=4)
+    got = addition_greedy(oracle, d, [1, 3, 7], examples=8)
+    assert oracle.calls == 1  # every width in one call: one compiled program
+    assert got == {1: 1.0, 3: 0.5, 7: 1.0}
+
+
+def test_greedy_accuracy_of_a_model_equals_one_generate_call_per_width():
+    import jax.numpy as jnp
+    from flax import nnx
+    from falcon_jax.nn import FalconLM, LMConfig
+    from falcon_jax.train.evaluate import addition_greedy
+    d = ad.AdditionData(seed=2, train_max_width=5, eval_widths=(2, 5), eval_examples=8)
+    model = FalconLM(LMConfig(vocab_size=ad.ADDITION_VOCAB_SIZE, d_model=32, n_layers=1, n_heads=2, mixer="falcon-1A",
+                              chunk_size=4, init_std=0.3, dtype="float32", param_dtype="float32"), rngs=nnx.Rngs(0))
+    widths, k = [2, 5], 6
+    # an untrained model gets nothing right: compare with a version of the model's own answers as the targets
+    alone = {}
+    for n in widths:
+        sl = ad.target_slice(n)
+        gen = np.asarray(model.generate(jnp.asarray(d.eval_set(n)["tokens"][:k, :sl.start]), n + 1, greedy=True))
+        alone[n] = gen[:, sl.start:]
+        d.eval_set(n)["tokens"][:k // 2, sl] = alone[n][:k // 2]  # half the rows: the model's answer is "right"
+    assert addition_greedy(model, d, widths, examples=k) == {n: 0.5 for n in widths}

@@ -92,10 +92,11 @@ def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
 
 
 def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
-    """``metrics.jsonl`` -> (the last train record of each step, the eval records)."""
+    """``metrics.jsonl`` -> (the last train record of each step, the last eval record of each step in step
+    order; the final evaluation is written twice, without and then with its free-running decoding)."""
     records = metric_records(run_dir)
-    return ({r["step"]: r for r in records if r.get("kind") == "train"},
-            [r for r in records if r.get("kind") == "eval"])
+    evals = {r["step"]: r for r in records if r.get("kind") == "eval"}
+    return {r["step"]: r for r in records if r.get("kind") == "train"}, [evals[s] for s in sorted(evals)]
 
 
 class Logger:

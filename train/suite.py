@@ -104,13 +104,15 @@ def run_dir(suite: str, name: str) -> str:
 
 
 def finished(path: str) -> bool:
-    """True once the run's metrics hold its final evaluation (the one at the last step)."""
+    """True once the run's metrics hold its final evaluation (the one at the last step; for addition, with its
+    free-running decoding)."""
     cfg_f = os.path.join(path, CONFIG)
     if not os.path.exists(cfg_f):
         return False
     with open(cfg_f) as f:
-        steps = json.load(f)["train"]["steps"]
-    return any(rec.get("step") == steps for rec in metric_records(path, "eval"))
+        cfg = json.load(f)
+    steps, addition = cfg["train"]["steps"], cfg.get("data", {}).get("kind") == "addition"
+    return any(rec.get("step") == steps and (not addition or "greedy" in rec) for rec in metric_records(path, "eval"))
 
 
 def command(suite: str, name: str) -> list[str]:

@@ -279,10 +279,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
         if cfg.data.kind == "addition":
             acc = ev.addition_accuracy(gd, st, data, cfg.data.eval_widths, put=put)
             rec["teacher_forced"] = {str(k): v for k, v in acc.items()}
-            if final:
-                gw = cfg.data.greedy_widths if cfg.data.greedy_widths is not None else cfg.data.eval_widths
-                greedy = ev.addition_greedy(model_state, data, gw, cfg.data.greedy_examples)
-                rec["greedy"] = {str(k): v for k, v in greedy.items()}
             for metric in ("exact", "digit"):
                 ind = [v[metric] for k, v in acc.items() if k <= cfg.data.train_max_width]
                 ood = [v[metric] for k, v in acc.items() if k > cfg.data.train_max_width]
@@ -294,6 +290,14 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
                 f"so far: step {rec['best_in_dist']['step']}")
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
+            if final:  # the teacher-forced record first: a command cut during decoding keeps it
+                logger.write(rec)
+                t_greedy = time.perf_counter()
+                gw = cfg.data.greedy_widths if cfg.data.greedy_widths is not None else cfg.data.eval_widths
+                greedy = ev.addition_greedy(model_state, data, gw, cfg.data.greedy_examples)
+                rec = {**rec, "greedy": {str(k): v for k, v in greedy.items()},
+                       "greedy_s": time.perf_counter() - t_greedy}
+                say("  free-running greedy exact by width: " + " ".join(f"{k}:{100 * v:.0f}" for k, v in greedy.items()))
         else:
             rec.update(ev.lm_validation(gd, st, data.val_batches(micro, cfg.data.val_batches), put=put))
             if "val_loss" in rec:
@@ -317,7 +321,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     limit, every_s = cfg.train.time_limit_s, cfg.checkpoint.every_s
     timed = limit > 0 or every_s > 0
     in_flight, t_done = None, None
-    est = {"step": None, "save": None, "eval": None}  # measured seconds; until measured, 15 s a save, 30 s an eval
+    # measured seconds; until measured, 15 s a save, 30 s an evaluation, 60 s the final one's free-running decoding
+    est = {"step": None, "save": None, "eval": None}
     t_saved = time.perf_counter()
     stopped = None
     # the step and evaluations are traced in this loop: in there the Pallas kernels run once per device shard, and
@@ -338,8 +343,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 if t_done is not None:  # the first interval holds the compilation: later ones replace it
                     est["step"] = now - t_done if step > start + 3 or est["step"] is None else min(est["step"], now - t_done)
                 in_flight, t_done = metrics["loss"], now
-                # stop when the next step, a save and an evaluation might not fit before the limit
+                # stop when the next step, a save and an evaluation might not fit before the limit (before the
+                # last step: the final evaluation, with its decoding)
                 reserve = 2 * (est["step"] or 0.0) + (est["save"] or 15.0) + (est["eval"] or 30.0) + 5.0
+                if step + 1 == cfg.train.steps and cfg.data.kind == "addition":
+                    reserve += 60.0
                 out_of_time = limit > 0 and step < cfg.train.steps and now - t_begin + reserve > limit
             steps_since += 1
             if cfg.train.step_sleep:
