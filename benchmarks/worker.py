@@ -79,8 +79,10 @@ def _driver():
 
 
 def hello(req):
-    """Set up the process (``smoke`` or not) and describe it (``torch``: whether fla can run, which imports
-    torch)."""
+    """Set up the process (``smoke`` or not; ``jax_config``: jax.config options, set before anything starts the
+    backend) and describe it (``torch``: whether fla can run, which imports torch)."""
+    for key, value in req.get("jax_config", {}).items():
+        jax.config.update(key, value)
     import falcon_jax
     from falcon_jax import validation
 
