@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -15,6 +16,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
 RESULT = "@@RESULT "
+TAIL_LINES = 60  # of a process's output, kept to report why it failed
 
 
 class Log:
@@ -32,15 +34,18 @@ class Log:
 
 
 class Worker:
-    """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash."""
+    """One measuring process (``benchmarks.worker``) importing one tree; restarted after a timeout or crash.
+    ``tail``: the last ``TAIL_LINES`` lines it printed (stdout and stderr), to say why it failed."""
 
-    def __init__(self, name, pythonpath, harness, smoke, log, torch=False, env=None):
+    def __init__(self, name, pythonpath, harness, smoke, log, torch=False, env=None, config=None):
         self.name, self.pythonpath, self.harness, self.smoke, self.log = name, pythonpath, harness, smoke, log
         self.torch = torch  # whether the process may run torch ops (fla)
         self.env = env or {}  # set in the process's environment (over the inherited one)
+        self.config = config or {}  # jax.config options set in the process before its backend starts
         self.proc, self.lines, self.environment = None, None, None
+        self.tail = collections.deque(maxlen=TAIL_LINES)
 
-    def _start(self):
+    def _start(self, limit=HELLO_LIMIT):
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         if self.smoke:
@@ -51,8 +56,10 @@ class Worker:
                                      cwd=self.harness, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = queue.Queue()
+        self.tail.clear()
         threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
-        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke, "torch": self.torch}, HELLO_LIMIT)
+        status, env_info = self._exchange({"cmd": "hello", "smoke": self.smoke, "torch": self.torch,
+                                           "jax_config": self.config}, limit)
         if status != "ok" or "error" in env_info:
             raise RuntimeError(f"the {self.name} worker did not start: {status} {env_info.get('error', '')}")
         self.environment = self.environment or env_info
@@ -78,16 +85,18 @@ class Worker:
                 code = proc.wait()
                 if self.proc is proc:
                     self.proc = None
-                return f"worker died (exit code {code})", {}
+                return f"worker died ({ended(code)})", {}
             if line.startswith(RESULT):
                 return "ok", json.loads(line[len(RESULT):])
+            self.tail.append(line)
             self.log(f"    [{self.name}] {line}")
 
-    def start(self) -> str:
-        """"ok", or why the process did not start (it is started again by the next request)."""
+    def start(self, limit=HELLO_LIMIT) -> str:
+        """"ok", or why the process did not start within ``limit`` seconds (it is started again by the next
+        request)."""
         try:
             if self.proc is None:
-                self._start()
+                self._start(limit)
         except RuntimeError as e:
             self.stop()
             return str(e)
@@ -106,6 +115,16 @@ class Worker:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def ended(code: int) -> str:
+    """How a process ended, from its return code: ``exit code 1``, ``killed by SIGABRT``."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def table(rows, columns):

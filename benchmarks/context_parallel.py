@@ -1,11 +1,14 @@
 """Context parallelism of the 130M LM, compiled for several GPUs on one, through JAX's mock GPU topology.
 
-    python -m benchmarks.context_parallel [--cases NAME,...] [--out FILE.json] [--hlo DIR] [--smoke | --cpu]
+    python -m benchmarks.context_parallel [--cases NAME,...] [--out FILE.json] [--budget SECONDS] [--hlo DIR]
+                                          [--commit HASH] [--smoke | --cpu]
 
 Each case compiles (and does not run) ``falcon-train``'s whole training step — forward, backward, AdamW — of the
 ``lm-130m`` model (Falcon-1A.3, 12 layers, d = 768, bf16 compute, its kernels on the GPU) under its mesh, in a
-process of its own: the mock topology (``1xNx1``: N mocked processes of one GPU each, all on this GPU) is fixed
-before the backend starts, and a compiler crash ends only that process.  XLA's sharded autotuning is off
+``benchmarks.worker`` process of its own (``benchmarks/common.py``'s ``Worker``, as the ``lm`` suite runs its
+configurations): the mock topology (``1xNx1``: N mocked processes of one GPU each, all on this GPU) is set before
+the backend starts, and a compiler crash (an XLA check failure aborts the process) ends only that case, recorded
+as failed with the last lines its process printed.  XLA's sharded autotuning is off
 (``--xla_gpu_shard_autotuning=false``: it would wait for the mocked peers).
 
 ``seq2``            data=1 x seq=2, batch 1 x 65,536 tokens: the sequence split over 2 GPUs.
@@ -14,21 +17,33 @@ before the backend starts, and a compiler crash ends only that process.  XLA's s
 ``one-32k``         one GPU (no mock), batch 1 x 32,768 = 262,144 / 8: what ``seq8-262k`` should be close to
                     if memory per device is ∝ T / (devices on seq).
 
-Per case: ``compiled.memory_analysis()`` of one device (arguments, outputs, aliased, temporaries, and their sum
-less the aliased bytes: the step's peak estimate), the collectives of the compiled step (kind, count, the largest
-result) and the kernels' largest output (a per-device slice, not the whole sequence).  ``--smoke``: the same cases,
-a tiny LM and short sequences on simulated CPU devices, to check the script anywhere.  ``--cpu``: the full-size
-cases compiled for simulated CPU devices instead (no GPU needed; the chunk form runs in XLA there, not in the
-kernels, so the memory is XLA-CPU's estimate of that program, not a GPU's).
+Per case: the seconds of its phases (``start_s``: the process, jax and the backend; ``lower_s``: tracing the step
+to StableHLO; ``compile_s``: XLA), ``compiled.memory_analysis()`` of one device (arguments, outputs, aliased,
+temporaries, generated code, and the step's peak estimate: arguments + outputs - aliased + temporaries), the
+collectives of the compiled step (kind, count, the largest result) and the kernels' largest output (a per-device
+slice, not the whole sequence).  Each case's line is printed as it finishes, and ``--out`` is rewritten after
+every case (a case in flight reads ``running``), so a run cut short keeps the cases it finished; a SIGTERM (e.g.
+from ``timeout``) stops the case in flight, records it as ``interrupted`` and writes the file.  ``--budget``: no
+case starts after that many seconds (``not started (budget)``), and a case still compiling then is stopped (a
+failure: timed out).  With ``--out X.json`` the printed log is also kept in ``X.log``.
+
+``--smoke``: the same cases, a tiny LM and short sequences on simulated CPU devices, to check the script anywhere.
+``--cpu``: the full-size cases compiled for simulated CPU devices instead (no GPU needed; the chunk form runs in
+XLA there, not in the kernels, so the memory is XLA-CPU's estimate of that program, not a GPU's).
+
+For tests, ``FALCON_CP_FAIL=NAME=abort[,NAME=raise]`` makes case NAME's process abort (SIGABRT, as an XLA check
+failure does) or raise a RuntimeError before it lowers the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
-import subprocess
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -41,20 +56,26 @@ CASES = {  # name: (data, seq, batch, T)
     "one-32k": (1, 1, 1, 32_768),
 }
 SMOKE_T = {65_536: 256, 262_144: 1024, 32_768: 128}
-TIMEOUT = 1800
-RESULT = "@@RESULT "
+TIMEOUT = 1800  # seconds per case: its process's start, lowering and compile
+FAIL_ENV = "FALCON_CP_FAIL"
+FAIL_MODES = ("abort", "raise")
+MEMORY_KEYS = ("argument", "output", "alias", "temp", "generated_code")
+# a fatal log line (absl's "F1204 12:00:00.000000 ..." of a failed CHECK) or Python's report of a fatal signal
+FATAL = re.compile(r"^F\d{4} |Check failed|Fatal Python error")
 
 
-def child(case: dict) -> dict:
-    """Compile one case; runs in its own process (the mock topology must be set before jax starts its backend)."""
+def compile_case(case: dict) -> dict:
+    """Lower and compile one case (``benchmarks.worker``'s ``cp_compile``, in the case's own process, whose
+    ``hello`` set the mock topology); the phases are printed as they end."""
     import jax
 
     import falcon_jax
 
-    devices = case["data"] * case["seq"]
-    if case["platform"] == "gpu" and devices > 1:
-        jax.config.update("mock_num_gpu_processes", devices)
-        jax.config.update("jax_mock_gpu_topology", f"1x{devices}x1")
+    if case.get("fail") == "abort":
+        print(f"{case['name']}: aborting ({FAIL_ENV})", flush=True)
+        os.abort()
+    if case.get("fail") == "raise":
+        raise RuntimeError(f"{case['name']}: failure injected by {FAIL_ENV}")
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -67,6 +88,8 @@ def child(case: dict) -> dict:
     from falcon_jax.train.optim import make_optimizer
     from falcon_jax.train.trainer import make_train_step
 
+    t0 = time.perf_counter()
+    devices = case["data"] * case["seq"]
     sizes = {"data": case["data"], "fsdp": 1, "seq": case["seq"], "tensor": 1}
     mesh = Mesh(np.asarray(jax.devices()[:devices]).reshape([sizes[a] for a in AXES]), AXES)
     model = dict(PRESETS["lm-130m"]["model"])
@@ -87,18 +110,25 @@ def child(case: dict) -> dict:
     B, T = case["batch"], case["T"]
     batch = {name: jax.ShapeDtypeStruct((1, B, T + 1), dtype, sharding=rows)
              for name, dtype in (("tokens", jnp.int32), ("segment_ids", jnp.int32), ("loss_mask", jnp.bool_))}
+    t1 = time.perf_counter()
     with kernel_sharding(mesh, BATCH_AXES, "tensor", seq_axis=SEQ_AXIS):
         lowered = make_train_step(graphdef, tx).lower(params, rest, opt_state, batch)
-    print(f"{case['name']}: lowered", flush=True)
+    t2 = time.perf_counter()
+    print(f"{case['name']}: lowered in {t2 - t1:.1f} s; compiling", flush=True)
     compiled = lowered.compile()
+    t3 = time.perf_counter()
+    print(f"{case['name']}: compiled in {t3 - t2:.1f} s", flush=True)
+    hlo = compiled.as_text()
     if case.get("hlo"):
         with open(os.path.join(case["hlo"], f"{case['name']}.hlo.txt"), "w") as f:
-            f.write(compiled.as_text())
+            f.write(hlo)
     stats = compiled.memory_analysis()
-    memory = {key: int(getattr(stats, f"{key}_size_in_bytes")) for key in ("argument", "output", "alias", "temp")}
-    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    memory = None
+    if stats is not None:
+        memory = {key: int(getattr(stats, f"{key}_size_in_bytes")) for key in MEMORY_KEYS}
+        memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     collectives, kernels = {}, []
-    for line in compiled.as_text().splitlines():
+    for line in hlo.splitlines():
         m = re.search(r"= (\([^()]*\)|\S+?)(?:\{[^}]*\})? (all-gather|all-reduce|all-to-all|collective-permute|"
                       r"reduce-scatter)(?:-start)?\(", line)
         if m:
@@ -112,9 +142,10 @@ def child(case: dict) -> dict:
         if " custom-call(" in line and target and any(s in target.group(1) for s in ("triton", "mosaic")):
             kernels.append(line.split(" = ", 1)[1].split(" custom-call(", 1)[0])
     largest_kernel = max(kernels, key=_bytes, default=None)
-    return {"name": case["name"], "mesh": sizes, "batch": B, "T": T, "devices": devices,
-            "backend": jax.default_backend(), "jax": jax.__version__, "falcon_jax": falcon_jax.__file__, "memory_per_device": memory, "collectives": collectives,
-            "kernel_calls": len(kernels), "largest_kernel_output": largest_kernel}
+    return {"build_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2), "compile_s": round(t3 - t2, 2),
+            "backend": jax.default_backend(), "jax": jax.__version__, "falcon_jax": falcon_jax.__file__,
+            "memory_per_device": memory, "collectives": collectives, "kernel_calls": len(kernels),
+            "largest_kernel_output": largest_kernel}
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
@@ -133,34 +164,95 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
-def run_case(name: str, smoke: bool, hlo: str | None, import_path: str, cpu: bool = False) -> dict:
+def parse_fail(text: str, names: list[str]) -> dict:
+    """``{case: mode}`` from ``FALCON_CP_FAIL``'s ``NAME=MODE,...`` (tests only)."""
+    out = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, _, mode = item.partition("=")
+        if name not in names or mode not in FAIL_MODES:
+            raise ValueError(f"{FAIL_ENV}={text!r}: expected NAME=MODE,... with NAME one of the cases run "
+                             f"({', '.join(names)}) and MODE one of {', '.join(FAIL_MODES)}")
+        out[name] = mode
+    return out
+
+
+def case_request(name: str, smoke: bool, cpu: bool, hlo: str | None, fail: str | None) -> dict:
     data, seq, batch, T = CASES[name]
-    platform = "cpu" if smoke or cpu else "gpu"
-    case = {"name": name, "data": data, "seq": seq, "batch": batch, "T": SMOKE_T[T] if smoke else T, "smoke": smoke,
-            "platform": platform, "hlo": hlo and os.path.abspath(hlo)}
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    flags = env.get("XLA_FLAGS", "")
-    if platform == "cpu":
+    return {"name": name, "data": data, "seq": seq, "batch": batch, "T": SMOKE_T[T] if smoke else T,
+            "smoke": smoke, "platform": "cpu" if smoke or cpu else "gpu", "hlo": hlo and os.path.abspath(hlo),
+            "fail": fail}
+
+
+def case_worker(case: dict, import_path: str, harness: str, log):
+    """The case's ``Worker``: simulated CPU devices, or the GPU with a mock topology of ``data * seq`` one-GPU
+    processes (none for one device)."""
+    from benchmarks.common import Worker
+
+    devices = case["data"] * case["seq"]
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    flags = os.environ.get("XLA_FLAGS", "")
+    config = {}
+    if case["platform"] == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         flags = " ".join([f for f in flags.split() if "device_count" not in f]
-                         + [f"--xla_force_host_platform_device_count={data * seq}"])
+                         + [f"--xla_force_host_platform_device_count={devices}"])
     else:
         flags = (flags + " --xla_gpu_shard_autotuning=false").strip()
+        if devices > 1:
+            config = {"mock_num_gpu_processes": devices, "jax_mock_gpu_topology": f"1x{devices}x1"}
     env["XLA_FLAGS"] = flags
-    # this checkout's falcon_jax in its installed layout (benchmarks/source_tree.py), ahead of any installed one; the
-    # child runs this file as a script from that folder, so the checkout's own root is not on its path
-    env["PYTHONPATH"] = os.pathsep.join([import_path] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    try:
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--child",
-                               json.dumps(case)], env=env, cwd=import_path, capture_output=True, text=True,
-                              timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        return {"name": name, "error": f"timed out after {TIMEOUT} s", "log": str(e.stdout or "")[-3000:]}
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)), None)
-    if line is None:
-        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-        return {"name": name, "error": f"no compiled program ({how})", "log": (proc.stdout + proc.stderr)[-3000:]}
-    return json.loads(line[len(RESULT):])
+    return Worker(case["name"], import_path, harness, case["smoke"], log, env=env, config=config)
+
+
+def run_case(worker, case: dict, limit: float) -> dict:
+    """Start the case's process and compile the case within ``limit`` seconds: the fields of its entry
+    (``status`` "ok" or "failed"; a failure's ``error`` and ``log_tail``)."""
+    from benchmarks.common import HELLO_LIMIT
+
+    t0 = time.monotonic()
+    status, reply = worker.start(min(HELLO_LIMIT, limit)), {}
+    start_s = round(time.monotonic() - t0, 2)
+    if status == "ok":
+        status, reply = worker.request({"cmd": "cp_compile", "case": case}, max(limit - start_s, 1))
+    entry = {"seconds": round(time.monotonic() - t0, 2), "start_s": start_s}
+    if status == "ok" and "error" not in reply:
+        reply.pop("seconds", None)
+        return dict(entry, status="ok", **reply)
+    error = reply.get("error", status)
+    fatal = [line for line in worker.tail if FATAL.search(line)]
+    if "error" not in reply and fatal:  # a crash: the check that failed, as the process logged it
+        error += f": {fatal[0].strip()[:300]}"
+    return dict(entry, status="failed", error=error, log_tail=_tail(worker))
+
+
+def _tail(worker) -> str:
+    """The last lines a case's process printed, each cut at 2,000 characters (XLA may print whole programs)."""
+    return "\n".join(line[:2000] for line in worker.tail)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f}"
+
+
+def _mesh(case: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in zip(("data", "seq"), CASES[case["name"]][:2]) if v > 1) or "one device"
+
+
+def result_line(case: dict) -> str:
+    """One case's outcome: its phases' seconds and memory per device, or why it failed."""
+    head = f"{case['name']} ({_mesh(case)}, {case['batch']} x {case['T']:,}): {case['status']}"
+    if "seconds" not in case:
+        return head
+    phases = ", ".join(f"{k[:-2]} {case[k]:.1f} s" for k in ("start_s", "build_s", "lower_s", "compile_s") if k in case)
+    head += f" in {case['seconds']:.1f} s" + (f" ({phases})" if phases else "")
+    if case["status"] != "ok":
+        return f"{head}: {case['error']}"
+    m = case["memory_per_device"]
+    if m is None:
+        return f"{head}; no memory analysis on this backend"
+    return (f"{head}; per device GiB: argument {gib(m['argument'])}, output {gib(m['output'])}, alias "
+            f"{gib(m['alias'])}, temp {gib(m['temp'])}, generated code {gib(m['generated_code'])}, "
+            f"peak {gib(m['peak'])}")
 
 
 def _short(type_text: str) -> str:
@@ -169,25 +261,25 @@ def _short(type_text: str) -> str:
     return type_text if len(arrays) <= 2 else f"a tuple of {len(arrays)} arrays"
 
 
-def gib(n: int) -> str:
-    return f"{n / 2 ** 30:.2f}"
-
-
-def report(results: list[dict]) -> str:
-    lines = ["case          mesh              batch x T        args GiB  out GiB  alias GiB  temp GiB  peak GiB",
-             "-" * 100]
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['name']:<13} FAILED: {r['error']}")
+def report(cases: list[dict]) -> str:
+    lines = ["case          mesh              batch x T      lower s  compile s  args GiB  out GiB  alias GiB  "
+             "temp GiB  code GiB  peak GiB", "-" * 124]
+    for r in cases:
+        m = r.get("memory_per_device")
+        if r["status"] != "ok" or m is None:
+            why = f": {r['error']}" if "error" in r else ""
+            lines.append(f"{r['name']:<13} {_mesh(r):<17} {r['batch']} x {r['T']:<10,} {r['status'].upper()}{why}")
             continue
-        m = r["memory_per_device"]
-        mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "one device"
-        lines.append(f"{r['name']:<13} {mesh:<17} {r['batch']} x {r['T']:<12,} {gib(m['argument']):>8} "
-                     f"{gib(m['output']):>8} {gib(m['alias']):>10} {gib(m['temp']):>9} {gib(m['peak']):>9}")
+        lines.append(f"{r['name']:<13} {_mesh(r):<17} {r['batch']} x {r['T']:<10,} {r['lower_s']:>7.1f} "
+                     f"{r['compile_s']:>10.1f} {gib(m['argument']):>9} {gib(m['output']):>8} {gib(m['alias']):>10} "
+                     f"{gib(m['temp']):>9} {gib(m['generated_code']):>9} {gib(m['peak']):>9}")
     lines.append("")
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['name']}: {r['log']}")
+    for r in cases:
+        if r["status"] in ("failed", "interrupted"):
+            tail = r.get("log_tail", "").splitlines()[-10:]
+            lines.append(f"{r['name']}: the last lines of its process:" if tail else f"{r['name']}: no output")
+            lines.extend(f"    {line}" for line in tail)
+        if r["status"] != "ok":
             continue
         parts = [f"{kind} x{c['count']} (largest {_short(c['largest'])}, {c['largest_bytes'] / 2 ** 20:.2f} MiB)"
                  for kind, c in sorted(r["collectives"].items())]
@@ -200,38 +292,123 @@ def report(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.context_parallel", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
-    p.add_argument("--out", help="also write the results to this JSON file")
+    p.add_argument("--out", help="also write the results to this JSON file (rewritten after every case) and the "
+                   "log next to it (.log)")
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="start no case after this many seconds, and stop "
+                   "a case still compiling then")
     p.add_argument("--hlo", metavar="DIR", help="also write each case's compiled HLO to DIR/CASE.hlo.txt")
+    p.add_argument("--commit", help="the commit of this checkout where its git metadata is missing or stale "
+                   "(recorded as given)")
     p.add_argument("--smoke", action="store_true", help="a tiny LM on simulated CPU devices")
     p.add_argument("--cpu", action="store_true", help="the full-size cases on simulated CPU devices (XLA chunk form)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        result = child(json.loads(args.child))
-        print(RESULT + json.dumps(result), flush=True)
-        os._exit(0)  # a mocked process may wait for its missing peers at exit
-    if args.hlo:
-        os.makedirs(args.hlo, exist_ok=True)
+    if args.smoke and args.cpu:
+        p.error("--smoke and --cpu: choose one (--smoke is already on simulated CPU devices)")
+    if args.budget is not None and args.budget < 0:
+        p.error(f"--budget {args.budget:g}: give seconds >= 0")
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
-    if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
-    from benchmarks import source_tree  # here: the child runs this file as a script, without the benchmarks package
+    if unknown or not names:
+        p.error(f"--cases: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    try:
+        fail = parse_fail(os.environ.get(FAIL_ENV, ""), names)
+    except ValueError as e:
+        p.error(str(e))
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
+    if args.out and os.path.dirname(args.out):
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    from benchmarks import source_tree
+    from benchmarks.common import Log
 
-    results = []
-    with tempfile.TemporaryDirectory(prefix="falcon-cp-") as scratch:
-        import_path = source_tree.import_path(ROOT, os.path.join(scratch, "tree"))
-        for name in names:
-            print(f"compiling {name} ...", flush=True)
-            results.append(run_case(name, args.smoke, args.hlo, import_path, cpu=args.cpu))
-    print(report(results))
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python -m benchmarks.context_parallel"] + (argv or sys.argv[1:])),
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit.stdout.strip() or None,
-                       "cases": results}, f, indent=2)
-    return 1 if any("error" in r for r in results) else 0
+        log = Log(os.path.splitext(args.out)[0] + ".log")
+    else:
+        def log(text=""):
+            print(text, flush=True)
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="falcon-cp-")
+    # the workers run `-m benchmarks.worker` from a folder holding only a link to this benchmarks/, so that the
+    # checkout's root does not shadow the copy of its falcon_jax they import
+    harness = os.path.join(scratch, "harness")
+    os.makedirs(harness)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    tree = source_tree.describe(ROOT)
+    if args.commit:
+        tree["commit"] = args.commit
+    requests = [case_request(n, args.smoke, args.cpu, args.hlo, fail.get(n)) for n in names]
+    payload = {"benchmark": "context_parallel", "smoke": args.smoke, "cpu": args.cpu,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": ["python", "-m", "benchmarks.context_parallel", *(sys.argv[1:] if argv is None else argv)],
+               "budget_s": args.budget, "limit_s": TIMEOUT, "trees": {"measured": tree}, "environment": None,
+               "memory": "memory_per_device: compiled.memory_analysis() of one device's program, in bytes; peak = "
+                         "argument + output - alias + temp (generated_code apart)",
+               "cases": [{"name": r["name"], "mesh": {"data": r["data"], "fsdp": 1, "seq": r["seq"], "tensor": 1},
+                          "batch": r["batch"], "T": r["T"], "devices": r["data"] * r["seq"], "status": "not started"}
+                         for r in requests]}
+
+    def save():
+        if args.out:
+            payload["seconds"] = round(time.monotonic() - started, 1)
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(payload, f, indent=2, default=str)
+            os.replace(args.out + ".tmp", args.out)
+
+    def stamp():
+        return f"[{time.monotonic() - started:5.0f} s]"
+
+    log(f"benchmarks.context_parallel{' --smoke' if args.smoke else ' --cpu' if args.cpu else ''}: {tree['path']} "
+        f"({tree['commit'] or 'no git commit'}, source {tree['source_sha1']}); cases {', '.join(names)}")
+    save()
+    worker, current, case_started, ended_by = None, None, None, []
+
+    def terminate(signum, frame):
+        ended_by.append(signal.Signals(signum).name)
+        sys.exit(128 + signum)
+
+    # a time limit's SIGTERM ends the run through the finally below: the case in flight stopped, the JSON written
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        import_path = source_tree.import_path(ROOT, os.path.join(scratch, "tree"))
+        for request, entry in zip(requests, payload["cases"]):
+            elapsed = time.monotonic() - started
+            if args.budget is not None and elapsed >= args.budget:
+                entry["status"] = "not started (budget)"
+                log(f"{stamp()} {entry['name']}: not started (past --budget {args.budget:g} s)")
+                save()
+                continue
+            limit = TIMEOUT if args.budget is None else max(min(TIMEOUT, args.budget - elapsed), 1)
+            entry["status"], current, case_started = "running", entry, time.monotonic()
+            save()
+            log(f"{stamp()} compiling {entry['name']} ({_mesh(entry)}, {entry['batch']} x {entry['T']:,}) ...")
+            worker = case_worker(request, import_path, harness, log)
+            entry.update(run_case(worker, request, limit))
+            if limit < TIMEOUT and entry.get("error", "").startswith("timed out"):
+                entry["error"] += f" (--budget {args.budget:g} s)"
+            if payload["environment"] is None and worker.environment:
+                payload["environment"] = env = worker.environment
+                log(f"{stamp()} device {env['device']} ({env['backend']}), driver {env['driver']}, "
+                    + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+            worker.stop()
+            worker = current = None
+            save()
+            log(f"{stamp()} {result_line(entry)}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if current is not None:
+            how = ended_by[0] if ended_by else getattr(sys.exc_info()[0], "__name__", "an error of this script")
+            current.update(status="interrupted", seconds=round(time.monotonic() - case_started, 2),
+                           error=f"the run ended ({how}) while this case ran",
+                           log_tail=_tail(worker) if worker else "")
+            log(f"{stamp()} {result_line(current)}")
+        if worker is not None:
+            worker.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        save()
+        log("\n" + report(payload["cases"]))
+        if args.out:
+            log(f"\nwrote {args.out}")
+    return 1 if any(c["status"] in ("failed", "interrupted") for c in payload["cases"]) else 0
 
 
 if __name__ == "__main__":

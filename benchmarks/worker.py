@@ -12,6 +12,8 @@ It reads one JSON request per line on stdin and answers each with one line ``@@R
   timed, its peak memory read and its device time split by named scope (:mod:`benchmarks.lm`; the parent,
   :mod:`benchmarks.lm_suite`, starts a fresh process per configuration, so the allocator's peak is that
   configuration's).
+* ``cp_compile``: one case of :mod:`benchmarks.context_parallel`, the LM's train step compiled (not run) under
+  a context-parallel mesh; one process per case, its mock GPU topology set by ``hello``'s ``jax_config``.
 
 Compiled functions and inputs are kept for the life of the process, so a second ``time`` request for the same
 op and shape measures again without compiling.  The parent kills the process when a request overruns.
@@ -79,8 +81,10 @@ def _driver():
 
 
 def hello(req):
-    """Set up the process (``smoke`` or not) and describe it (``torch``: whether fla can run, which imports
-    torch)."""
+    """Set up the process (``smoke`` or not; ``jax_config``: jax.config options, set before anything starts the
+    backend) and describe it (``torch``: whether fla can run, which imports torch)."""
+    for key, value in req.get("jax_config", {}).items():
+        jax.config.update(key, value)
     import falcon_jax
     from falcon_jax import validation
 
@@ -247,8 +251,14 @@ def lm_measure(req):
     return lm.measure(req)
 
 
+def cp_compile(req):
+    from benchmarks import context_parallel
+
+    return context_parallel.compile_case(req["case"])
+
+
 HANDLERS = {"hello": hello, "time": time_op, "memory": memory, "profile": profile_op, "lm_prepare": lm_prepare,
-            "lm_measure": lm_measure}
+            "lm_measure": lm_measure, "cp_compile": cp_compile}
 
 
 def main() -> int:

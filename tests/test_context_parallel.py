@@ -339,26 +339,110 @@ class _FakeMesh:
         self.shape = shape
 
 
+def _script(*args, env=None, **kwargs):
+    """``python -m benchmarks.context_parallel ARGS`` from the checkout's root (``Popen`` keyword arguments)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.context_parallel", *args], cwd=root, text=True,
+                            env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            **kwargs)
+
+
 @pytest.mark.slow  # ~40 s: four compiles of the training step in their own processes
 def test_mock_topology_script_smoke(tmp_path):
     """``python -m benchmarks.context_parallel --smoke`` (the lead's GPU command on simulated CPU devices, a tiny
     LM): every case compiles, and the training step's temporaries per device at T = 1,024 on 8 devices are within
     25 % of one device's at T = 128 (memory ∝ T / devices), with no all-to-all."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "cp.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--smoke", "--out", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _script("--smoke", "--out", str(out))
+    log = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, log[-6000:]
     results = {r["name"]: r for r in json.loads(out.read_text())["cases"]}
     assert set(results) == {"seq2", "data2-seq2", "seq8-262k", "one-32k"}
+    assert all(r["status"] == "ok" for r in results.values()), results
     split, whole = results["seq8-262k"], results["one-32k"]
     assert split["T"] == 8 * whole["T"] and split["mesh"]["seq"] == 8
     assert 0 < split["memory_per_device"]["temp"] <= 1.25 * whole["memory_per_device"]["temp"], (split, whole)
     for r in results.values():
         assert "all-to-all" not in r["collectives"], r
         assert Path(r["falcon_jax"]).parents[1] != root  # this checkout, imported in its installed layout
+
+
+def test_mock_topology_script_keeps_each_case_through_crashes_and_a_sigterm(tmp_path):
+    """Each case's result is printed and written to ``--out`` as it finishes: a case whose process aborts (as an
+    XLA check failure does) and one that raises are recorded as failures, with the end of their output, while the
+    next case compiles; a SIGTERM during the last case (``timeout``'s) keeps the finished cases in the JSON and
+    records the one in flight as interrupted."""
+    import datetime
+    import json
+    import signal
+    import time
+
+    out, log = tmp_path / "cp.json", tmp_path / "cp.log"
+    names = ["seq2", "data2-seq2", "one-32k", "seq8-262k"]
+    proc = _script("--smoke", "--cases", ",".join(names), "--out", str(out),
+                   env={"FALCON_CP_FAIL": "seq2=abort,data2-seq2=raise"})
+    try:
+        # the last case is lowered, compiling: the JSON already holds the three cases before it
+        deadline = time.monotonic() + 300
+        while not (log.exists() and "[seq8-262k] seq8-262k: lowered" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else ""
+            time.sleep(0.05)
+        during = json.loads(out.read_text())
+        proc.send_signal(signal.SIGTERM)
+        printed = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert [c["status"] for c in during["cases"]] == ["failed", "failed", "ok", "running"], during["cases"]
+    assert proc.returncode == 128 + signal.SIGTERM, printed[-4000:]
+
+    data = json.loads(out.read_text())
+    cases = {c["name"]: c for c in data["cases"]}
+    assert [c["name"] for c in data["cases"]] == names
+    crashed, raised, ok, cut = (cases[n] for n in names)
+    assert crashed["status"] == "failed" and "SIGABRT" in crashed["error"], crashed
+    assert "seq2: aborting (FALCON_CP_FAIL)" in crashed["log_tail"], crashed
+    assert raised["status"] == "failed", raised
+    assert raised["error"] == "RuntimeError: data2-seq2: failure injected by FALCON_CP_FAIL", raised
+    assert raised["log_tail"].splitlines()[-1] == raised["error"]  # the traceback's last line
+    assert ok["status"] == "ok" and ok["compile_s"] > 0 and ok["lower_s"] > 0, ok
+    m = ok["memory_per_device"]
+    assert m["temp"] > 0 and m["generated_code"] >= 0
+    assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"], m
+    assert cut["status"] == "interrupted" and "SIGTERM" in cut["error"], cut
+    assert "seq8-262k: lowered in" in cut["log_tail"], cut
+    # the machine's and the tree's labels
+    datetime.datetime.fromisoformat(data["date"])
+    assert data["environment"]["versions"]["jax"] == jax.__version__ and data["environment"]["device"]
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", data["trees"]["measured"]["commit"] or "0" * 12)
+    # each case's line printed as it ended, before the next case started
+    lines = printed.splitlines()
+    order = [next(i for i, line in enumerate(lines) if pattern in line) for pattern in (
+        "seq2 (seq=2, 1 x 256): failed", "compiling data2-seq2", "data2-seq2 (data=2 x seq=2, 2 x 256): failed",
+        "compiling one-32k", "one-32k (one device, 1 x 128): ok", "compiling seq8-262k",
+        "seq8-262k (seq=8, 1 x 1,024): interrupted")]
+    assert order == sorted(order), printed[-4000:]
+    assert "per device GiB: argument" in lines[order[4]] and "compile" in lines[order[4]]
+
+
+def test_mock_topology_script_starts_no_case_past_its_budget(tmp_path):
+    """``--budget 0``: no case starts; each is recorded as not started, and the run is not a failure."""
+    import json
+
+    out = tmp_path / "cp.json"
+    proc = _script("--smoke", "--cases", "seq2,one-32k", "--budget", "0", "--out", str(out))
+    printed = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, printed
+    data = json.loads(out.read_text())
+    assert [(c["name"], c["status"]) for c in data["cases"]] == [("seq2", "not started (budget)"),
+                                                                  ("one-32k", "not started (budget)")]
+    assert data["budget_s"] == 0 and data["command"][-6:] == ["--cases", "seq2,one-32k", "--budget", "0", "--out",
+                                                              str(out)]
