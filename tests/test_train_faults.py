@@ -2,7 +2,8 @@
 work; a checkpoint with flipped bits is caught and the previous one used; --resume without a usable
 checkpoint refuses unless --resume-or-start; SIGINT stops after the current step with a checkpoint; a
 failed save (a write past the file-size limit, as on a full disk) stops the run at that step with one line
-and leaves no temporary folder; an unwritable run directory is one line.
+and leaves no temporary folder; an unwritable run directory is one line; a step or an evaluation that runs out
+of device memory stops the run with the batch and the fixes, keeping what the run wrote.
 (SIGTERM mid-run and the exact continuation after it: test_train_resume.py.)"""
 import json
 import os
@@ -12,11 +13,14 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
+from jax.errors import JaxRuntimeError
 
 from falcon_jax.train import cli, trainer
 from falcon_jax.train.checkpoint import CHECKSUMS
 from falcon_jax.train.config import build_config
+from falcon_jax.train.memory import DeviceMemoryError, explain, is_out_of_memory, requested_size, suggest_grad_accum
 from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError, checkpoint_steps, read_metrics
 
@@ -183,3 +187,191 @@ def test_sigint_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(trainer, "build_data", interrupted_while_building)
     rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(tmp_path / "run")], capsys)
     assert rc == 130 and err.startswith("falcon-train: interrupted (SIGINT)") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- out of device memory
+# the message of the first step of addition-packed on one H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false
+OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 98.42GiB with allocator GPU_0_bfc on device 0. "
+       "[executable_name='jit_step']")
+
+
+class _Unreadable:
+    """An output of a program that failed on the device after it was launched: waiting on it or reading it
+    raises the failure, as a JAX array does after an asynchronous execution error."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def block_until_ready(self):
+        raise JaxRuntimeError(self.message)
+
+    def __array__(self, *args, **kwargs):
+        raise JaxRuntimeError(self.message)
+
+    def copy_to_host_async(self):
+        pass
+
+
+def _failing_step(monkeypatch, fail_at, message, deferred):
+    """The trainer's own step, except that the ``fail_at``-th call fails with ``message``: at the call
+    (``deferred=False``: a program that cannot be compiled or launched), or in its outputs (a program that
+    fails on the device after it was launched), which then fail every later step that takes them.
+    Returns the errors raised at the call."""
+    real, calls, raised = trainer.make_train_step, [], []
+
+    def make(graphdef, tx, shardings=None):
+        step = real(graphdef, tx, shardings)
+
+        def failing(params, rest, opt_state, batch):
+            calls.append(None)
+            failed = any(isinstance(x, _Unreadable) for x in jax.tree.leaves(params))
+            if len(calls) < fail_at and not failed:
+                return step(params, rest, opt_state, batch)
+            if not deferred:
+                raised.append(JaxRuntimeError(message))
+                raise raised[-1]
+            bad = lambda tree: jax.tree.map(lambda _: _Unreadable(message), tree)  # noqa: E731
+            return bad(params), bad(opt_state), {k: _Unreadable(message) for k in ("loss", "grad_norm", "tokens")}
+
+        return failing
+
+    monkeypatch.setattr(trainer, "make_train_step", make)
+    return raised
+
+
+def test_out_of_memory_in_a_later_step_names_the_step_the_fix_and_keeps_the_run(tmp_path, monkeypatch):
+    """Step 7 fails on the device; its error surfaces at step 8's wait (a checkpoint step).  The error names
+    step 7, the size and ``--set train.grad_accum=4`` (batch 8 in 2 micro-batches), chains JAX's error, and
+    the run keeps config.json, the records of steps 1-6 and the checkpoint of step 4; nothing is saved of
+    steps 7 or 8."""
+    run_dir = tmp_path / "run"
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [
+        f"train.run_dir={run_dir}", "train.steps=10", "train.grad_accum=2", "checkpoint.every=4"])
+    _failing_step(monkeypatch, fail_at=7, message=OOM, deferred=True)
+    with pytest.raises(DeviceMemoryError) as info:
+        trainer.run(cfg, log=lambda line: None)
+    e = info.value
+    assert type(e.__cause__) is JaxRuntimeError and str(e.__cause__) == OOM
+    assert (e.program, e.step, e.requested, e.grad_accum) == ("train step", 7, "98.42 GiB", 4)
+    msg = str(e)
+    assert msg.startswith("the train step ran out of device memory at step 7 (it tried to allocate 98.42 GiB)."), msg
+    for part in ("train.batch_size=8", "train.grad_accum=2 micro-batches of 4 rows", "mesh data=1 x fsdp=1",
+                 "1. --set train.grad_accum=4: the step then runs micro-batches of 2 rows",
+                 "a smaller train.batch_size", "more devices",
+                 f"(the latest: step 4) in {run_dir} are kept; continue with the fix: "
+                 f"falcon-train --run-dir {run_dir} --resume --set train.grad_accum=4"):
+        assert part in msg, (part, msg)
+    assert "XLA_PYTHON_CLIENT" not in msg  # the GPU allocator's settings: not on CPU
+    assert json.loads((run_dir / "config.json").read_text()) == cfg.to_dict()
+    train_records, _ = read_metrics(str(run_dir))
+    assert sorted(train_records) == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] > 0 for r in train_records.values())
+    assert checkpoint_steps(str(run_dir)) == [4]
+    assert (run_dir / "checkpoints" / "4" / CHECKSUMS).exists()
+
+
+def test_out_of_memory_at_the_first_step_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch):
+    """The step fails at its call (as a program too large to compile or launch).  Every row of the batch is
+    already its own micro-batch, so no train.grad_accum helps and none is offered."""
+    run_dir = tmp_path / "run"
+    _failing_step(monkeypatch, fail_at=1, message=OOM, deferred=False)
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.grad_accum=8",
+                         *sum((["--set", o] for o in TINY), [])], capsys)
+    assert rc == 1 and "Traceback" not in err, err
+    assert err.startswith("falcon-train: error: the train step ran out of device memory at the first step "
+                          "(it tried to allocate 98.42 GiB)."), err
+    assert "train.grad_accum cannot go higher: each of the 1 data-parallel device(s) holds 1 row(s)" in err
+    assert "--set train.grad_accum=" not in err and "--resume" not in err
+    assert f"config.json and metrics.jsonl in {run_dir} are kept (no checkpoint yet)" in err
+    assert json.loads((run_dir / "config.json").read_text())["train"]["grad_accum"] == 8
+    assert read_metrics(str(run_dir))[0] == {} and checkpoint_steps(str(run_dir)) == []
+
+
+def test_out_of_memory_in_the_evaluation_names_its_batch(tmp_path, monkeypatch):
+    """The final evaluation runs out (a message that counts bytes); the steps before it and their checkpoint
+    stay, and the fix is data.eval_examples, not train.grad_accum."""
+    from falcon_jax.train import evaluate
+
+    message = "RESOURCE_EXHAUSTED: Out of memory allocating 3221225472 bytes."
+
+    def out_of_memory(*args, **kwargs):
+        raise JaxRuntimeError(message)
+
+    monkeypatch.setattr(evaluate, "addition_accuracy", out_of_memory)
+    run_dir = tmp_path / "run"
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=2",
+                                                                 "checkpoint.every=2"])
+    with pytest.raises(DeviceMemoryError) as info:
+        trainer.run(cfg, log=lambda line: None)
+    e = info.value
+    assert str(e.__cause__) == message and (e.program, e.step, e.requested, e.grad_accum) == \
+        ("evaluation", 2, "3.00 GiB", None)
+    assert str(e).startswith("the evaluation of step 2 ran out of device memory (it tried to allocate 3.00 GiB).")
+    assert "data.eval_examples=8 problems per width" in str(e) and "1. a smaller data.eval_examples" in str(e)
+    assert "train.grad_accum" not in str(e)
+    assert sorted(read_metrics(str(run_dir))[0]) == [1, 2] and checkpoint_steps(str(run_dir)) == [2]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_runtime_error_that_is_not_out_of_memory_passes_through(tmp_path, monkeypatch, deferred):
+    message = "INTERNAL: an XLA failure that is not about memory"
+    raised = _failing_step(monkeypatch, fail_at=1, message=message, deferred=deferred)
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(JaxRuntimeError) as info:
+        trainer.run(cfg, log=lambda line: None)
+    assert type(info.value) is JaxRuntimeError and str(info.value) == message and info.value.__cause__ is None
+    if not deferred:
+        assert raised == [info.value]  # the very object the step raised
+
+
+@pytest.mark.parametrize("message, oom, size", [
+    (OOM, True, "98.42 GiB"),
+    ("RESOURCE_EXHAUSTED: Out of memory allocating 105678889943 bytes.", True, "98.42 GiB"),
+    ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 12.00G. That was not possible. "
+     "There are 5.50G free.", True, "12.00G"),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm.", True, None),
+    ("RESOURCE_EXHAUSTED: Received message larger than max (5242880 vs. 4194304)", False, None),
+    ("INTERNAL: Generated function failed", False, None),
+])
+def test_out_of_memory_messages_and_their_sizes(message, oom, size):
+    assert is_out_of_memory(JaxRuntimeError(message)) is oom
+    if oom:
+        assert requested_size(message) == size
+
+
+def test_suggested_grad_accum_halves_the_micro_batch_and_splits_over_the_shards():
+    assert suggest_grad_accum(512, 1) == 2  # addition-packed
+    assert suggest_grad_accum(48, 16) == 48  # 32 does not divide 48
+    assert suggest_grad_accum(64, 4, shards=8) == 8
+    assert suggest_grad_accum(64, 8, shards=8) is None  # one row per device already
+    for batch in range(1, 49):
+        for accum in (a for a in range(1, batch + 1) if batch % a == 0):
+            for shards in (s for s in (1, 2, 4, 8) if (batch // accum) % s == 0):
+                got = suggest_grad_accum(batch, accum, shards)
+                fits = [a for a in range(accum + 1, batch + 1) if batch % a == 0 and (batch // a) % shards == 0
+                        and batch // a <= batch // accum // 2]
+                assert got == (fits[0] if fits else None), (batch, accum, shards)
+
+
+def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused():
+    """addition-packed's first step with XLA_PYTHON_CLIENT_PREALLOCATE=false on a GPU of 140 GiB (JAX's
+    default limit: 75% of it)."""
+    cfg = build_config(preset="addition-packed")
+    mesh = {"data": 1, "fsdp": 1, "seq": 1, "tensor": 1}
+
+    def message(platform, env):
+        return str(explain(JaxRuntimeError(OOM), cfg, program="train step", step=1, row_tokens=1024, mesh_shape=mesh,
+                           shards=1, platform=platform, limit_bytes=int(0.75 * 140 * 2**30), checkpoints=[], env=env))
+
+    msg = message("gpu", {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert msg.startswith("the train step ran out of device memory at the first step (it tried to allocate "
+                          "98.42 GiB; JAX may use 105.00 GiB per device in all)."), msg
+    for part in ("train.batch_size=512 rows of 1,024 tokens (data.seq_len) in train.grad_accum=1 micro-batch of "
+                 "512 rows", "1. --set train.grad_accum=2", "2. a smaller train.batch_size or data.seq_len",
+                 "3. more devices", "4. JAX uses at most 75% of a GPU's memory by default: "
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9", "unset XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                 "run the command again with the fix (--set train.grad_accum=2)."):
+        assert part in msg, (part, msg)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 caps" in message("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    for platform, env in (("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.93"}), ("tpu", {})):
+        assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "4." not in message(platform, env)

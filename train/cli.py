@@ -6,9 +6,9 @@
     falcon-train --run-dir runs/addition-tiny --resume      # config from the run's config.json
 
 Exit codes: 0 done, or stopped before train.time_limit_s with a checkpoint (the last line says how to
-continue); 2 a config or run-directory error (nothing trained); 1 a failure while training (a
-checkpoint that could not be written, a disk error); 130 / 143 stopped by SIGINT / SIGTERM after writing a
-checkpoint (the last line says how to resume).
+continue); 2 a config or run-directory error (nothing trained); 1 a failure while training (out of device
+memory: the message names the batch and the fixes; a checkpoint that could not be written, a disk error);
+130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint (the last line says how to resume).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 import sys
 
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
+from falcon_jax.train.memory import DeviceMemoryError
 from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError
 
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
         print("falcon-train: interrupted (SIGINT) before a checkpoint of the current step was written; "
               "--resume continues from the last checkpoint, if there is one.", file=sys.stderr)
         return 128 + signal.SIGINT
+    except DeviceMemoryError as e:
+        print(f"falcon-train: error: {e}", file=sys.stderr)
+        return 1
     except (CheckpointError, OSError) as e:
         print(f"falcon-train: error: {e}", file=getattr(e, "terminal", None) or sys.stderr)
         return 1

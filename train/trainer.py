@@ -31,13 +31,14 @@ from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
 from falcon_jax.train.config import ConfigError, TrainConfig, validate
 from falcon_jax.train.loader import make_loader
-from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, check_batch, check_sequence, host_shard, make_mesh,
-                                   maybe_initialize_distributed, put_batch, replicate)
+from falcon_jax.train.memory import EVALUATION, GREEDY, TRAIN_STEP, VALIDATION, explain, is_out_of_memory
+from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_batch, check_sequence, host_shard,
+                                   make_mesh, maybe_initialize_distributed, put_batch, replicate)
 from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
 from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
-                                     check_writable, metric_records, read_metrics)
+                                     check_writable, checkpoint_steps, metric_records, read_metrics)
 from falcon_jax.train.text import TextData
 
 
@@ -137,6 +138,20 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
+def device_memory_limit(devices) -> int | None:
+    """The smallest ``bytes_limit`` (the memory JAX may use) over ``devices``; None where the backend
+    reports none (CPU)."""
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without allocator statistics
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
 def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False, log=None,
         standalone: bool = False) -> dict:
     """Train with ``cfg``; returns a summary dict (final metrics and the last evaluation).
@@ -147,7 +162,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     ``standalone``: this process ends when ``run`` raises (the command line; see ``Checkpointer``).
     ``train.time_limit_s > 0``: before that many seconds from this call, the run saves a checkpoint and
     returns with ``summary["stopped"] == "time_limit"`` (the command line exits 0); ``--resume`` continues
-    it with the same batches as an uninterrupted run."""
+    it with the same batches as an uninterrupted run.
+    A train step or evaluation that runs out of device memory raises
+    :class:`~falcon_jax.train.memory.DeviceMemoryError` (the JAX error chained), naming the batch and the fixes;
+    the steps before it keep their records and checkpoints, and nothing is saved from the failed state."""
     t_begin = time.perf_counter()
     validate(cfg)
     resume = resume or resume_or_start
@@ -256,12 +274,21 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
     def flush(t_elapsed, n_steps_timed, tokens_timed):
         nonlocal last_train
-        for s, m in pending:
+        while pending:  # a step leaves the list once its record is written: a failed one stays first
+            s, m = pending[0]
             m = jax.device_get(m)
             last_train = {"kind": "train", "step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                           "lr": float(sched(s - 1))}
             logger.write(last_train)
-        pending.clear()
+            pending.pop(0)
+
+    running = {"program": TRAIN_STEP}  # what a device out-of-memory error is reported against
+
+    def memory_error(err, program, at):
+        return explain(err, cfg, program=program, step=at, row_tokens=data.seq_len - 1, mesh_shape=dict(mesh.shape),
+                       shards=batch_shards(mesh), platform=jax.devices()[0].platform,
+                       limit_bytes=device_memory_limit(mesh.local_devices), checkpoints=checkpoint_steps(run_dir),
+                       env=os.environ)
 
     def meta(step):
         # the loader has handed out exactly `step` batches: its state is the one to resume from
@@ -272,6 +299,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
     def do_eval(step, final=False):
         nonlocal best
+        running["program"] = EVALUATION if cfg.data.kind == "addition" else VALIDATION
         model_state = nnx.merge(graphdef, params, rest)
         gd, st = nnx.split(model_state)
         rec = {"kind": "eval", "step": step}
@@ -292,6 +320,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
             if final:  # the teacher-forced record first: a command cut during decoding keeps it
                 logger.write(rec)
+                running["program"] = GREEDY
                 t_greedy = time.perf_counter()
                 gw = cfg.data.greedy_widths if cfg.data.greedy_widths is not None else cfg.data.eval_widths
                 greedy = ev.addition_greedy(model_state, data, gw, cfg.data.greedy_examples)
@@ -303,11 +332,20 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
             if "val_loss" in rec:
                 say(f"[eval step {step}] val loss {rec['val_loss']:.4f}  ppl {rec['val_ppl']:.2f}")
         logger.write(rec)
+        running["program"] = TRAIN_STEP
         return rec
 
     if cfg.data.kind == "addition" and cfg.train.eval_every and start % cfg.train.eval_every == 0 \
             and 0 < start < cfg.train.steps and not any(r.get("step") == start for r in earlier_evals):
-        do_eval(start)  # a run stopped at an evaluation step before evaluating it
+        try:
+            do_eval(start)  # a run stopped at an evaluation step before evaluating it
+        except jax.errors.JaxRuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            loader.close()
+            if ckpt is not None:
+                ckpt.close()
+            raise memory_error(err, running["program"], start) from err
 
     tokens_per_step = cfg.train.batch_size * (data.seq_len - 1)
     every = max(cfg.train.log_every, 1)
@@ -330,6 +368,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     sharded_kernels = kernel_sharding(mesh, BATCH_AXES, "tensor", seq_axis=SEQ_AXIS)
     sharded_kernels.__enter__()
     stop = StopRequest(multiprocess=jax.process_count() > 1).__enter__()
+    out_of_memory = None
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             batch = put_batch(next(loader), mesh, cfg.train.grad_accum, shard=loader.shard)
@@ -416,12 +455,26 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
             flush(0, 0, 0)
         if stopped is None:
             last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
+    except jax.errors.JaxRuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+        # steps run asynchronously: a failed step's error may surface at a later step's wait or in an
+        # evaluation that reads its params; the first pending step whose result cannot be read is the one
+        program, at = running["program"], step
+        try:
+            flush(0, 0, 0)  # the steps that finished keep their records
+        except jax.errors.JaxRuntimeError:
+            program, at = TRAIN_STEP, pending[0][0]
+        out_of_memory = (err, program, at)
     finally:
         stop.__exit__(None, None, None)
         sharded_kernels.__exit__(None, None, None)
         loader.close()
         if ckpt is not None:
             ckpt.close()
+    if out_of_memory is not None:  # after the checkpointer closed: a save still in flight has finished
+        err, program, at = out_of_memory
+        raise memory_error(err, program, at) from err
 
     summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval, "stopped": stopped}
     if is_main and stopped is None:
