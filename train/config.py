@@ -288,6 +288,8 @@ _ADDITION_PACKED = {
     # lr 1e-3 cosine, 2,000 steps = 1.07B tokens.  Model: Falcon-1A.3 with 8 layers of width 512 (28M).  A width
     # curriculum (widest width 4 -> 32 over the first 1,000 steps): on one H200 it reached 76.8 % mean exact on
     # widths 1-32 after 0.47B tokens against 17.5 % without (docs/results.md).
+    # One device needs about 103 GiB for this batch (H200); on smaller GPUs --set train.grad_accum=2 (or 4)
+    # holds the activations of 256 (128) rows at a time, with the same updates.
     "model": dict(mixer="falcon-1A.3", d_model=512, n_layers=8, n_heads=8, chunk_size=64,
                   dtype="bfloat16", param_dtype="float32"),
     "data": dict(kind="addition", pack=True, seq_len=1024, width_sampling="uniform", grain_threads=2, grain_prefetch=4,
