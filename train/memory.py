@@ -6,7 +6,7 @@ GPU_0_bfc on device 0.``  The trainer re-raises it, chained, as :class:`DeviceMe
 names the program, the step, the size asked for, the devices' limit, the batch and the fixes in the order
 to try them (:func:`explain`).  The command line reports it in a few lines with exit code 1.
 
-Only the standard library here: the command line imports it before it imports JAX.
+Only the standard library here: the command line imports it at its top, before the trainer.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import re
 
-# what the trainer tracks as "running", and which knobs size that program's batch
+# the programs a DeviceMemoryError names (the trainer tracks which one is running)
 TRAIN_STEP, EVALUATION, GREEDY, VALIDATION = "train step", "evaluation", "greedy evaluation", "validation"
-SAFE_FRACTION = 0.9  # the XLA_PYTHON_CLIENT_MEM_FRACTION to suggest (the rest: CUDA context, cuDNN/cuBLAS workspaces)
+SAFE_FRACTION = 0.9  # the XLA_PYTHON_CLIENT_MEM_FRACTION to suggest: the rest is for memory outside JAX's allocator
 
 
 class DeviceMemoryError(RuntimeError):
