@@ -287,9 +287,15 @@ def test_out_of_memory_at_the_first_step_is_a_message_and_exit_1(tmp_path, capsy
     assert read_metrics(str(run_dir))[0] == {} and checkpoint_steps(str(run_dir)) == []
 
 
-def test_out_of_memory_in_the_evaluation_names_its_batch(tmp_path, monkeypatch):
-    """The final evaluation runs out (a message that counts bytes); the steps before it and their checkpoint
-    stay, and the fix is data.eval_examples, not train.grad_accum."""
+@pytest.mark.parametrize("part, program, names", [
+    ("addition_accuracy", "evaluation", ["data.eval_examples=8 problems per width", "1. a smaller data.eval_examples"]),
+    ("addition_greedy", "greedy evaluation", ["data.greedy_examples=4 problems for each of the 1 data.greedy_widths",
+                                              "1. a smaller data.greedy_examples or fewer data.greedy_widths"]),
+])
+def test_out_of_memory_in_the_evaluation_names_its_batch(tmp_path, monkeypatch, part, program, names):
+    """The final evaluation's teacher-forced part or its free-running decoding runs out (a message that counts
+    bytes); the steps before it and their checkpoint stay (and the teacher-forced record when the decoding ran
+    out), and the fix is that part's batch, not train.grad_accum."""
     from falcon_jax.train import evaluate
 
     message = "RESOURCE_EXHAUSTED: Out of memory allocating 3221225472 bytes."
@@ -297,19 +303,20 @@ def test_out_of_memory_in_the_evaluation_names_its_batch(tmp_path, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise JaxRuntimeError(message)
 
-    monkeypatch.setattr(evaluate, "addition_accuracy", out_of_memory)
+    monkeypatch.setattr(evaluate, part, out_of_memory)
     run_dir = tmp_path / "run"
     cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=2",
-                                                                 "checkpoint.every=2"])
+                                                                 "checkpoint.every=2", "data.greedy_widths=[2]"])
     with pytest.raises(DeviceMemoryError) as info:
         trainer.run(cfg, log=lambda line: None)
     e = info.value
     assert str(e.__cause__) == message and (e.program, e.step, e.requested, e.grad_accum) == \
-        ("evaluation", 2, "3.00 GiB", None)
-    assert str(e).startswith("the evaluation of step 2 ran out of device memory (it tried to allocate 3.00 GiB).")
-    assert "data.eval_examples=8 problems per width" in str(e) and "1. a smaller data.eval_examples" in str(e)
-    assert "train.grad_accum" not in str(e)
-    assert sorted(read_metrics(str(run_dir))[0]) == [1, 2] and checkpoint_steps(str(run_dir)) == [2]
+        (program, 2, "3.00 GiB", None)
+    assert str(e).startswith(f"the {program} of step 2 ran out of device memory (it tried to allocate 3.00 GiB).")
+    assert all(n in str(e) for n in names) and "train.grad_accum" not in str(e), str(e)
+    train_records, evals = read_metrics(str(run_dir))
+    assert sorted(train_records) == [1, 2] and checkpoint_steps(str(run_dir)) == [2]
+    assert [r["step"] for r in evals] == ([2] if part == "addition_greedy" else [])
 
 
 @pytest.mark.parametrize("deferred", [False, True])
@@ -373,5 +380,11 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
                  "run the command again with the fix (--set train.grad_accum=2)."):
         assert part in msg, (part, msg)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 caps" in message("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    greedy = str(explain(JaxRuntimeError(OOM), cfg, program="greedy evaluation", step=2000, row_tokens=1024,
+                         mesh_shape=mesh, shards=1, platform="cpu", limit_bytes=None, checkpoints=[2000], env={}))
+    assert greedy.startswith("the greedy evaluation of step 2000 ran out of device memory (it tried to allocate "
+                             "98.42 GiB).\nIt decodes data.greedy_examples=128 problems for each of the 6 "
+                             "data.greedy_widths in one batch"), greedy
+    assert "train.grad_accum" not in greedy and greedy.endswith("--run-dir runs/addition-packed --resume")
     for platform, env in (("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.93"}), ("tpu", {})):
         assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "4." not in message(platform, env)

@@ -132,12 +132,16 @@ def explain(err: BaseException, cfg, *, program: str, step: int, row_tokens: int
         what = (f"Its batches are the train step's micro-batches: train.batch_size={t.batch_size} / "
                 f"train.grad_accum={t.grad_accum} = {micro} {rows}, on {devices}.")
         fixes = [split, "a smaller data.seq_len (this changes the run)"]  # evaluation inputs are replicated
-    else:
-        n, knob = (d.eval_examples, "data.eval_examples") if program == EVALUATION else \
-            (d.greedy_examples, "data.greedy_examples")
-        what = f"It runs {knob}={n} problems per width as one batch, on {devices}."
-        fixes = [f"a smaller {knob}"]
+    elif program == EVALUATION:
+        what = f"It runs data.eval_examples={d.eval_examples} problems per width as one batch, on {devices}."
+        fixes = ["a smaller data.eval_examples"]
         accum = None  # the evaluation batch does not depend on train.grad_accum
+    else:  # free-running decoding: every width's prompts in one call
+        widths = d.greedy_widths if d.greedy_widths is not None else d.eval_widths
+        what = (f"It decodes data.greedy_examples={d.greedy_examples} problems for each of the {len(widths)} "
+                f"data.greedy_widths in one batch, on {devices}.")
+        fixes = ["a smaller data.greedy_examples or fewer data.greedy_widths"]
+        accum = None
     hint = gpu_hint(env) if platform == "gpu" else None
     if hint:
         fixes.append(hint)
