@@ -471,6 +471,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+# model fields that choose how the same function is computed, not which function: a resumed run may change them
+IMPLEMENTATION_FIELDS = ("form", "chunk_size", "impl", "attn_impl", "dtype")
+
+
+def resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
+    """What makes ``cfg`` another model than the run whose config (``config.json``) is ``saved``: one
+    ``"key: <there> in the run, <here> here"`` per differing :class:`LMConfig` field (the fields of
+    :data:`IMPLEMENTATION_FIELDS` may change) and data field that fixes the vocabulary.  ConfigError if
+    ``saved`` is not a config."""
+    before = TrainConfig.from_dict(saved)
+    old, new = dataclasses.asdict(before.lm_config(vocab_size=16)), dataclasses.asdict(cfg.lm_config(vocab_size=16))
+    out = [f"model.{k}: {old[k]!r} in the run, {new[k]!r} here" for k in old
+           if k not in IMPLEMENTATION_FIELDS and old[k] != new[k]]
+    vocab = ["kind", "tokenizer"] + (["bpe_vocab_size"] if cfg.data.tokenizer == "bpe" else [])
+    out += [f"data.{k}: {getattr(before.data, k)!r} in the run, {getattr(cfg.data, k)!r} here" for k in vocab
+            if getattr(before.data, k) != getattr(cfg.data, k)]
+    return out
+
+
 def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,
                  overrides: list[str] = ()) -> TrainConfig:
     """Assemble a config from its sources (see the module docstring) and check every value (:func:`validate`)."""

@@ -29,7 +29,7 @@ from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
 from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
-from falcon_jax.train.config import ConfigError, TrainConfig, validate
+from falcon_jax.train.config import ConfigError, TrainConfig, resume_mismatch, validate
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.memory import EVALUATION, GREEDY, TRAIN_STEP, VALIDATION, explain, is_out_of_memory
 from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_batch, check_sequence, host_shard,
@@ -174,6 +174,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     if resume and not cfg.checkpoint.enabled:
         raise ConfigError("--resume needs checkpoints: checkpoint.enabled is false.")
     check_can_start(run_dir, resume, must_exist=not resume_or_start)
+    if resume:
+        check_same_model(run_dir, cfg)
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
     check_writable(run_dir)
@@ -232,7 +234,12 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                             async_save=cfg.checkpoint.async_save, log=say, is_main=is_main, standalone=standalone)
         if resume:
             abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-            got = ckpt.restore_latest(abs_state)
+            try:
+                got = ckpt.restore_latest(abs_state)
+            except RunDirError:
+                ckpt.close()
+                loader.close()
+                raise
             if got is None and not resume_or_start:
                 ckpt.close()
                 loader.close()
@@ -483,6 +490,23 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
 
 WIDTH_SHARES = "width_shares.json"
+
+
+def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
+    """``--resume`` continues the run in ``run_dir`` only with its model: RunDirError naming every field that
+    differs from the run's ``config.json`` (read from the file system, before any model or data work).  Without
+    a readable ``config.json`` the restore itself refuses a checkpoint that does not fit."""
+    path = os.path.join(run_dir, CONFIG)
+    try:
+        with open(path) as f:
+            differences = resume_mismatch(json.load(f), cfg)
+    except (OSError, ValueError, TypeError):
+        return  # no config.json, or one cut by a kill: nothing to compare with
+    if differences:
+        raise RunDirError(f"--resume: {os.path.abspath(run_dir)} was trained with another model than this "
+                          f"command's ({'; '.join(differences)}). Resume with the run's own config "
+                          f"(falcon-train --run-dir {run_dir} --resume, without --preset, --config or --set for "
+                          f"these keys), or train the new model in another --run-dir. Nothing was changed.")
 
 
 def best_in_dist(evals: list[dict]) -> dict | None:
