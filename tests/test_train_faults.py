@@ -450,3 +450,13 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
     assert "train.grad_accum" not in greedy and greedy.endswith("--run-dir runs/addition-packed --resume")
     for platform, env in (("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.93"}), ("tpu", {})):
         assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "4." not in message(platform, env)
+
+
+@pytest.mark.parametrize("text", ['{"model": {"d_model": 3', "[1, 2]", "\xff\xfe"])
+def test_a_cut_or_foreign_config_file_is_one_line(tmp_path, capsys, text):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "3").mkdir(parents=True)
+    (run_dir / "config.json").write_bytes(text.encode("latin-1"))
+    rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
+    assert rc == 2 and out == "" and err.startswith(f"falcon-train: error: config file '{run_dir / 'config.json'}'")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -241,14 +241,24 @@ def load_file(path: str) -> dict:
     """A config file: ``.json`` or ``.toml`` (sections as tables)."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist.")
-    if path.endswith(".toml"):
-        import tomllib
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    if path.endswith(".json"):
-        with open(path) as f:
-            return json.load(f)
-    raise ConfigError(f"config file {path!r}: use a .json or .toml file.")
+    if not path.endswith((".toml", ".json")):
+        raise ConfigError(f"config file {path!r}: use a .json or .toml file.")
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            with open(path, "rb") as f:
+                d = tomllib.load(f)
+        else:
+            with open(path) as f:
+                d = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, TOMLDecodeError, bad UTF-8
+        raise ConfigError(f"config file {path!r} cannot be read ({type(e).__name__}: {e}); fix or replace it (a "
+                          f"run's config.json cut by a kill: give the run's --preset and --set options "
+                          f"again).") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {path!r} must hold a table of sections (model, data, optim, ...); got "
+                          f"a {type(d).__name__}.")
+    return d
 
 
 # ----------------------------------------------------------------------------- presets

@@ -261,9 +261,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                                       f"batches); resume with --set data.loader={saved}.")
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
-    if is_main:
-        with open(os.path.join(run_dir, CONFIG), "w") as f:
+    if is_main:  # written whole, then renamed: a kill mid-write leaves the previous config.json
+        tmp = os.path.join(run_dir, CONFIG + ".tmp")
+        with open(tmp, "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
+        os.replace(tmp, os.path.join(run_dir, CONFIG))
 
     counts = param_counts(abstract)
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
