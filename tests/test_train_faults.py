@@ -53,6 +53,7 @@ def _cli(argv, capsys):
     (["--set", "data.tokenizer=bpee"], "data.tokenizer='bpee': use one of 'byte', 'bpe'. Did you mean 'bpe'?"),
     (["--set", "data.train_min_width=6"], "data.train_max_width=4: must be an integer >= 6"),
     (["--set", "data.eval_widths=[0, 2]"], "data.eval_widths=[0, 2]: must be a list of integers >= 1"),
+    (["--set", "data.greedy_widths=[2, 40]"], "data.greedy_widths=[2, 40]: must be <= 8, the widest of data.eval_widths"),
     (["--set", "mesh.data=0"], "mesh.data=0: must be a positive integer or -1"),
     (["--set", "model.n_heads=5"], "model: "),
 ])
@@ -460,3 +461,14 @@ def test_a_cut_or_foreign_config_file_is_one_line(tmp_path, capsys, text):
     rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
     assert rc == 2 and out == "" and err.startswith(f"falcon-train: error: config file '{run_dir / 'config.json'}'")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("widths", ["[]", "[5]"])
+def test_eval_widths_without_an_in_distribution_width_finish_the_run(tmp_path, widths):
+    """Before: the run trained, then stopped with a TypeError in the final evaluation's message."""
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
+                                                                 f"data.eval_widths={widths}", "checkpoint.every=0"])
+    lines = []
+    summary = trainer.run(cfg, log=lines.append)
+    assert any("best in-distribution so far: n/a (no eval width <= data.train_max_width)" in ln for ln in lines)
+    assert summary["final_step"] == 2 and checkpoint_steps(str(tmp_path / "run")) == [2]

@@ -445,6 +445,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _int_at_least("data.eval_examples", d.eval_examples, 1)
     if d.greedy_widths is not None:
         _int_list("data.greedy_widths", d.greedy_widths, 1)
+        if d.kind == "addition" and _is_int(d.train_max_width) and all(_is_int(x) for x in d.eval_widths):
+            # the greedy prompts come from the held-out rows, which are as wide as the widest eval or train width
+            widest = max([*d.eval_widths, d.train_max_width])
+            _need(all(x <= widest for x in d.greedy_widths), "data.greedy_widths", d.greedy_widths,
+                  f"must be <= {widest}, the widest of data.eval_widths and data.train_max_width; add the wider "
+                  f"widths to data.eval_widths.")
     _int_at_least("data.greedy_examples", d.greedy_examples, 1)
     _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
           "must be in (0, 1) (the share of problems held out for evaluation).")

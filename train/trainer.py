@@ -325,7 +325,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
             say(f"[eval step {step}] teacher-forced exact (per digit): in-distribution widths "
                 f"{percent(rec['in_dist_exact'])} ({percent(rec['in_dist_digit'])}), longer-than-trained widths "
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
-                f"so far: step {rec['best_in_dist']['step']}")
+                f"so far: " + (f"step {best['step']}" if best else "n/a (no eval width <= data.train_max_width)"))
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
             if final:  # the teacher-forced record first: a command cut during decoding keeps it
                 logger.write(rec)
