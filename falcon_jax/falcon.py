@@ -229,6 +229,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
     val.check_window(window)
     val.check_options(form=form, alignment=alignment, timing=timing, step=step, impl=impl, eps=eps,
                       eps_gamma=eps_gamma, scale=scale)
+    val.check_flag("scale_coupled", scale_coupled)
+    val.check_flag("return_final_state", return_final_state)
     if form == "chunk":
         val.check_chunk_size(chunk_size)
     B, T, H, dk, dv = val.check_qkv(q, k, v)
@@ -262,6 +264,7 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
     val.check_window(window)
     val.check_options(form="recurrent", alignment=alignment, timing=timing, step=step, impl="auto",
                       eps=eps, eps_gamma=eps_gamma, scale=scale)
+    val.check_flag("scale_coupled", scale_coupled)
     for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"`{name}` must be an array of rank 3 [batch, heads, dim]; got "

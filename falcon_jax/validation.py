@@ -46,12 +46,24 @@ def check_options(*, form, alignment, timing, step, impl, eps, eps_gamma, scale)
     elif not impl or any(not isinstance(i, str) or i not in IMPLS[1:] for i in impl):
         raise ValueError(f"`impl` as a sequence lists implementations to try in order, each one of "
                          f"{', '.join(repr(c) for c in IMPLS[1:])}; got {impl!r}.")
-    if not np.isscalar(eps) or not eps >= 0:
-        raise ValueError(f"`eps` must be a float >= 0; got {eps!r}.")
-    if not np.isscalar(eps_gamma) or not 0 < eps_gamma < 1:
+    if not _real(eps) or not 0 <= eps < np.inf:
+        raise ValueError(f"`eps` must be a finite float >= 0; got {eps!r}.")
+    if not _real(eps_gamma) or not 0 < eps_gamma < 1:
         raise ValueError(f"`eps_gamma` must be a float in (0, 1); got {eps_gamma!r}.")
-    if not np.isscalar(scale):
-        raise TypeError(f"`scale` must be a Python or NumPy scalar; got {type(scale).__name__}.")
+    if not _real(scale):
+        raise TypeError(f"`scale` must be a Python or NumPy real number; got {type(scale).__name__}.")
+    if not np.isfinite(scale):
+        raise ValueError(f"`scale` must be finite; got {scale!r}.")
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_flag(name: str, value) -> None:
+    """A yes/no option must be a bool: any other value (a string such as "false" is truthy) is an error."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be True or False; got {value!r}.")
 
 
 def _floating(name: str, x) -> None:

@@ -182,3 +182,31 @@ def test_prompts_of_different_lengths_continue_as_alone(hybrid):
     assert len(set(news)) == 3 and all(len(set(n)) > 1 for n in news)  # the comparison is not vacuous
     with pytest.raises(ValueError, match=r"lengths must be in \[1, 7\]"):
         hybrid.generate(toks, N, lengths=np.array([7, 0, 4]), greedy=True)
+
+
+def test_a_cache_of_another_model_or_batch_is_named(hybrid):
+    """Before: AttributeError / IndexError / a concatenation error deep in a layer, or (a longer stack's cache)
+    accepted silently."""
+    cfg = hybrid.config
+    toks = jnp.asarray([[1, 2, 3]], jnp.int32)
+    others = {
+        "transformer-only": FalconLM(cfg.replace(layer_mixers=("transformer", "transformer")), rngs=nnx.Rngs(0)),
+        "three layers": FalconLM(cfg.replace(n_layers=3, layer_mixers=("falcon-3A", "transformer", "transformer")),
+                                 rngs=nnx.Rngs(0)),
+        "window 4": FalconLM(cfg.replace(window=4), rngs=nnx.Rngs(0)),
+    }
+    for what, named in (("transformer-only", r"`cache.layers\[0\]` is a KVCache of another layout than layer 0's "
+                                             r"RecurrentCache"),
+                        ("three layers", r"`cache` holds 3 layer caches but this model has 2 layers"),
+                        ("window 4", r"`cache.layers\[0\].state.tail_x` has shape \(1, 2, 3, 16\) but layer 0 with "
+                                     r"batch 1 needs \(1, 2, 2, 16\)")):
+        with pytest.raises(ValueError, match=rf"FalconLM: {named}.*init_cache\(batch, max_len\)"):
+            hybrid(toks, cache=others[what].init_cache(1, 8))
+    with pytest.raises(ValueError, match=r"`cache.layers\[0\].state.S` has shape \(2, 2, 16, 16\) but layer 0 with batch 1"):
+        jax.eval_shape(lambda c: hybrid(toks, cache=c), hybrid.init_cache(2, 8))  # traced caches are checked too
+    with pytest.raises(TypeError, match=r"`cache` must be an LMCache"):
+        hybrid(toks, cache=hybrid.init_cache(1, 8).layers)
+    with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\] = \[1, 3\]; got \(1, 4\)"):
+        hybrid(toks, segment_ids=jnp.zeros((1, 4), jnp.int32))
+    logits, _ = hybrid(toks, cache=hybrid.init_cache(1, 8))  # its own cache is accepted
+    np.testing.assert_allclose(logits, hybrid(toks), rtol=1e-5, atol=1e-5)

@@ -91,6 +91,26 @@ def test_config_errors_name_the_field_and_the_fix():
         FalconLM({"d_model": 8}, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("field,value,named", [
+    # accepted before, then: an error at the first forward naming falcon()'s argument, not the config field
+    ("eps", -1.0, r"LMConfig\.eps=-1\.0 must be a finite number >= 0"),
+    ("eps_gamma", 2.0, r"LMConfig\.eps_gamma=2\.0 must be a finite number in \[0\.0, 1\.0\)"),
+    ("lam_max", float("inf"), r"LMConfig\.lam_max=inf must be a finite number > 0"),
+    # accepted before: NaN parameters or logits (an error blaming `beta` outside jit, NaN losses inside)
+    ("norm_eps", -1.0, r"LMConfig\.norm_eps=-1\.0 must be a finite number >= 0"),
+    ("init_std", float("nan"), r"LMConfig\.init_std=nan must be a finite number > 0"),
+    ("init_std", 0, r"LMConfig\.init_std=0 must be a finite number > 0"),
+    ("rope_theta", 0.0, r"LMConfig\.rope_theta=0\.0 must be a finite number > 0"),
+    ("rope_theta", "1e4", r"LMConfig\.rope_theta='1e4' must be a finite number"),
+    # accepted before: a stack without any attention layer
+    ("attn_every", 3, r"LMConfig\.attn_every=3 > n_layers=2 would make no layer 'transformer'"),
+])
+def test_config_numbers_out_of_range_name_the_field(field, value, named):
+    with pytest.raises(ValueError, match=named):
+        LMConfig.preset("falcon-1A-tiny", **{field: value})
+    LMConfig.preset("falcon-1A-tiny", attn_every=2, norm_eps=0.0, eps=0, eps_gamma=0.5)  # the edges are fine
+
+
 # ------------------------------------------------------------------ forward
 def _forward(model, tokens):
     graphdef, state = nnx.split(model)

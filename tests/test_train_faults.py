@@ -4,7 +4,10 @@ checkpoint refuses unless --resume-or-start; SIGINT stops after the current step
 failed save (a write past the file-size limit, as on a full disk) stops the run at that step with one line
 and leaves no temporary folder; an unwritable run directory is one line; a step or an evaluation that runs out
 of device memory stops the run with the batch and the fixes, keeping what the run wrote.
+--resume with another model than the run's refuses and moves nothing; a disk full at the checksum write of a
+save keeps the previous checkpoints (keep-N deletes only after the new step is checksummed).
 (SIGTERM mid-run and the exact continuation after it: test_train_resume.py.)"""
+import errno
 import json
 import os
 import signal
@@ -14,12 +17,14 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.errors import JaxRuntimeError
 
-from falcon_jax.train import cli, trainer
-from falcon_jax.train.checkpoint import CHECKSUMS
-from falcon_jax.train.config import build_config
+from falcon_jax.train import checkpoint, cli, trainer
+from falcon_jax.train.checkpoint import CHECKSUMS, CheckpointError, Checkpointer
+from falcon_jax.train.config import build_config, resume_mismatch
 from falcon_jax.train.memory import DeviceMemoryError, explain, is_out_of_memory, requested_size, suggest_grad_accum
 from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError, checkpoint_steps, read_metrics
@@ -48,6 +53,7 @@ def _cli(argv, capsys):
     (["--set", "data.tokenizer=bpee"], "data.tokenizer='bpee': use one of 'byte', 'bpe'. Did you mean 'bpe'?"),
     (["--set", "data.train_min_width=6"], "data.train_max_width=4: must be an integer >= 6"),
     (["--set", "data.eval_widths=[0, 2]"], "data.eval_widths=[0, 2]: must be a list of integers >= 1"),
+    (["--set", "data.greedy_widths=[2, 40]"], "data.greedy_widths=[2, 40]: must be <= 8, the widest of data.eval_widths"),
     (["--set", "mesh.data=0"], "mesh.data=0: must be a positive integer or -1"),
     (["--set", "model.n_heads=5"], "model: "),
 ])
@@ -129,6 +135,63 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
     trainer.run(cfg2, resume_or_start=True, log=lines.append)
     assert any("starting from step 0" in line for line in lines)
     assert checkpoint_steps(str(run_dir)) == [2]
+
+
+def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
+    """Before: a wider model quarantined every good checkpoint as "corrupt" (then --resume-or-start began a new
+    run over the old config.json), and another rule with the same parameter shapes loaded silently."""
+    run_dir = tmp_path / "run"
+
+    def cfg(*extra):
+        return build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", *extra])
+
+    trainer.run(cfg("train.steps=3"), log=lambda line: None)
+    saved = (run_dir / "config.json").read_text()
+    for extra, named in (("model.d_model=64", "model.d_model: 32 in the run, 64 here"),
+                         ("model.mixer=falcon-3A.3", "model.mixer: 'falcon-1A.3' in the run, 'falcon-3A.3' here")):
+        with pytest.raises(RunDirError, match=rf"--resume: .*was trained with another model.*{named}"):
+            trainer.run(cfg("train.steps=6", extra), resume_or_start=True, log=lambda line: None)
+        assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
+        assert (run_dir / "config.json").read_text() == saved
+    # without the run's config.json, a checkpoint that verifies but does not fit is refused, not moved aside
+    (run_dir / "config.json").unlink()
+    with pytest.raises(RunDirError, match=r"checkpoint 3 in .* is intact .* but does not fit this model"):
+        trainer.run(cfg("train.steps=6", "model.d_model=64"), resume=True, log=lambda line: None)
+    assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
+
+
+def test_resume_mismatch_ignores_the_implementation_and_the_training_schedule():
+    base = build_config(preset="addition-tiny", overrides=TINY)
+    same = build_config(preset="addition-tiny", overrides=TINY + ["model.form=chunk", "model.impl=xla",
+                                                                   "train.steps=99", "optim.lr=1e-4"])
+    assert resume_mismatch(base.to_dict(), same) == []
+    other = build_config(preset="addition-tiny", overrides=TINY + ["model.n_layers=2", "model.window=3"])
+    assert [d.split(":")[0] for d in resume_mismatch(base.to_dict(), other)] == ["model.n_layers", "model.window"]
+
+
+def test_disk_full_at_the_checksum_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """keep=1: before, orbax deleted step 3 when step 6 was renamed into place, and the failed checksum write
+    then removed step 6: no checkpoint left."""
+    ck = Checkpointer(str(tmp_path), every=1, keep=1, log=lambda line: None)
+    assert ck.save(3, {"w": jnp.arange(4.0)}, {"data": {"step": 3}})
+    real = checkpoint.write_checksums
+
+    def full(step_dir):
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(step_dir, CHECKSUMS + ".tmp"))
+
+    monkeypatch.setattr(checkpoint, "write_checksums", full)
+    with pytest.raises(CheckpointError, match=r"step 6 .*No space left on device: '.*/checkpoints/6/checksums"
+                                              r".json.tmp'.*The last good checkpoint is step 3"):
+        ck.save(6, {"w": jnp.arange(4.0) + 1}, {"data": {"step": 6}})
+    monkeypatch.setattr(checkpoint, "write_checksums", real)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+    ck = Checkpointer(str(tmp_path), every=1, keep=1, log=lambda line: None)
+    step, got, meta = ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert step == 3 and meta["data"]["step"] == 3
+    np.testing.assert_array_equal(got["w"], np.arange(4.0))
+    assert ck.save(9, {"w": jnp.zeros(4)}, {"data": {"step": 9}})  # a good save still keeps only `keep`
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["9"]
 
 
 def test_sigint_finishes_the_step_and_writes_a_checkpoint(tmp_path):
@@ -388,3 +451,24 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
     assert "train.grad_accum" not in greedy and greedy.endswith("--run-dir runs/addition-packed --resume")
     for platform, env in (("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.93"}), ("tpu", {})):
         assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "4." not in message(platform, env)
+
+
+@pytest.mark.parametrize("text", ['{"model": {"d_model": 3', "[1, 2]", "\xff\xfe"])
+def test_a_cut_or_foreign_config_file_is_one_line(tmp_path, capsys, text):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "3").mkdir(parents=True)
+    (run_dir / "config.json").write_bytes(text.encode("latin-1"))
+    rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
+    assert rc == 2 and out == "" and err.startswith(f"falcon-train: error: config file '{run_dir / 'config.json'}'")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("widths", ["[]", "[5]"])
+def test_eval_widths_without_an_in_distribution_width_finish_the_run(tmp_path, widths):
+    """Before: the run trained, then stopped with a TypeError in the final evaluation's message."""
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
+                                                                 f"data.eval_widths={widths}", "checkpoint.every=0"])
+    lines = []
+    summary = trainer.run(cfg, log=lines.append)
+    assert any("best in-distribution so far: n/a (no eval width <= data.train_max_width)" in ln for ln in lines)
+    assert summary["final_step"] == 2 and checkpoint_steps(str(tmp_path / "run")) == [2]

@@ -8,7 +8,7 @@ import pytest
 
 from falcon_jax.train import cli, report, trainer
 from falcon_jax.train.config import build_config
-from falcon_jax.train.rundir import RunDirError, checkpoint_steps, metric_records, parse_records
+from falcon_jax.train.rundir import Logger, RunDirError, checkpoint_steps, metric_records, parse_records
 
 
 def _fake_checkpoints(run_dir, steps):
@@ -96,3 +96,14 @@ def test_metric_records_skip_a_cut_line_and_filter_by_kind(tmp_path):
     assert metric_records(str(tmp_path), "train") == [recs[0], recs[2]]
     assert parse_records(['{"kind": "eval"}', "{cut"], "eval") == [{"kind": "eval"}]
     assert metric_records(str(tmp_path / "none")) == []
+
+
+def test_a_resumed_run_appends_after_a_cut_line_without_losing_its_first_record(tmp_path):
+    """Before: the first record of the resumed run was glued to the cut line, and both were skipped."""
+    first = {"kind": "train", "step": 1, "loss": 2.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(first) + "\n" + '{"kind": "train", "st')
+    logger = Logger(str(tmp_path), is_main=True)
+    later = [{"kind": "train", "step": 2, "loss": 1.5}, {"kind": "train", "step": 3, "loss": 1.0}]
+    for rec in later:
+        logger.write(rec)
+    assert metric_records(str(tmp_path)) == [first, *later]

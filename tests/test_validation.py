@@ -4,6 +4,7 @@ The accepted calls are traced with jax.eval_shape (validation happens at trace t
 no program is compiled here."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from falcon_jax import decayed_linear_attention, deltanet, falcon, falcon_step, gated_deltanet, init_state
@@ -165,3 +166,30 @@ def test_baseline_validation(inputs, fn, extra):
     bad = [jnp.ones((B, T, H + 1)) for _ in gates]
     with pytest.raises(ERRORS, match=extra[0]):
         fn(q, k, v, *bad)
+
+
+@pytest.mark.parametrize("arg,value,error,pattern", [
+    ("scale_coupled", "false", TypeError, r"`scale_coupled` must be True or False; got 'false'"),  # was truthy: on
+    ("scale_coupled", 1, TypeError, r"`scale_coupled` must be True or False"),
+    ("return_final_state", "no", TypeError, r"`return_final_state` must be True or False"),
+    ("scale", float("nan"), ValueError, r"`scale` must be finite"),  # was an all-NaN output
+    ("scale", "0.5", TypeError, r"`scale` must be a Python or NumPy real number; got str"),
+    ("scale", True, TypeError, r"`scale` must be a Python or NumPy real number"),
+    ("eps", float("inf"), ValueError, r"`eps` must be a finite float >= 0"),  # was η = 0: no update at all
+])
+def test_options_of_the_wrong_kind(inputs, arg, value, error, pattern):
+    with pytest.raises(error, match=pattern):
+        jax.eval_shape(lambda: call(inputs, **{arg: value}))
+
+
+def test_flags_of_the_steps_and_baselines(inputs):
+    state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float64)
+    q_t, k_t, v_t = (inputs[n][:, 0] for n in ("q", "k", "v"))
+    with pytest.raises(TypeError, match="`scale_coupled` must be True or False"):
+        falcon_step(state, q_t, k_t, v_t, inputs["beta"][:, 0], inputs["lam"][:, 0], variant="1", scale_coupled="yes")
+    with pytest.raises(TypeError, match="`return_final_state` must be True or False"):
+        deltanet(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], return_final_state="no")
+    with pytest.raises(ValueError, match="`scale` must be finite"):
+        deltanet(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], scale=float("inf"))
+    for flag in (True, False, np.bool_(True)):  # NumPy bools are bools
+        jax.eval_shape(lambda: call(inputs, scale_coupled=flag, return_final_state=flag, scale=np.float32(0.5)))

@@ -4,12 +4,15 @@ Layout: ``<run_dir>/checkpoints/<step>/{state,meta,checksums.json}``; ``state`` 
 the params, optimizer state, step and RNG key data; ``meta`` (JSON) the data-iterator state and the full
 config; ``checksums.json`` the size and SHA-256 of every other file of the step.  Orbax writes each step
 into a temporary directory and renames it when complete (atomic), so a process killed mid-save leaves the
-previous checkpoints intact, and keep-N only deletes old steps after a newer one is finalised.
+previous checkpoints intact.  Keep-N deletes old steps only once a newer one is finalised *and* checksummed
+(here, not by orbax, which would delete them at the rename): a save that fails before its checksums are
+written, a full disk among other causes, leaves the previous checkpoints as they were.
 
 Integrity: the checksums are written once the step is complete and verified before it is restored, so
 truncated files *and* flipped bits are caught.  A checkpoint that fails to verify or to restore is
 reported, moved to ``<run_dir>/checkpoints_corrupt/<step>-<time>`` (kept for inspection, never deleted) and
-the next older one is tried.  A step without ``checksums.json`` (the process stopped between orbax's
+the next older one is tried; one that verifies but does not fit the model asked for (another config) stays
+where it is and the restore refuses (:class:`~falcon_jax.train.rundir.RunDirError`).  A step without ``checksums.json`` (the process stopped between orbax's
 rename and the checksum write) cannot be verified and is treated the same way.
 
 A failed save is a :class:`CheckpointError` in the training loop: with ``async_save=False`` (the default)
@@ -32,6 +35,8 @@ import time
 
 import jax
 import orbax.checkpoint as ocp
+
+from falcon_jax.train.rundir import RunDirError
 
 CHECKSUMS = "checksums.json"
 
@@ -170,7 +175,8 @@ class Checkpointer:
 
     def _open(self):
         self._closed = False
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
+        # max_to_keep=None: the old steps are deleted by _prune, after the new one's checksums are written
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=self.async_save)
         self.manager = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
 
@@ -230,6 +236,12 @@ class Checkpointer:
                 write_checksums(step_dir)
             except OSError as e:
                 self._failed(step, e)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete all but the newest ``keep`` steps (every process calls it: orbax's delete is collective)."""
+        for step in self.steps()[:-self.keep]:
+            self.manager.delete(step)
 
     def _remove_leftovers(self, step: int, tries: int = 5) -> None:
         """The temporary folders of a failed save, and its step folder if it has no checksums (no other save
@@ -293,10 +305,12 @@ class Checkpointer:
         the target shardings.  Broken checkpoints are reported and moved aside.
         """
         for step in reversed(self.steps()):
+            intact = False
             try:
                 problem = verify_checksums(os.path.join(self.dir, str(step)))
                 if problem is not None:
                     raise ValueError(problem)
+                intact = True
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
                 state, meta = out["state"], out["meta"]
@@ -305,8 +319,16 @@ class Checkpointer:
                 jax.block_until_ready(state)
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
+                cause = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                if intact and "metadata item" not in cause:
+                    # the bytes are the ones written: the model asked for is not the one saved, so the
+                    # checkpoint stays where it is (the older ones were saved from the same model)
+                    raise RunDirError(f"checkpoint {step} in {self.dir} is intact (its checksums match) but does "
+                                      f"not fit this model ({cause}); resume with the model config the run was "
+                                      f"trained with, or train the new model in another --run-dir. Nothing was "
+                                      f"moved.") from None
                 self.log(f"[checkpoint] step {step} in {self.dir} is corrupt and cannot be restored "
-                         f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); "
+                         f"({cause}); "
                          f"moving it to {self.corrupt_dir} and trying the previous checkpoint.")
                 self._quarantine(step)
         return None

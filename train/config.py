@@ -241,14 +241,24 @@ def load_file(path: str) -> dict:
     """A config file: ``.json`` or ``.toml`` (sections as tables)."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist.")
-    if path.endswith(".toml"):
-        import tomllib
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    if path.endswith(".json"):
-        with open(path) as f:
-            return json.load(f)
-    raise ConfigError(f"config file {path!r}: use a .json or .toml file.")
+    if not path.endswith((".toml", ".json")):
+        raise ConfigError(f"config file {path!r}: use a .json or .toml file.")
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            with open(path, "rb") as f:
+                d = tomllib.load(f)
+        else:
+            with open(path) as f:
+                d = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, TOMLDecodeError, bad UTF-8
+        raise ConfigError(f"config file {path!r} cannot be read ({type(e).__name__}: {e}); fix or replace it (a "
+                          f"run's config.json cut by a kill: give the run's --preset and --set options "
+                          f"again).") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {path!r} must hold a table of sections (model, data, optim, ...); got "
+                          f"a {type(d).__name__}.")
+    return d
 
 
 # ----------------------------------------------------------------------------- presets
@@ -435,6 +445,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _int_at_least("data.eval_examples", d.eval_examples, 1)
     if d.greedy_widths is not None:
         _int_list("data.greedy_widths", d.greedy_widths, 1)
+        if d.kind == "addition" and _is_int(d.train_max_width) and all(_is_int(x) for x in d.eval_widths):
+            # the greedy prompts come from the held-out rows, which are as wide as the widest eval or train width
+            widest = max([*d.eval_widths, d.train_max_width])
+            _need(all(x <= widest for x in d.greedy_widths), "data.greedy_widths", d.greedy_widths,
+                  f"must be <= {widest}, the widest of data.eval_widths and data.train_max_width; add the wider "
+                  f"widths to data.eval_widths.")
     _int_at_least("data.greedy_examples", d.greedy_examples, 1)
     _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
           "must be in (0, 1) (the share of problems held out for evaluation).")
@@ -469,6 +485,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
     return cfg
+
+
+# model fields that choose how the same function is computed, not which function: a resumed run may change them
+IMPLEMENTATION_FIELDS = ("form", "chunk_size", "impl", "attn_impl", "dtype")
+
+
+def resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
+    """What makes ``cfg`` another model than the run whose config (``config.json``) is ``saved``: one
+    ``"key: <there> in the run, <here> here"`` per differing :class:`LMConfig` field (the fields of
+    :data:`IMPLEMENTATION_FIELDS` may change) and data field that fixes the vocabulary.  ConfigError if
+    ``saved`` is not a config."""
+    before = TrainConfig.from_dict(saved)
+    old, new = dataclasses.asdict(before.lm_config(vocab_size=16)), dataclasses.asdict(cfg.lm_config(vocab_size=16))
+    out = [f"model.{k}: {old[k]!r} in the run, {new[k]!r} here" for k in old
+           if k not in IMPLEMENTATION_FIELDS and old[k] != new[k]]
+    vocab = ["kind", "tokenizer"] + (["bpe_vocab_size"] if cfg.data.tokenizer == "bpe" else [])
+    out += [f"data.{k}: {getattr(before.data, k)!r} in the run, {getattr(cfg.data, k)!r} here" for k in vocab
+            if getattr(before.data, k) != getattr(cfg.data, k)]
+    return out
 
 
 def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,

@@ -101,16 +101,24 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
 
 class Logger:
     """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
-    continues the file; readers take the last record of each step).  Only process 0 writes."""
+    continues the file, after a line that a kill cut short; readers take the last record of each step).
+    Only process 0 writes."""
 
     def __init__(self, run_dir: str, is_main: bool):
         self.path = os.path.join(run_dir, METRICS)
         self.is_main = is_main
+        self._checked_end = False
 
     def write(self, rec: dict):
         if self.is_main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            with open(self.path, "a+b") as f:
+                if not self._checked_end:  # a line cut by a kill: end it, so that this record is a line of its own
+                    self._checked_end = True
+                    if f.seek(0, os.SEEK_END) > 0:
+                        f.seek(-1, os.SEEK_END)
+                        if f.read(1) != b"\n":
+                            f.write(b"\n")
+                f.write((json.dumps(rec) + "\n").encode())
 
     def print(self, msg: str):
         if self.is_main:

@@ -29,7 +29,7 @@ from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
 from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
-from falcon_jax.train.config import ConfigError, TrainConfig, validate
+from falcon_jax.train.config import ConfigError, TrainConfig, resume_mismatch, validate
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.memory import EVALUATION, GREEDY, TRAIN_STEP, VALIDATION, explain, is_out_of_memory
 from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_batch, check_sequence, host_shard,
@@ -174,6 +174,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     if resume and not cfg.checkpoint.enabled:
         raise ConfigError("--resume needs checkpoints: checkpoint.enabled is false.")
     check_can_start(run_dir, resume, must_exist=not resume_or_start)
+    if resume:
+        check_same_model(run_dir, cfg)
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
     check_writable(run_dir)
@@ -232,7 +234,12 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                             async_save=cfg.checkpoint.async_save, log=say, is_main=is_main, standalone=standalone)
         if resume:
             abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-            got = ckpt.restore_latest(abs_state)
+            try:
+                got = ckpt.restore_latest(abs_state)
+            except RunDirError:
+                ckpt.close()
+                loader.close()
+                raise
             if got is None and not resume_or_start:
                 ckpt.close()
                 loader.close()
@@ -254,9 +261,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                                       f"batches); resume with --set data.loader={saved}.")
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
-    if is_main:
-        with open(os.path.join(run_dir, CONFIG), "w") as f:
+    if is_main:  # written whole, then renamed: a kill mid-write leaves the previous config.json
+        tmp = os.path.join(run_dir, CONFIG + ".tmp")
+        with open(tmp, "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
+        os.replace(tmp, os.path.join(run_dir, CONFIG))
 
     counts = param_counts(abstract)
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
@@ -316,7 +325,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
             say(f"[eval step {step}] teacher-forced exact (per digit): in-distribution widths "
                 f"{percent(rec['in_dist_exact'])} ({percent(rec['in_dist_digit'])}), longer-than-trained widths "
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
-                f"so far: step {rec['best_in_dist']['step']}")
+                f"so far: " + (f"step {best['step']}" if best else "n/a (no eval width <= data.train_max_width)"))
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
             if final:  # the teacher-forced record first: a command cut during decoding keeps it
                 logger.write(rec)
@@ -483,6 +492,23 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
 
 WIDTH_SHARES = "width_shares.json"
+
+
+def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
+    """``--resume`` continues the run in ``run_dir`` only with its model: RunDirError naming every field that
+    differs from the run's ``config.json`` (read from the file system, before any model or data work).  Without
+    a readable ``config.json`` the restore itself refuses a checkpoint that does not fit."""
+    path = os.path.join(run_dir, CONFIG)
+    try:
+        with open(path) as f:
+            differences = resume_mismatch(json.load(f), cfg)
+    except (OSError, ValueError, TypeError):
+        return  # no config.json, or one cut by a kill: nothing to compare with
+    if differences:
+        raise RunDirError(f"--resume: {os.path.abspath(run_dir)} was trained with another model than this "
+                          f"command's ({'; '.join(differences)}). Resume with the run's own config "
+                          f"(falcon-train --run-dir {run_dir} --resume, without --preset, --config or --set for "
+                          f"these keys), or train the new model in another --run-dir. Nothing was changed.")
 
 
 def best_in_dist(evals: list[dict]) -> dict | None:

@@ -92,6 +92,16 @@ def _pos_int(field: str, value, *, zero_ok: bool = False) -> None:
         raise ValueError(f"LMConfig.{field}={value!r} must be an int >= {0 if zero_ok else 1}.")
 
 
+def _real(field: str, value, low: float, high: float | None = None, *, low_ok: bool = True,
+          meaning: str = "") -> None:
+    """A finite real number in ``[low, high)`` (``(low, ...)`` when not ``low_ok``; no upper bound when ``high`` is None)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value >= low if low_ok else value > low) and (high is None or value < high))
+    if not ok:
+        where = f"in [{low}, {high})" if high is not None else f"{'>=' if low_ok else '>'} {low}"
+        raise ValueError(f"LMConfig.{field}={value!r} must be a finite number {where}{meaning}.")
+
+
 def swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
     """Default SwiGLU width: 8/3·d rounded up to a multiple of 64 (= 2048 at d = 768), which
     keeps the MLP at the parameter count of GPT-2's 4·d GELU MLP (3·d·8d/3 = 2·d·4d)."""
@@ -180,8 +190,17 @@ class LMConfig:
         _choice("form", self.form, ("recurrent", "parallel", "chunk"))
         _choice("impl", self.impl, ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla"))
         _choice("attn_impl", self.attn_impl, ("auto", "triton", "cudnn", "xla"))
+        if self.attn_every > self.n_layers and self.layer_mixers is None:
+            raise ValueError(f"LMConfig.attn_every={self.attn_every} > n_layers={self.n_layers} would make no layer "
+                             f"{self.attn_mixer!r}: set attn_every to at most {self.n_layers} (0 for none).")
         if not self.lam_max > 0:
             raise ValueError(f"LMConfig.lam_max={self.lam_max!r} must be > 0.")
+        _real("lam_max", self.lam_max, 0.0, low_ok=False)
+        _real("eps", self.eps, 0.0, meaning=" (added to the step's denominator)")
+        _real("eps_gamma", self.eps_gamma, 0.0, 1.0, low_ok=False, meaning=" (the smallest decay γ)")
+        _real("norm_eps", self.norm_eps, 0.0, meaning=" (the RMSNorm epsilon)")
+        _real("init_std", self.init_std, 0.0, low_ok=False, meaning=" (the initial weights' standard deviation)")
+        _real("rope_theta", self.rope_theta, 0.0, low_ok=False, meaning=" (the RoPE base)")
         lo, hi = self.lam_init
         if not 0 < lo <= hi < self.lam_max:
             raise ValueError(f"LMConfig.lam_init={self.lam_init!r} must satisfy 0 < low <= high < lam_max "

@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from falcon_jax.nn.blocks import DecoderBlock
-from falcon_jax.nn.cache import LMCache
+from falcon_jax.nn.cache import KVCache, LMCache
 from falcon_jax.nn.config import LMConfig, expected_param_count
 from falcon_jax.nn.layers import RMSNorm, make_param, normal_init
 from falcon_jax.sharding import constrain_batch
-from falcon_jax.validation import is_concrete
+from falcon_jax.validation import check_segment_ids, is_concrete
 
 
 class FalconLM(nnx.Module):
@@ -78,6 +78,9 @@ class FalconLM(nnx.Module):
             raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got "
                              f"{tuple(tokens.shape) if hasattr(tokens, 'shape') else type(tokens).__name__}.")
         check_token_ids("FalconLM", tokens, self.config.vocab_size)
+        check_segment_ids(segment_ids, *tokens.shape)
+        if cache is not None:
+            self._check_cache(cache, tokens.shape[0])
         # constrain_batch: rows stay on their devices under a sharded step (no-op otherwise)
         x = constrain_batch(self.embed(tokens))
         new_layers = []
@@ -92,6 +95,30 @@ class FalconLM(nnx.Module):
         if cache is None:
             return logits
         return logits, LMCache(layers=tuple(new_layers), length=cache.length + tokens.shape[1])
+
+    def _check_cache(self, cache, batch: int) -> None:
+        """``cache`` must be the layout of ``self.init_cache(batch, max_len)`` (shapes only: traced caches too)."""
+        fix = "make it with this model's init_cache(batch, max_len), or take it from this model's previous call"
+        if not isinstance(cache, LMCache):
+            raise TypeError(f"FalconLM: `cache` must be an LMCache ({fix}); got {type(cache).__name__}.")
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"FalconLM: `cache` holds {len(cache.layers)} layer caches but this model has "
+                             f"{len(self.layers)} layers: it belongs to another model; {fix}.")
+        for i, (layer, got) in enumerate(zip(self.layers, cache.layers)):
+            max_len = got.max_len if isinstance(got, KVCache) else 1
+            want = jax.eval_shape(lambda layer=layer, max_len=max_len: layer.init_cache(batch, max_len))
+            got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
+            want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+            if got_tree != want_tree:
+                raise ValueError(f"FalconLM: `cache.layers[{i}]` is a {type(got).__name__} of another layout than "
+                                 f"layer {i}'s {type(want).__name__}: the "
+                                 f"cache belongs to another model; {fix}.")
+            for (path, g), (_, w) in zip(got_leaves, want_leaves):
+                if tuple(getattr(g, "shape", ())) != tuple(w.shape):
+                    raise ValueError(f"FalconLM: `cache.layers[{i}]{jax.tree_util.keystr(path)}` has shape "
+                                     f"{tuple(getattr(g, 'shape', ()))} but layer {i} with batch {batch} needs "
+                                     f"{tuple(w.shape)}: the cache was made for another batch size or model; "
+                                     f"{fix}.")
 
     # ------------------------------------------------------------------ decoding
     def init_cache(self, batch: int, max_len: int) -> LMCache:
