@@ -1,7 +1,7 @@
 """Tables and plots for docs/results.md from a suite's packed results: the JSON into
 experiments/results/, the plots into docs/img/.  The logic is :mod:`falcon_jax.train.summarize`.
 
-    python experiments/summarize.py addition addition.tar.gz --tag h200-2026-11-29-run1
+    python experiments/summarize.py addition addition.tar.gz --tag h200
 """
 
 import os
