@@ -1,5 +1,5 @@
 """Bad inputs to the rules and to generation: clear errors for concrete values, the rules' domain for
-traced ones, and the edge cases that used to fail silently or with an unrelated error.
+traced ones, and edge cases that would otherwise fail silently or with an unrelated error.
 
 The rules' domain (docs/rules.md): β ∈ [0, 2] (normalized step; η ≥ 0 with step="direct"), λ ≥ 0,
 window ≥ 1; the baselines: β ≥ 0, log_decay ≤ 0."""

@@ -77,8 +77,8 @@ LM_RUNS = {
 }
 
 # ---------------------------------------------------------------- model-size sweep for the addition task
-# Run 1 (4 layers, d_model 256) learned nothing beyond width 2 in 2,000 steps (docs/results.md);
-# this finds the smallest size that learns widths 1-32: 1,000 steps, Transformer and Falcon-1A.3.
+# The small size (4 layers, d_model 256) learns nothing beyond width 2 in 2,000 steps (docs/results.md);
+# this sweep looks for the smallest size that learns widths 1-32: 1,000 steps, Transformer and Falcon-1A.3.
 SIZES = {
     "s": ["--set", "model.n_layers=4", "--set", "model.d_model=256", "--set", "model.n_heads=8"],
     "m": ["--set", "model.n_layers=8", "--set", "model.d_model=512", "--set", "model.n_heads=8"],
