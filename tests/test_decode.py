@@ -145,3 +145,18 @@ def test_generate_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(prompt, -1, greedy=True)
     assert model.generate(prompt, 0, greedy=True).shape == (1, 3)
+
+
+def test_init_cache_and_generate_reject_bad_sizes_and_keys():
+    model = lm("falcon-1A", dtype="float32", param_dtype="float32")
+    for bad in (-1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="init_cache: batch must be an int >= 1"):
+            model.init_cache(bad, 8)
+        with pytest.raises(ValueError, match="init_cache: max_len must be an int >= 1"):
+            model.init_cache(2, bad)
+    prompt = jnp.ones((1, 3), jnp.int32)
+    for bad in (0, np.zeros(2, np.uint32), jnp.zeros(3, jnp.uint32)):
+        with pytest.raises(TypeError, match="rng must be a JAX random key"):
+            model.generate(prompt, 2, rng=bad)
+    for good in (jax.random.key(1), jax.random.PRNGKey(1)):  # new-style and raw uint32[2] keys both sample
+        assert model.generate(prompt, 2, rng=good).shape == (1, 5)

@@ -125,6 +125,9 @@ class FalconLM(nnx.Module):
         """A fresh cache for ``batch`` sequences of at most ``max_len`` tokens (prompt + generated).
         Only softmax layers use ``max_len`` (a preallocated KV cache); recurrent layers keep a
         fixed-size state."""
+        for name, value in (("batch", batch), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"init_cache: {name} must be an int >= 1; got {value!r}.")
         return LMCache(layers=tuple(layer.init_cache(batch, max_len) for layer in self.layers),
                        length=jnp.zeros((), jnp.int32))
 
@@ -174,6 +177,10 @@ class FalconLM(nnx.Module):
         if not greedy:
             if rng is None:
                 raise ValueError("generate: pass rng=jax.random.key(seed) to sample, or greedy=True.")
+            if not (isinstance(rng, jax.Array) and (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                                                    or (rng.dtype == jnp.uint32 and rng.shape == (2,)))):
+                raise TypeError(f"generate: rng must be a JAX random key (jax.random.key(seed)); got "
+                                f"{type(rng).__name__}{'' if not hasattr(rng, 'dtype') else ' of dtype ' + str(rng.dtype)}.")
             if not temperature > 0:
                 raise ValueError(f"generate: temperature must be > 0 when sampling; got {temperature!r} "
                                  "(use greedy=True for argmax decoding).")
