@@ -49,6 +49,13 @@ def test_start_lines_name_the_absolute_run_directory(tmp_path, monkeypatch, pres
     assert off[1] == "  while training: config.json, metrics.jsonl; at the end: report.txt"
 
 
+def test_a_run_shorter_than_its_warm_up_is_told_so():
+    short = report.start_lines(build_config(preset="addition-packed", overrides=["train.steps=5"]))
+    assert any("optim.warmup_steps=200 >= train.steps=5" in line for line in short), short
+    full = report.start_lines(build_config(preset="addition-packed"))
+    assert not any("warmup" in line for line in full), full
+
+
 def test_without_matplotlib_the_note_says_how_to_get_the_plots(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={tmp_path}"])

@@ -49,6 +49,10 @@ def start_lines(cfg) -> list[str]:
     missing = plots and not plots_available()
     lines = [f"Run directory: {run_dir}",
              f"  while training: {', '.join(during)}; at the end: {', '.join([REPORT] + ([] if missing else plots))}"]
+    if 0 < cfg.train.steps <= cfg.optim.warmup_steps:  # e.g. a short trial of a long preset
+        lines.append(f"  note: optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps={cfg.train.steps}: the "
+                     f"learning rate stays in its warm-up and never reaches optim.lr={cfg.optim.lr:g} (--set "
+                     f"optim.warmup_steps=N to shorten it)")
     return lines + (["  " + NO_MATPLOTLIB] if missing else [])
 
 
