@@ -194,6 +194,20 @@ def test_disk_full_at_the_checksum_write_keeps_the_previous_checkpoint(tmp_path,
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["9"]
 
 
+def test_a_process_whose_main_failed_the_checksum_write_stops_before_the_collective_delete(tmp_path, monkeypatch):
+    """Another process of a multi-process run: process 0's checksum write failed (told by the broadcast), so
+    this one raises too instead of going on to the keep-N delete, which would wait for process 0 forever."""
+    ck = Checkpointer(str(tmp_path), every=1, keep=1, log=lambda line: None)
+    assert ck.save(3, {"w": jnp.arange(4.0)}, {"data": {"step": 3}})
+    ck.is_main = False  # this process writes no checksums; process 0's outcome comes by the broadcast
+    deletes = []
+    monkeypatch.setattr(ck.manager, "delete", lambda step: deletes.append(step))
+    monkeypatch.setattr(checkpoint, "checksums_written_everywhere", lambda written: False)
+    with pytest.raises(CheckpointError, match="process 0 could not write the checksums of step 6"):
+        ck.save(6, {"w": jnp.arange(4.0) + 1}, {"data": {"step": 6}})
+    assert deletes == []
+
+
 def test_sigint_finishes_the_step_and_writes_a_checkpoint(tmp_path):
     """A real SIGINT to this process mid-run: no KeyboardInterrupt, a checkpoint of the step it stopped after,
     and the handlers that were there before are back."""

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from falcon_jax.train.rundir import RunDirError
@@ -79,6 +80,15 @@ def _file_digests(step_dir: str) -> dict[str, list]:
                     h.update(block)
             out[rel] = [os.path.getsize(path), h.hexdigest()]
     return dict(sorted(out.items()))
+
+
+def checksums_written_everywhere(written: bool) -> bool:
+    """Process 0's ``written`` (it alone writes the checksums), known to every process: the keep-N delete that
+    follows is collective, so all processes must agree on whether to go on."""
+    if jax.process_count() == 1:
+        return written
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(written)))
 
 
 def write_checksums(step_dir: str) -> None:
@@ -231,11 +241,15 @@ class Checkpointer:
         step_dir = os.path.join(self.dir, str(step))
         if not os.path.isdir(step_dir):
             self._failed(step, RuntimeError("the finished checkpoint folder is missing"))
+        error = None
         if self.is_main:
             try:
                 write_checksums(step_dir)
             except OSError as e:
-                self._failed(step, e)
+                error = e
+        if not checksums_written_everywhere(error is None):
+            # every process stops here: a process that went on to the (collective) delete would wait forever
+            self._failed(step, error or RuntimeError(f"process 0 could not write the checksums of step {step}"))
         self._prune()
 
     def _prune(self) -> None:
