@@ -162,7 +162,7 @@ def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
 
 def test_resume_mismatch_ignores_the_implementation_and_the_training_schedule():
     base = build_config(preset="addition-tiny", overrides=TINY)
-    same = build_config(preset="addition-tiny", overrides=TINY + ["model.form=chunk", "model.impl=xla",
+    same = build_config(preset="addition-tiny", overrides=TINY + ["model.form=chunk", "model.impl=xla", "model.remat=true",
                                                                    "train.steps=99", "optim.lr=1e-4"])
     assert resume_mismatch(base.to_dict(), same) == []
     other = build_config(preset="addition-tiny", overrides=TINY + ["model.n_layers=2", "model.window=3"])
@@ -451,12 +451,16 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
     assert msg.startswith("the train step ran out of device memory at the first step (it tried to allocate "
                           "98.42 GiB; JAX may use 105.00 GiB per device in all)."), msg
     for part in ("train.batch_size=512 rows of 1,024 tokens (data.seq_len) in train.grad_accum=1 micro-batch of "
-                 "512 rows", "1. --set train.grad_accum=2", "2. a smaller train.batch_size or data.seq_len",
-                 "3. more devices", "4. JAX uses at most 75% of a GPU's memory by default: "
+                 "512 rows", "1. --set train.grad_accum=2", "2. --set model.remat=true",
+                 "3. a smaller train.batch_size or data.seq_len", "4. more devices",
+                 "5. JAX uses at most 75% of a GPU's memory by default: "
                  "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9", "unset XLA_PYTHON_CLIENT_PREALLOCATE=false",
                  "run the command again with the fix (--set train.grad_accum=2)."):
         assert part in msg, (part, msg)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 caps" in message("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    cfg.model["remat"] = True  # already on: not offered again
+    assert "model.remat" not in message("gpu", {})
+    cfg.model.pop("remat")
     greedy = str(explain(JaxRuntimeError(OOM), cfg, program="greedy evaluation", step=2000, row_tokens=1024,
                          mesh_shape=mesh, shards=1, platform="cpu", limit_bytes=None, checkpoints=[2000], env={}))
     assert greedy.startswith("the greedy evaluation of step 2000 ran out of device memory (it tried to allocate "
@@ -464,7 +468,7 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
                              "data.greedy_widths in one batch"), greedy
     assert "train.grad_accum" not in greedy and greedy.endswith("--run-dir runs/addition-packed --resume")
     for platform, env in (("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.93"}), ("tpu", {})):
-        assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "4." not in message(platform, env)
+        assert "XLA_PYTHON_CLIENT" not in message(platform, env) and "  5. " not in message(platform, env)
 
 
 @pytest.mark.parametrize("text", ['{"model": {"d_model": 3', "[1, 2]", "\xff\xfe"])

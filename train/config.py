@@ -488,7 +488,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 # model fields that choose how the same function is computed, not which function: a resumed run may change them
-IMPLEMENTATION_FIELDS = ("form", "chunk_size", "impl", "attn_impl", "dtype")
+IMPLEMENTATION_FIELDS = ("form", "chunk_size", "impl", "attn_impl", "dtype", "remat")
 
 
 def resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:

@@ -126,8 +126,10 @@ def explain(err: BaseException, cfg, *, program: str, step: int, row_tokens: int
     if program == TRAIN_STEP:
         what = (f"Batch: train.batch_size={t.batch_size} {rows} in train.grad_accum={t.grad_accum} "
                 f"micro-batch{'es' if t.grad_accum > 1 else ''} of {micro} rows, on {devices}.")
-        fixes = [split, f"a smaller train.batch_size{' or data.seq_len' if seq_knob else ''} (this changes the run)",
-                 more_devices]
+        fixes = [split] + ([] if cfg.model.get("remat") else [
+            "--set model.remat=true: each layer's activations are recomputed in the backward pass instead of kept "
+            "(the same update, a second forward pass of compute)"]) + [
+            f"a smaller train.batch_size{' or data.seq_len' if seq_knob else ''} (this changes the run)", more_devices]
     elif program == VALIDATION:
         what = (f"Its batches are the train step's micro-batches: train.batch_size={t.batch_size} / "
                 f"train.grad_accum={t.grad_accum} = {micro} {rows}, on {devices}.")

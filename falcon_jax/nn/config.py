@@ -125,7 +125,9 @@ class LMConfig:
     ``attn_impl`` ("auto": on a GPU cuDNN without ``segment_ids`` in bf16/fp16, the Pallas flash attention
     with them, else XLA; "triton", "cudnn", "xla" force one: :class:`~falcon_jax.nn.SoftmaxAttention`).
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (both explicit so that
-    ``jax_enable_x64`` does not change them).
+    ``jax_enable_x64`` does not change them).  ``remat``: each layer's activations are recomputed in the
+    backward pass instead of stored (``nnx.remat`` per layer; the same gradients): the step holds one
+    layer's activations and every layer's input, at the cost of a second forward pass.
     """
 
     vocab_size: int = 50304
@@ -164,8 +166,11 @@ class LMConfig:
     norm_eps: float = 1e-6
     dtype: Any = "float32"
     param_dtype: Any = "float32"
+    remat: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"LMConfig.remat must be True or False; got {self.remat!r}.")
         for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
             _pos_int(f, getattr(self, f))
         for f in ("head_dim", "v_head_dim", "mlp_hidden"):

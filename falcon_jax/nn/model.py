@@ -85,7 +85,9 @@ class FalconLM(nnx.Module):
         x = constrain_batch(self.embed(tokens))
         new_layers = []
         for i, layer in enumerate(self.layers):
-            if cache is None:
+            if cache is None and self.config.remat:  # recomputed in the backward pass, not stored
+                x = nnx.remat(lambda layer, x: layer(x, segment_ids=segment_ids))(layer, x)
+            elif cache is None:
                 x = layer(x, segment_ids=segment_ids)
             else:
                 x, c = layer(x, segment_ids=segment_ids, cache=cache.layers[i])
