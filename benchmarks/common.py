@@ -10,6 +10,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -17,6 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
 RESULT = "@@RESULT "
 TAIL_LINES = 60  # of a process's output, kept to report why it failed
+
+
+def worker_scratch(prefix: str) -> tuple[str, str]:
+    """A scratch folder for the worker processes' trees, and in it ``harness``, the folder they run
+    ``-m benchmarks.worker`` from: it holds only a link to this ``benchmarks/``, so that the checkout's root does
+    not shadow the copy of falcon_jax they import.  Returns ``(scratch, harness)``; the caller removes scratch."""
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    harness = os.path.join(scratch, "harness")
+    os.makedirs(harness)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    return scratch, harness
 
 
 class Log:

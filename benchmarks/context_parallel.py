@@ -45,7 +45,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -319,7 +318,7 @@ def main(argv=None) -> int:
     if args.out and os.path.dirname(args.out):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     from benchmarks import source_tree
-    from benchmarks.common import Log
+    from benchmarks.common import Log, worker_scratch
 
     if args.out:
         log = Log(os.path.splitext(args.out)[0] + ".log")
@@ -327,12 +326,7 @@ def main(argv=None) -> int:
         def log(text=""):
             print(text, flush=True)
     started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="falcon-cp-")
-    # the workers run `-m benchmarks.worker` from a folder holding only a link to this benchmarks/, so that the
-    # checkout's root does not shadow the copy of its falcon_jax they import
-    harness = os.path.join(scratch, "harness")
-    os.makedirs(harness)
-    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    scratch, harness = worker_scratch("falcon-cp-")
     tree = source_tree.describe(ROOT)
     if args.commit:
         tree["commit"] = args.commit

@@ -12,12 +12,11 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 
 from benchmarks import source_tree, trace_scopes
-from benchmarks.common import ROOT, Log, Worker, note, table
+from benchmarks.common import ROOT, Log, Worker, note, table, worker_scratch
 
 # the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
 # that a run cut short has the rows that matter most
@@ -104,10 +103,7 @@ def run(args, argv) -> int:
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "lm.log"))
     started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="falcon-bench-")
-    harness = os.path.join(scratch, "harness")
-    os.makedirs(harness)
-    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    scratch, harness = worker_scratch("falcon-bench-")
     tree = source_tree.describe(ROOT)
     if args.commit:
         tree["commit"] = args.commit

@@ -72,11 +72,10 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 from benchmarks import lm_suite, ops, source_tree
-from benchmarks.common import ROOT, Log, Worker, note, table
+from benchmarks.common import ROOT, Log, Worker, note, table, worker_scratch
 
 SUITES = ("bench", "memory", "profile", "compare", "lm")
 STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
@@ -304,10 +303,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, f"{args.suite}.log"))
     started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="falcon-bench-")
-    harness = os.path.join(scratch, "harness")
-    os.makedirs(harness)
-    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(harness, "benchmarks"))
+    scratch, harness = worker_scratch("falcon-bench-")
     trees, workers = {}, {}
     for name, path in args.trees.items():
         trees[name] = source_tree.describe(path)
