@@ -37,7 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from falcon_jax.train.rundir import RunDirError
+from falcon_jax.train.rundir import RunDirError, write_atomic
 
 CHECKSUMS = "checksums.json"
 
@@ -93,13 +93,7 @@ def checksums_written_everywhere(written: bool) -> bool:
 
 def write_checksums(step_dir: str) -> None:
     """Record the size and SHA-256 of every file of a finished step (written atomically)."""
-    digests = _file_digests(step_dir)
-    tmp = os.path.join(step_dir, CHECKSUMS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"sha256": digests}, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+    write_atomic(os.path.join(step_dir, CHECKSUMS), json.dumps({"sha256": _file_digests(step_dir)}, indent=0))
 
 
 def verify_checksums(step_dir: str) -> str | None:

@@ -66,7 +66,7 @@ import time
 
 from falcon_jax.train.launch import simulated_cpu_env
 from falcon_jax.train.memory import is_out_of_memory
-from falcon_jax.train.rundir import CONFIG, METRICS, checkpoint_steps, parse_records
+from falcon_jax.train.rundir import CONFIG, METRICS, checkpoint_steps, parse_records, write_atomic
 
 JSON_NAME, LOG_NAME, PACK_NAME = "multi-gpu.json", "multi-gpu.log", "multi-gpu-logs.tar.gz"
 RUN_LOG = "stdout.log"
@@ -327,13 +327,6 @@ class Estimator:
 
 
 # ----------------------------------------------------------------------------- files
-def write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def make_corpus(root: str, work: str, dirs=CORPUS_DIRS) -> dict:
     """Every ``.py`` / ``.md`` file under ``dirs`` of ``root`` (and README.md), sorted, one JSONL row each, written to
     ``<work>/corpus-<sha256[:12]>.jsonl`` unless it is there (an unchanged file keeps the tokenizer's cache)."""

@@ -67,6 +67,17 @@ def check_writable(run_dir: str) -> None:
                           f"(train.run_dir).") from None
 
 
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into ``path + ".tmp"``, flushed to disk, then renamed over
+    ``path`` (a kill or a full disk mid-write leaves the previous file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def parse_records(lines, kind: str | None = None) -> list[dict]:
     """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``); a line
     cut by a kill is skipped."""

@@ -38,7 +38,7 @@ from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
 from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
-                                     check_writable, checkpoint_steps, metric_records, read_metrics)
+                                     check_writable, checkpoint_steps, metric_records, read_metrics, write_atomic)
 from falcon_jax.train.text import TextData
 
 
@@ -261,11 +261,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                                       f"batches); resume with --set data.loader={saved}.")
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
-    if is_main:  # written whole, then renamed: a kill mid-write leaves the previous config.json
-        tmp = os.path.join(run_dir, CONFIG + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        os.replace(tmp, os.path.join(run_dir, CONFIG))
+    if is_main:  # a kill mid-write leaves the previous config.json
+        write_atomic(os.path.join(run_dir, CONFIG), json.dumps(cfg.to_dict(), indent=2))
 
     counts = param_counts(abstract)
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
