@@ -126,17 +126,9 @@ def compile_case(case: dict) -> dict:
     if stats is not None:
         memory = {key: int(getattr(stats, f"{key}_size_in_bytes")) for key in MEMORY_KEYS}
         memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    collectives, kernels = {}, []
+    collectives = hlo_collectives(hlo)
+    kernels = []
     for line in hlo.splitlines():
-        m = re.search(r"= (\([^()]*\)|\S+?)(?:\{[^}]*\})? (all-gather|all-reduce|all-to-all|collective-permute|"
-                      r"reduce-scatter)(?:-start)?\(", line)
-        if m:
-            entry = collectives.setdefault(m.group(2), {"count": 0, "largest": "", "largest_bytes": 0})
-            entry["count"] += 1
-            kind_type = re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", m.group(1))  # without layouts
-            size = _bytes(kind_type)
-            if size > entry["largest_bytes"]:
-                entry.update(largest=kind_type, largest_bytes=size)
         target = re.search(r'custom_call_target="([^"]+)"', line)
         if " custom-call(" in line and target and any(s in target.group(1) for s in ("triton", "mosaic")):
             kernels.append(line.split(" = ", 1)[1].split(" custom-call(", 1)[0])
@@ -161,6 +153,29 @@ def _bytes(shape_text: str) -> int:
                 n *= int(d)
         total += n * _BYTES.get(dtype, 4)
     return total
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+_COLLECTIVE_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+
+
+def hlo_collectives(hlo: str) -> dict:
+    """``{kind: {"count", "largest", "largest_bytes"}}`` over the collectives of an HLO module's text: the
+    synchronous ops and the ``-start`` halves of asynchronous ones (a GPU's), each counted once.  The result
+    type is everything between ``=`` and the op's name, so nested tuples (an asynchronous op's
+    ``((operands), (results))``) are read whole; ``largest_bytes`` of such a type counts every array in it."""
+    found = {}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE_OP.search(line)
+        if not m or " = " not in line[:m.start()]:
+            continue
+        kind_type = re.sub(r"\{[^{}]*\}|/\*[^*]*\*/", "", line[line.index(" = ") + 3:m.start()]).strip()
+        entry = found.setdefault(m.group(1), {"count": 0, "largest": "", "largest_bytes": 0})
+        entry["count"] += 1
+        size = _bytes(kind_type)
+        if size > entry["largest_bytes"]:
+            entry.update(largest=kind_type, largest_bytes=size)
+    return found
 
 
 def parse_fail(text: str, names: list[str]) -> dict:
