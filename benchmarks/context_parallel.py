@@ -159,11 +159,26 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 _COLLECTIVE_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
 
+def _tuple_parts(type_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type (``"(a, (b, c))"`` -> ``["a", "(b, c)"]``); a type that is
+    not a tuple is its own single part."""
+    if not type_text.startswith("("):
+        return [type_text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(type_text):
+        depth += (ch == "(") - (ch == ")")
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(type_text[start:i].strip())
+            start = i + 1
+    return [p for p in parts if p]
+
+
 def hlo_collectives(hlo: str) -> dict:
     """``{kind: {"count", "largest", "largest_bytes"}}`` over the collectives of an HLO module's text: the
     synchronous ops and the ``-start`` halves of asynchronous ones (a GPU's), each counted once.  The result
     type is everything between ``=`` and the op's name, so nested tuples (an asynchronous op's
-    ``((operands), (results))``) are read whole; ``largest_bytes`` of such a type counts every array in it."""
+    ``((operands), (results))``) are read whole; ``largest_bytes`` is the bytes of a synchronous op's result
+    (every array of a tuple) or of an asynchronous start's largest part."""
     found = {}
     for line in hlo.splitlines():
         m = _COLLECTIVE_OP.search(line)
@@ -172,7 +187,9 @@ def hlo_collectives(hlo: str) -> dict:
         kind_type = re.sub(r"\{[^{}]*\}|/\*[^*]*\*/", "", line[line.index(" = ") + 3:m.start()]).strip()
         entry = found.setdefault(m.group(1), {"count": 0, "largest": "", "largest_bytes": 0})
         entry["count"] += 1
-        size = _bytes(kind_type)
+        # an asynchronous start's type holds its operands beside its results (and a permute's contexts):
+        # its size is that of its largest part, not their sum
+        size = max(map(_bytes, _tuple_parts(kind_type))) if m.group(2) else _bytes(kind_type)
         if size > entry["largest_bytes"]:
             entry.update(largest=kind_type, largest_bytes=size)
     return found

@@ -459,7 +459,7 @@ def test_mock_topology_script_counts_asynchronous_collectives_of_a_gpu_program()
   %all-gather-start.3 = ((f32[1,12,64,1,64]{4,3,2,1,0}, f32[1,12,64]{2,1,0}), (f32[2,12,64,1,64]{4,3,2,1,0}, f32[2,12,64]{2,1,0})) all-gather-start(f32[1,12,64,1,64]{4,3,2,1,0} %a, f32[1,12,64]{2,1,0} %b), channel_id=3, dimensions={0}
   %all-gather-done.3 = (f32[2,12,64,1,64]{4,3,2,1,0}, f32[2,12,64]{2,1,0}) all-gather-done(%all-gather-start.3)
   %gte = f32[2,12,64]{2,1,0} get-tuple-element(%all-gather-done.3), index=1
-  %all-reduce-start = (f32[768]{0}, bf16[768,768]{1,0}) all-reduce-start(f32[768]{0} %p, bf16[768,768]{1,0} %q), to_apply=%add
+  %all-reduce-start = ((f32[768]{0}, bf16[768,768]{1,0}), (f32[768]{0}, bf16[768,768]{1,0})) all-reduce-start(f32[768]{0} %p, bf16[768,768]{1,0} %q), to_apply=%add
   %all-reduce-done = (f32[768]{0}, bf16[768,768]{1,0}) all-reduce-done(%all-reduce-start)
   %collective-permute.1 = s32[1,1]{1,0} collective-permute(s32[1,1]{1,0} %r), source_target_pairs={{0,1}}
   ROOT %reduce-scatter.1 = f32[1,12]{1,0} reduce-scatter(f32[2,12]{1,0} %x), channel_id=4, dimensions={0}, to_apply=%add
@@ -469,6 +469,7 @@ def test_mock_topology_script_counts_asynchronous_collectives_of_a_gpu_program()
                                                          "reduce-scatter": 1}
     assert found["all-gather"]["largest"] == ("((f32[1,12,64,1,64], f32[1,12,64]), "
                                               "(f32[2,12,64,1,64], f32[2,12,64]))")
-    assert found["all-gather"]["largest_bytes"] == 4 * (12 * 64 * 64 + 12 * 64) * 3
-    assert found["all-reduce"]["largest_bytes"] == 4 * 768 + 2 * 768 * 768
+    assert found["all-gather"]["largest_bytes"] == 4 * (12 * 64 * 64 + 12 * 64) * 2  # the results, not the operands
+    assert found["all-reduce"]["largest_bytes"] == 2 * 768 * 768 + 4 * 768
+    assert found["reduce-scatter"]["largest_bytes"] == 4 * 12  # synchronous: its result
     assert found["collective-permute"]["largest"] == "s32[1,1]"
