@@ -189,3 +189,16 @@ def test_greedy_accuracy_of_a_model_equals_one_generate_call_per_width():
         alone[n] = gen[:, sl.start:]
         d.eval_set(n)["tokens"][:k // 2, sl] = alone[n][:k // 2]  # half the rows: the model's answer is "right"
     assert addition_greedy(model, d, widths, examples=k) == {n: 0.5 for n in widths}
+
+
+def _text_data(tmp_path, paths, **kw):
+    return txt.TextData(paths=tuple(str(p) for p in paths), seq_len=9, cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def test_text_cache_is_keyed_by_the_text_field(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"a": f"alpha {i}", "b": f"beta {i}"}) + "\n" for i in range(30)))
+    a = _text_data(tmp_path, [f], text_key="a")
+    b = _text_data(tmp_path, [f], text_key="b")  # the same file, size and mtime: another field
+    assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
+    assert b.tok.decode(b.splits["train"][0]).startswith("beta 0")

@@ -173,7 +173,8 @@ class TextData:
         docs = read_documents(self.paths, self.text_key)
         files = expand_paths(self.paths)
         key = hashlib.sha1(json.dumps([[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
-                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac]).encode()).hexdigest()[:16]
+                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
+                                      ).encode()).hexdigest()[:16]
         os.makedirs(self.cache_dir, exist_ok=True)
         base = os.path.join(self.cache_dir, key)
         if self.tokenizer == "byte":
