@@ -202,3 +202,13 @@ def test_text_cache_is_keyed_by_the_text_field(tmp_path):
     b = _text_data(tmp_path, [f], text_key="b")  # the same file, size and mtime: another field
     assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
     assert b.tok.decode(b.splits["train"][0]).startswith("beta 0")
+
+
+def test_every_path_entry_must_match_and_globbed_directories_are_read(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("\n\n".join(f"sub paragraph {i}" for i in range(20)))
+    (tmp_path / "b.txt").write_text("top level text " * 10)
+    with pytest.raises(FileNotFoundError, match="at '.*typo.txt'.*fix that entry"):
+        _text_data(tmp_path, [tmp_path / "b.txt", tmp_path / "typo.txt"])  # one entry's data would be dropped
+    docs = txt.read_documents([str(tmp_path / "*")])  # the glob matches the directory sub/ and b.txt
+    assert docs == [("top level text " * 10).strip()] + [f"sub paragraph {i}" for i in range(20)]  # sorted paths

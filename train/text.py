@@ -77,17 +77,30 @@ class BPETokenizer:
 
 
 # ----------------------------------------------------------------------------- text corpora
+EXTENSIONS = ("txt", "md", "jsonl", "json", "parquet")
+
+
 def expand_paths(patterns) -> list[str]:
-    """Glob patterns / directories -> a sorted list of .txt/.md/.jsonl/.json/.parquet files."""
+    """Files, directories and glob patterns -> a sorted list of files.  A directory (given, or
+    matched by a glob) contributes its .txt/.md/.jsonl/.json/.parquet files, recursively; a glob's
+    plain files are taken as they are.  FileNotFoundError naming an entry that matches no file (a
+    typo in one of several entries would otherwise drop its data without a word)."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
     for p in patterns:
-        if os.path.isdir(p):
-            for ext in ("txt", "md", "jsonl", "json", "parquet"):
-                files += glob.glob(os.path.join(p, "**", f"*.{ext}"), recursive=True)
-        else:
-            files += glob.glob(p, recursive=True)
+        found = []
+        for m in [p] if os.path.isdir(p) else glob.glob(p, recursive=True):
+            if os.path.isdir(m):
+                for ext in EXTENSIONS:
+                    found += glob.glob(os.path.join(m, "**", f"*.{ext}"), recursive=True)
+            else:
+                found.append(m)
+        if not found:
+            raise FileNotFoundError(f"data.paths={list(patterns)!r} matched no .txt/.md/.jsonl/.json/.parquet files "
+                                    f"at {p!r} (a missing file, an empty directory or a glob that matches nothing); "
+                                    "fix that entry or remove it.")
+        files += found
     return sorted(set(files))
 
 
@@ -96,8 +109,6 @@ def read_documents(paths, text_key: str = "text") -> list[str]:
     block; .jsonl/.json rows give ``row[text_key]``; .parquet (needs pyarrow) its ``text_key``
     column."""
     files = expand_paths(paths)
-    if not files:
-        raise FileNotFoundError(f"data.paths={list(paths)!r} matched no .txt/.md/.jsonl/.parquet files.")
     docs: list[str] = []
     for f in files:
         if f.endswith((".jsonl", ".json")):
