@@ -212,3 +212,32 @@ def test_every_path_entry_must_match_and_globbed_directories_are_read(tmp_path):
         _text_data(tmp_path, [tmp_path / "b.txt", tmp_path / "typo.txt"])  # one entry's data would be dropped
     docs = txt.read_documents([str(tmp_path / "*")])  # the glob matches the directory sub/ and b.txt
     assert docs == [("top level text " * 10).strip()] + [f"sub paragraph {i}" for i in range(20)]  # sorted paths
+
+
+@pytest.mark.parametrize("name, content, error", [
+    ("latin1.txt", "café au lait\n".encode("latin-1"), r"latin1.txt is not UTF-8 text \(byte 3, line 1"),
+    ("latin1.jsonl", '{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"), r"latin1.jsonl is not UTF-8.*line 2"),
+    ("null.jsonl", b'{"text": "ok"}\n{"text": null}\n', r"null.jsonl:2: 'text' is NoneType"),
+    ("number.json", b'[{"text": "ok"}, {"text": 7}]', r"number.json: row 1: 'text' is int"),
+    ("list.jsonl", b'["text", "a"]\n', r"list.jsonl:1: a row must be a JSON object"),
+    ("cut.jsonl", b'{"text": "ok"}\n{"text": "cut\n', r"cut.jsonl:2: not a JSON row"),
+    ("corpus.txt.gz", b"\x1f\x8b\x08\x00", r"corpus.txt.gz is compressed"),
+])
+def test_corpus_bytes_and_rows_that_are_not_text_are_errors(tmp_path, name, content, error):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=error):
+        txt.read_documents([str(tmp_path / name)])
+
+
+def test_json_arrays_and_a_byte_order_mark_are_read(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "first"}, {"text": "second"}], indent=2))
+    (tmp_path / "b.jsonl").write_bytes('\ufeff{"text": "third"}\n'.encode())
+    (tmp_path / "c.txt").write_bytes("\ufeffüber".encode())
+    assert txt.read_documents([str(tmp_path)]) == ["first", "second", "third", "über"]
+
+
+def test_crlf_paragraphs_and_line_separators_inside_json_strings(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"first para\r\nstill first\r\n\r\nsecond para\r\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one\u2028row"}, ensure_ascii=False) + "\n"
+                                      + json.dumps({"text": "two"}) + "\r\n")
+    assert txt.read_documents([str(tmp_path)]) == ["first para\nstill first", "second para", "one\u2028row", "two"]

@@ -78,6 +78,7 @@ class BPETokenizer:
 
 # ----------------------------------------------------------------------------- text corpora
 EXTENSIONS = ("txt", "md", "jsonl", "json", "parquet")
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar")
 
 
 def expand_paths(patterns) -> list[str]:
@@ -104,31 +105,102 @@ def expand_paths(patterns) -> list[str]:
     return sorted(set(files))
 
 
+def _check_plain(f: str) -> None:
+    if f.endswith(_COMPRESSED):
+        raise ValueError(f"data.paths: {f} is compressed; decompress it first (only plain .txt/.md/.jsonl/.json "
+                         "and .parquet files are read).")
+
+
+def _lines(f: str):
+    """``(line number, text)`` of each ``\\n``-ended line of ``f`` read as UTF-8, streamed (a leading byte-order
+    mark dropped); ValueError naming the file, line and first bad byte otherwise: decoding with replacement
+    would train on U+FFFD for every such byte."""
+    _check_plain(f)
+    offset = 0
+    with open(f, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                yield i, raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data.paths: {f} is not UTF-8 text (byte {offset + e.start}, line {i}: "
+                                 f"{raw[e.start:e.start + 4]!r}); convert it, e.g. `iconv -f latin1 -t utf-8`, or "
+                                 "leave it out of data.paths.") from None
+            offset += len(raw)
+
+
+def _read_text(f: str) -> str:
+    """The whole file as UTF-8 text (:func:`_lines`' checks and errors)."""
+    _check_plain(f)
+    try:
+        with open(f, encoding="utf-8-sig") as fh:  # universal newlines: \r\n paragraphs split too
+            return fh.read()
+    except UnicodeDecodeError:
+        for _ in _lines(f):  # finds the line and byte, and raises
+            pass
+        raise
+
+
+def _json_rows(f: str):
+    """``(where, row)`` for each row of a .jsonl file (one JSON value per line, blank lines skipped; streamed) or
+    a .json file (a JSON array of rows, one row, or JSON lines)."""
+    lines = _lines(f)
+    if f.endswith(".json"):
+        text = _read_text(f)
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            lines = enumerate(text.split("\n"), 1)  # JSON lines in a .json file
+        else:
+            rows = whole if isinstance(whole, list) else [whole]
+            yield from ((f"{f}: row {i}", row) for i, row in enumerate(rows))
+            return
+    for i, line in lines:
+        line = line.strip()
+        if line:
+            try:
+                yield f"{f}:{i}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{i}: not a JSON row ({e}); fix or remove that line.") from None
+
+
+def _document(where: str, row, text_key: str) -> str:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object with a {text_key!r} field; got "
+                         f"{type(row).__name__} {str(row)[:40]!r}.")
+    if text_key not in row:
+        raise KeyError(f"{where}: a row has no key {text_key!r} (set data.text_key; this row's keys: "
+                       f"{', '.join(map(repr, list(row)[:8]))}).")
+    value = row[text_key]
+    if not isinstance(value, str):
+        # str(None) would train on the text 'None'
+        raise ValueError(f"{where}: {text_key!r} is {type(value).__name__} {str(value)[:40]!r}, not a string; "
+                         "remove such rows or set data.text_key to a text field.")
+    return value
+
+
 def read_documents(paths, text_key: str = "text") -> list[str]:
-    """Documents from local files: a .txt/.md file is one document per blank-line-separated
-    block; .jsonl/.json rows give ``row[text_key]``; .parquet (needs pyarrow) its ``text_key``
-    column."""
+    """Documents from local files: a .txt/.md file (or any other plain file a glob names) is one
+    document per blank-line-separated block; .jsonl/.json rows give ``row[text_key]``; .parquet
+    (needs pyarrow) its ``text_key`` column.  Files must be UTF-8 and each row's ``text_key`` a
+    string: ValueError (KeyError for a missing key) naming the file and row otherwise."""
     files = expand_paths(paths)
     docs: list[str] = []
     for f in files:
         if f.endswith((".jsonl", ".json")):
-            with open(f, encoding="utf-8") as fh:
-                for line in fh:
-                    line = line.strip()
-                    if line:
-                        row = json.loads(line)
-                        if text_key not in row:
-                            raise KeyError(f"{f}: a row has no key {text_key!r} (set data.text_key).")
-                        docs.append(str(row[text_key]))
+            docs += [_document(where, row, text_key) for where, row in _json_rows(f)]
         elif f.endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
             except ImportError as e:
                 raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
-            docs += [str(t) for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
+            names = pq.read_schema(f).names
+            if text_key not in names:
+                raise KeyError(f"{f}: no column {text_key!r} (set data.text_key; columns: "
+                               f"{', '.join(map(repr, names[:8]))}).")
+            docs += [_document(f"{f}: row {i}", {text_key: t}, text_key)
+                     for i, t in enumerate(pq.read_table(f, columns=[text_key]).column(text_key).to_pylist())]
         else:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                docs += [blk.strip() for blk in fh.read().split("\n\n") if blk.strip()]
+            docs += [blk.strip() for blk in _read_text(f).split("\n\n") if blk.strip()]
     return docs
 
 
