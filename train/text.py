@@ -280,9 +280,10 @@ class TextData:
                     os.replace(f + ".tmp.npy", f)  # atomic: a killed run never leaves half a file
             self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
         n_train = len(self.splits["train"][0])
-        if n_train < self.seq_len + 1:
-            raise ValueError(f"data: the training split has {n_train} tokens, fewer than seq_len={self.seq_len}; "
-                             "add more text or lower data.seq_len.")
+        if n_train < self.seq_len:
+            raise ValueError(f"data: the training split has {n_train} tokens ({int((~is_val).sum())} of "
+                             f"{len(docs)} documents), fewer than one window of {self.seq_len} tokens "
+                             "(data.seq_len + 1); add more text or lower data.seq_len or data.val_frac.")
 
     @property
     def vocab_size(self) -> int:
@@ -300,6 +301,12 @@ class TextData:
                 cache.pop(min(cache))
             cache[epoch] = np.random.default_rng([self.seed, 0x7E77, epoch]).permutation(n)
         return cache[epoch]
+
+    @property
+    def num_val_windows(self) -> int:
+        """How many non-overlapping windows of ``seq_len`` the validation stream has
+        (:meth:`val_batches` reads them in order)."""
+        return max(len(self.splits["val"][0]) - self.seq_len, -self.seq_len) // self.seq_len + 1
 
     @property
     def num_train_starts(self) -> int:
