@@ -241,3 +241,13 @@ def test_crlf_paragraphs_and_line_separators_inside_json_strings(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one\u2028row"}, ensure_ascii=False) + "\n"
                                       + json.dumps({"text": "two"}) + "\r\n")
     assert txt.read_documents([str(tmp_path)]) == ["first para\nstill first", "second para", "one\u2028row", "two"]
+
+
+def test_a_cut_saved_bpe_tokenizer_is_named(tmp_path):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "bpe.json"
+    txt.BPETokenizer.train(["some text to train on"] * 4, vocab_size=270, path=str(path))
+    assert not (tmp_path / "bpe.json.tmp").exists()
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(ValueError, match="bpe.json cannot be read.*delete it"):
+        txt.BPETokenizer.train(["other"], vocab_size=270, path=str(path))

@@ -58,15 +58,20 @@ class BPETokenizer:
                                "pip install 'falcon-jax[train]' (or pip install tokenizers), "
                                "or use data.tokenizer='byte'.") from e
         if path and os.path.exists(path):
-            return cls(Tokenizer.from_file(path))
+            try:
+                return cls(Tokenizer.from_file(path))
+            except Exception as e:  # tokenizers raises its own Exception type for a cut or foreign file
+                raise ValueError(f"data.cache_dir: the saved BPE tokenizer {path} cannot be read ({e}); delete it "
+                                 "and it is trained again.") from None
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
-        if path:
-            tok.save(path)
+        if path:  # written whole, then renamed: a killed run never leaves a cut tokenizer to reuse
+            tok.save(path + ".tmp")
+            os.replace(path + ".tmp", path)
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:
