@@ -205,8 +205,11 @@ def check_token_ids(owner: str, tokens, vocab_size: int) -> None:
                            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "") + ".")
     if not is_concrete(tokens) or tokens.size == 0:
         return
-    with jax.ensure_compile_time_eval():
-        lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
+    if isinstance(tokens, np.ndarray):  # read in numpy: jnp would wrap int64 ids to int32 first (2**40 -> 0)
+        lo, hi = int(tokens.min()), int(tokens.max())
+    else:
+        with jax.ensure_compile_time_eval():
+            lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{owner}: token ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to {hi}.")
 
