@@ -56,6 +56,8 @@ def _cli(argv, capsys):
     (["--set", "data.greedy_widths=[2, 40]"], "data.greedy_widths=[2, 40]: must be <= 8, the widest of data.eval_widths"),
     (["--set", "mesh.data=0"], "mesh.data=0: must be a positive integer or -1"),
     (["--set", "model.n_heads=5"], "model: "),
+    (["--set", "train.seed=4294967296"], "train.seed=4294967296: must be an integer in [0, 2**32)"),  # = seed 0
+    (["--set", "data.seed=1e30"], "data.seed=1000000000000000019884624838656: must be an integer in [0, 2**32)"),
 ])
 def test_config_errors_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, argv, named):
     run_dir = tmp_path / "run"
