@@ -507,3 +507,18 @@ def test_text_corpus_too_short_for_a_window_or_a_validation_window(tmp_path):
     with pytest.raises(ConfigError, match=r"training split has 17 tokens.*one window of 18 tokens \(data.seq_len"):
         build_data(build_config(preset="lm-tiny", overrides=sets[:1] + ["data.seq_len=17", sets[2],
                                                                          "data.val_batches=0"]))
+
+
+def test_a_second_signal_stops_at_once_and_says_how_to_continue(capsys):
+    """The second SIGTERM (e.g. during the checkpoint the first one asked for) ends the process at once: its
+    line names what is lost and the two ways to continue."""
+    from falcon_jax.train.preemption import StopRequest
+    previous = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested(1) and "stopping after the current step" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as e:
+            stop._handle(signal.SIGTERM, None)
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == previous
+    err = capsys.readouterr().err
+    assert "without a checkpoint of the current step" in err and "--resume-or-start" in err
