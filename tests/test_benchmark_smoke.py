@@ -39,6 +39,19 @@ def test_bad_shapes_are_a_usage_error(capsys, shapes):
                                                                                                  (1, 9, 1, 4)]
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--suite", "bench", "--rules", ","], "--rules ',' names no op"),
+    (["--suite", "memory", "--rules", ""], "--rules '' names no op"),
+    (["--suite", "lm", "--mixers", " , "], "--mixers ' , ' names no mixer"),
+])
+def test_rules_or_mixers_naming_nothing_are_a_usage_error(capsys, argv, named):
+    from benchmarks.run import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--smoke"])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_bench_smoke_writes_every_row_and_the_metadata(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "bench", "--smoke", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
