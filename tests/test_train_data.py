@@ -247,7 +247,26 @@ def test_a_cut_saved_bpe_tokenizer_is_named(tmp_path):
     pytest.importorskip("tokenizers")
     path = tmp_path / "bpe.json"
     txt.BPETokenizer.train(["some text to train on"] * 4, vocab_size=270, path=str(path))
-    assert not (tmp_path / "bpe.json.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bpe.json"]  # no temporary file left
     path.write_text(path.read_text()[:100])
     with pytest.raises(ValueError, match="bpe.json cannot be read.*delete it"):
         txt.BPETokenizer.train(["other"], vocab_size=270, path=str(path))
+
+
+def test_token_cache_writers_do_not_share_a_temporary_file(tmp_path):
+    """Another process writing the same cache file (a second host of the run, sharing cache_dir) keeps its
+    temporary file: with a shared name this writer's rename would take it, and the other's rename fail."""
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph {i} " * 4 for i in range(30)))
+    first = _text_data(tmp_path, [tmp_path / "a.txt"])
+    arrays = sorted((tmp_path / "cache").glob("*.npy"))
+    assert len(arrays) == 4
+    others = []
+    for f in arrays:
+        other = f.with_name(f.name + ".tmp.npy")
+        other.write_bytes(b"another writer, mid-write")
+        others.append(other)
+        f.unlink()
+    again = _text_data(tmp_path, [tmp_path / "a.txt"])
+    np.testing.assert_array_equal(again.splits["train"][0], first.splits["train"][0])
+    assert all(o.read_bytes() == b"another writer, mid-write" for o in others)
+    assert sorted((tmp_path / "cache").glob("*.npy")) == sorted(arrays + others)  # nothing else left behind

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import uuid
 from typing import Iterable
 
 import numpy as np
@@ -70,8 +71,9 @@ class BPETokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
         if path:  # written whole, then renamed: a killed run never leaves a cut tokenizer to reuse
-            tok.save(path + ".tmp")
-            os.replace(path + ".tmp", path)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # this writer's own: hosts sharing cache_dir write at once
+            tok.save(tmp)
+            os.replace(tmp, path)
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:
@@ -281,8 +283,11 @@ class TextData:
             if not (os.path.exists(f_tok) and os.path.exists(f_doc)):
                 stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s], self.tok)
                 for f, arr in ((f_tok, stream), (f_doc, dids)):
-                    np.save(f + ".tmp.npy", arr)
-                    os.replace(f + ".tmp.npy", f)  # atomic: a killed run never leaves half a file
+                    # atomic: a killed run never leaves half a file; the temporary name is this writer's own, as
+                    # the hosts of one run (or two runs) sharing cache_dir may tokenize the same files at once
+                    tmp = f"{f}.{uuid.uuid4().hex}.tmp.npy"
+                    np.save(tmp, arr)
+                    os.replace(tmp, f)
             self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
         n_train = len(self.splits["train"][0])
         if n_train < self.seq_len:
