@@ -43,6 +43,8 @@ def select_mixers(patterns: str | None) -> list[str]:
         if not hits:
             raise ValueError(f"--mixers: {pattern!r} matches none of {', '.join(LM_MIXERS)}")
         chosen.update(hits)
+    if not chosen:  # '' or ',' would run a suite of nothing
+        raise ValueError(f"--mixers {patterns!r} names no mixer; give names or patterns of {', '.join(LM_MIXERS)}")
     return [m for m in LM_MIXERS if m in chosen]
 
 

@@ -79,6 +79,8 @@ def select(patterns: str | None, default: list[str], allowed=None) -> list[Op]:
         if not hits:
             raise ValueError(f"--rules: {pattern!r} matches none of {', '.join(names)}")
         chosen.update(hits)
+    if not chosen:  # '' or ',' would run a suite of nothing
+        raise ValueError(f"--rules {patterns!r} names no op; give names or patterns of {', '.join(names)}")
     return [BY_NAME[n] for n in names if n in chosen]
 
 

@@ -105,10 +105,16 @@ def step_limit(suite: str, op: ops.Op, smoke: bool) -> float:
 
 
 def parse_shapes(text):
+    """``"8x2048x16x128,2x512x4x64"`` -> ``[(8, 2048, 16, 128), (2, 512, 4, 64)]``: four positive sizes each."""
+    error = argparse.ArgumentTypeError(f"expected BxTxHxD shapes of four positive sizes such as 8x2048x16x128, "
+                                       f"got {text!r}")
     try:
-        return [tuple(int(n) for n in item.strip().split("x")) for item in text.split(",") if item.strip()]
+        shapes = [tuple(int(n) for n in item.strip().split("x")) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BxTxHxD shapes such as 8x2048x16x128, got {text!r}") from None
+        raise error from None
+    if not shapes or any(len(s) != 4 or min(s) < 1 for s in shapes):  # an empty list would measure nothing
+        raise error
+    return shapes
 
 
 def parse_lengths(text):

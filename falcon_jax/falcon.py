@@ -206,7 +206,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
         ``initial_state``, a window longer than T is run as window T (identical outputs, the compile
         time of window T) and the final state keeps window W's layout.
       form: "recurrent" (lax.scan), "parallel" (O(T²)) or "chunk" (SSD-style, O(T·C)).
-      chunk_size: chunk length C of the chunk form, a power of two; any T works.
+      chunk_size: chunk length C of the chunk form, a power of two; any T works (a C longer than T runs as
+        one chunk of the next power of two >= T).
       alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
       timing: "raw" (read after write) or "rbw" (read before write).
       initial_state: a :class:`FalconState` to continue from (fed to the first segment).

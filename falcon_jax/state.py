@@ -83,4 +83,11 @@ def init_state(batch: int, heads: int, dk: int, dv: int, *, variant: str, window
     for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_state: `{name}` must be a positive int, got {value!r}.")
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:  # falcon and falcon_step take floating states only
+        raise TypeError(f"init_state: `dtype` must be a floating dtype (jnp.float32, or jnp.float64 under x64); "
+                        f"got {dtype!r}.")
     return empty_state(batch, heads, dk, dv, tail_length_for(variant, window), dtype)

@@ -27,6 +27,31 @@ SHAPES = ("1x128x2x16", "2x64x2x16")
 
 
 @pytest.mark.slow  # ~3 minutes on a 2-core machine: 16 interpret-mode programs, forward and forward+backward
+@pytest.mark.parametrize("shapes", ["8x2048x16", "0x16x2x8", "2x16x2x0", "8x16x2x8x1", ",", "2x16x2x8,4x9"])
+def test_bad_shapes_are_a_usage_error(capsys, shapes):
+    """Three or five sizes, a zero, or no shape at all (which would write a results file of no rows)."""
+    from benchmarks.run import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--suite", "bench", "--smoke", "--shapes", shapes])
+    assert e.value.code == 2 and "expected BxTxHxD shapes of four positive sizes" in capsys.readouterr().err
+    assert parse_args(["--suite", "bench", "--smoke", "--shapes", "2x16x2x8, 1x9x1x4"]).shapes == [(2, 16, 2, 8),
+                                                                                                 (1, 9, 1, 4)]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--suite", "bench", "--rules", ","], "--rules ',' names no op"),
+    (["--suite", "memory", "--rules", ""], "--rules '' names no op"),
+    (["--suite", "lm", "--mixers", " , "], "--mixers ' , ' names no mixer"),
+])
+def test_rules_or_mixers_naming_nothing_are_a_usage_error(capsys, argv, named):
+    from benchmarks.run import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--smoke"])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_bench_smoke_writes_every_row_and_the_metadata(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "bench", "--smoke", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)

@@ -160,3 +160,21 @@ def test_init_cache_and_generate_reject_bad_sizes_and_keys():
             model.generate(prompt, 2, rng=bad)
     for good in (jax.random.key(1), jax.random.PRNGKey(1)):  # new-style and raw uint32[2] keys both sample
         assert model.generate(prompt, 2, rng=good).shape == (1, 5)
+
+
+def test_generate_rejects_a_greedy_flag_or_temperature_that_is_not_one():
+    """greedy='false' would decode greedily and temperature=inf sample uniformly, ignoring the model."""
+    model = lm("falcon-1A", dtype="float32", param_dtype="float32")
+    prompt, key = jnp.ones((1, 3), jnp.int32), jax.random.key(1)
+    for bad in ("false", 0, None):
+        with pytest.raises(TypeError, match="greedy must be True or False"):
+            model.generate(prompt, 2, greedy=bad, rng=key)
+    for bad in ("0.7", jnp.ones(2), True):
+        with pytest.raises(TypeError, match="temperature must be one real number"):
+            model.generate(prompt, 2, temperature=bad, rng=key)
+    for bad in (float("inf"), float("nan"), -1.0, 0):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            model.generate(prompt, 2, temperature=bad, rng=key)
+    for good in (0.5, 2, np.float32(0.7), jnp.asarray(1.5)):
+        assert model.generate(prompt, 2, temperature=good, rng=key).shape == (1, 5)
+    assert model.generate(prompt, 2, greedy=np.bool_(True)).shape == (1, 5)

@@ -49,6 +49,29 @@ def test_gpu_share_outside_0_1_is_refused(tmp_path, monkeypatch, capsys, share):
     assert e.value.code == 2 and "--gpu-share must be in (0, 1]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--lanes", "0"], "--lanes must be >= 1"), (["--deadline-min", "-5"], "--deadline-min must be >= 0"),
+    (["--pack", "no/such/folder/out.tar.gz"], "give a file path in an existing, writable folder"),
+    (["--pack", "."], "give a file path in an existing, writable folder"),
+])
+def test_bad_lanes_deadline_or_pack_path_are_refused_before_any_run(tmp_path, monkeypatch, capsys, flags, named):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite.subprocess, "Popen", lambda *a, **k: pytest.fail("a run was started"))
+    with pytest.raises(SystemExit) as e:
+        suite.main(["addition-m", "--only", "transformer-s0", *flags], root=str(tmp_path / "root"))
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_pack_path_is_the_callers_not_roots(tmp_path, monkeypatch):
+    (tmp_path / "root").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite.subprocess, "Popen", _FinishedProcess)
+    monkeypatch.setattr(suite.time, "sleep", lambda s: None)
+    assert suite.main(["addition-m", "--only", "transformer-s0", "--pack", "out.tar.gz"],
+                      root=str(tmp_path / "root")) == 0
+    assert (tmp_path / "out.tar.gz").is_file() and not (tmp_path / "root" / "out.tar.gz").exists()
+
+
 def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     done, started = (tmp_path / suite.run_dir("lm", n) for n in ("transformer", "falcon-3A.3"))

@@ -147,6 +147,12 @@ def test_token_ids_and_dtypes_are_checked(hybrid):
             hybrid.generate(bad, 2, greedy=True)
         with pytest.raises(ValueError, match=r"FalconLM: token ids must be in \[0, vocab_size=32\)"):
             hybrid(jnp.asarray(bad))
+    with jax.enable_x64(False):  # the default: int64 ids become int32 on the way in, 2**40 -> 0, 2**32 + 3 -> 3
+        for wide in (np.array([[1, 2**40]]), np.array([[1, 2**32 + 3]], np.int64)):
+            with pytest.raises(ValueError, match=rf"got ids from 1 to {wide.max()}"):
+                hybrid(wide)
+            with pytest.raises(ValueError, match=rf"got ids from 1 to {wide.max()}"):
+                hybrid.generate(wide, 2, greedy=True)
     # traced ids cannot be read: an out-of-range one makes its row NaN instead of wrapping to another token
     logits = nnx.jit(lambda m, t: m(t))(hybrid, jnp.asarray([[1, 2, 3], [1, -1, 3], [1, 32, 3]], jnp.int32))
     assert bool(jnp.all(jnp.isfinite(logits[0]))) and bool(jnp.all(jnp.isnan(logits[1:, 1])))

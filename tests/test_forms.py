@@ -6,6 +6,7 @@ sequence length, so lengths shorter than a chunk, multiples of the chunk and rag
 all covered without multiplying the number of compilations.  Combinations of options are
 spread over the variant x form grid instead of being crossed with it.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,6 +105,29 @@ def test_chunk_sizes(rng, chunk_size):
     for variant in ("1", "3A"):
         run_case(rng, variant, "chunk", chunk_size=chunk_size, T=13, segments=True, initial_state=True,
                  window=3)
+
+
+def _largest_value(jaxpr) -> int:
+    """The most elements of any value a jaxpr (and the jaxprs inside it) makes."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        most = max([most] + [int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")])
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    most = max(most, _largest_value(inner))
+    return most
+
+
+def test_a_chunk_longer_than_the_sequence_costs_one_sequence_chunk(rng):
+    """chunk_size 2**16 on T = 13 runs as one chunk of 16: the same values as the reference, and no value
+    of the program grows with chunk_size (a [.., 2**16, 2**16] block would need terabytes)."""
+    q, k, v, beta, lam = make_inputs(rng, variant="3", B=1, T=13, H=1, dk=4, dv=3)
+    fn = lambda *a: falcon(*a, variant="3", window=3, form="chunk", chunk_size=2**16, impl="xla")  # noqa: E731
+    assert _largest_value(jax.make_jaxpr(fn)(*as_jnp(q, k, v, beta, lam)).jaxpr) < 16 * 16 * 16
+    for variant in ("1", "3A"):
+        run_case(rng, variant, "chunk", chunk_size=2**16, T=13, segments=True, initial_state=True, window=3)
 
 
 @pytest.mark.parametrize("variant", ["2", "2A"])

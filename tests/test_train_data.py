@@ -189,3 +189,84 @@ def test_greedy_accuracy_of_a_model_equals_one_generate_call_per_width():
         alone[n] = gen[:, sl.start:]
         d.eval_set(n)["tokens"][:k // 2, sl] = alone[n][:k // 2]  # half the rows: the model's answer is "right"
     assert addition_greedy(model, d, widths, examples=k) == {n: 0.5 for n in widths}
+
+
+def _text_data(tmp_path, paths, **kw):
+    return txt.TextData(paths=tuple(str(p) for p in paths), seq_len=9, cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def test_text_cache_is_keyed_by_the_text_field(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"a": f"alpha {i}", "b": f"beta {i}"}) + "\n" for i in range(30)))
+    a = _text_data(tmp_path, [f], text_key="a")
+    b = _text_data(tmp_path, [f], text_key="b")  # the same file, size and mtime: another field
+    assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
+    assert b.tok.decode(b.splits["train"][0]).startswith("beta 0")
+
+
+def test_every_path_entry_must_match_and_globbed_directories_are_read(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("\n\n".join(f"sub paragraph {i}" for i in range(20)))
+    (tmp_path / "b.txt").write_text("top level text " * 10)
+    with pytest.raises(FileNotFoundError, match="at '.*typo.txt'.*fix that entry"):
+        _text_data(tmp_path, [tmp_path / "b.txt", tmp_path / "typo.txt"])  # one entry's data would be dropped
+    docs = txt.read_documents([str(tmp_path / "*")])  # the glob matches the directory sub/ and b.txt
+    assert docs == [("top level text " * 10).strip()] + [f"sub paragraph {i}" for i in range(20)]  # sorted paths
+
+
+@pytest.mark.parametrize("name, content, error", [
+    ("latin1.txt", "café au lait\n".encode("latin-1"), r"latin1.txt is not UTF-8 text \(byte 3, line 1"),
+    ("latin1.jsonl", '{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"), r"latin1.jsonl is not UTF-8.*line 2"),
+    ("null.jsonl", b'{"text": "ok"}\n{"text": null}\n', r"null.jsonl:2: 'text' is NoneType"),
+    ("number.json", b'[{"text": "ok"}, {"text": 7}]', r"number.json: row 1: 'text' is int"),
+    ("list.jsonl", b'["text", "a"]\n', r"list.jsonl:1: a row must be a JSON object"),
+    ("cut.jsonl", b'{"text": "ok"}\n{"text": "cut\n', r"cut.jsonl:2: not a JSON row"),
+    ("corpus.txt.gz", b"\x1f\x8b\x08\x00", r"corpus.txt.gz is compressed"),
+])
+def test_corpus_bytes_and_rows_that_are_not_text_are_errors(tmp_path, name, content, error):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=error):
+        txt.read_documents([str(tmp_path / name)])
+
+
+def test_json_arrays_and_a_byte_order_mark_are_read(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "first"}, {"text": "second"}], indent=2))
+    (tmp_path / "b.jsonl").write_bytes('\ufeff{"text": "third"}\n'.encode())
+    (tmp_path / "c.txt").write_bytes("\ufeffüber".encode())
+    assert txt.read_documents([str(tmp_path)]) == ["first", "second", "third", "über"]
+
+
+def test_crlf_paragraphs_and_line_separators_inside_json_strings(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"first para\r\nstill first\r\n\r\nsecond para\r\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one\u2028row"}, ensure_ascii=False) + "\n"
+                                      + json.dumps({"text": "two"}) + "\r\n")
+    assert txt.read_documents([str(tmp_path)]) == ["first para\nstill first", "second para", "one\u2028row", "two"]
+
+
+def test_a_cut_saved_bpe_tokenizer_is_named(tmp_path):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "bpe.json"
+    txt.BPETokenizer.train(["some text to train on"] * 4, vocab_size=270, path=str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["bpe.json"]  # no temporary file left
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(ValueError, match="bpe.json cannot be read.*delete it"):
+        txt.BPETokenizer.train(["other"], vocab_size=270, path=str(path))
+
+
+def test_token_cache_writers_do_not_share_a_temporary_file(tmp_path):
+    """Another process writing the same cache file (a second host of the run, sharing cache_dir) keeps its
+    temporary file: with a shared name this writer's rename would take it, and the other's rename fail."""
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph {i} " * 4 for i in range(30)))
+    first = _text_data(tmp_path, [tmp_path / "a.txt"])
+    arrays = sorted((tmp_path / "cache").glob("*.npy"))
+    assert len(arrays) == 4
+    others = []
+    for f in arrays:
+        other = f.with_name(f.name + ".tmp.npy")
+        other.write_bytes(b"another writer, mid-write")
+        others.append(other)
+        f.unlink()
+    again = _text_data(tmp_path, [tmp_path / "a.txt"])
+    np.testing.assert_array_equal(again.splits["train"][0], first.splits["train"][0])
+    assert all(o.read_bytes() == b"another writer, mid-write" for o in others)
+    assert sorted((tmp_path / "cache").glob("*.npy")) == sorted(arrays + others)  # nothing else left behind

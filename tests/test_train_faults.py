@@ -24,7 +24,7 @@ from jax.errors import JaxRuntimeError
 
 from falcon_jax.train import checkpoint, cli, trainer
 from falcon_jax.train.checkpoint import CHECKSUMS, CheckpointError, Checkpointer
-from falcon_jax.train.config import build_config, resume_mismatch
+from falcon_jax.train.config import ConfigError, build_config, resume_mismatch
 from falcon_jax.train.memory import DeviceMemoryError, explain, is_out_of_memory, requested_size, suggest_grad_accum
 from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError, checkpoint_steps, read_metrics
@@ -56,6 +56,8 @@ def _cli(argv, capsys):
     (["--set", "data.greedy_widths=[2, 40]"], "data.greedy_widths=[2, 40]: must be <= 8, the widest of data.eval_widths"),
     (["--set", "mesh.data=0"], "mesh.data=0: must be a positive integer or -1"),
     (["--set", "model.n_heads=5"], "model: "),
+    (["--set", "train.seed=4294967296"], "train.seed=4294967296: must be an integer in [0, 2**32)"),  # = seed 0
+    (["--set", "data.seed=1e30"], "data.seed=1000000000000000019884624838656: must be an integer in [0, 2**32)"),
 ])
 def test_config_errors_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, argv, named):
     run_dir = tmp_path / "run"
@@ -490,3 +492,33 @@ def test_eval_widths_without_an_in_distribution_width_finish_the_run(tmp_path, w
     summary = trainer.run(cfg, log=lines.append)
     assert any("best in-distribution so far: n/a (no eval width <= data.train_max_width)" in ln for ln in lines)
     assert summary["final_step"] == 2 and checkpoint_steps(str(tmp_path / "run")) == [2]
+
+
+def test_text_corpus_too_short_for_a_window_or_a_validation_window(tmp_path):
+    """A training split of exactly one window trains; a validation split with no window is a config error
+    unless validation is off (every evaluation would record nothing)."""
+    build_data = trainer.build_data
+    (tmp_path / "one.txt").write_text("x" * 15)  # BOS + 15 bytes + EOS = 17 tokens = data.seq_len + 1
+    sets = [f"data.paths={tmp_path / 'one.txt'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match=r"validation split has 0 tokens.*data.val_batches=0"):
+        build_data(build_config(preset="lm-tiny", overrides=sets))
+    data = build_data(build_config(preset="lm-tiny", overrides=sets + ["data.val_batches=0"]))
+    assert data.num_train_starts == 1 and data.num_val_windows == 0
+    with pytest.raises(ConfigError, match=r"training split has 17 tokens.*one window of 18 tokens \(data.seq_len"):
+        build_data(build_config(preset="lm-tiny", overrides=sets[:1] + ["data.seq_len=17", sets[2],
+                                                                         "data.val_batches=0"]))
+
+
+def test_a_second_signal_stops_at_once_and_says_how_to_continue(capsys):
+    """The second SIGTERM (e.g. during the checkpoint the first one asked for) ends the process at once: its
+    line names what is lost and the two ways to continue."""
+    from falcon_jax.train.preemption import StopRequest
+    previous = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested(1) and "stopping after the current step" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as e:
+            stop._handle(signal.SIGTERM, None)
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == previous
+    err = capsys.readouterr().err
+    assert "without a checkpoint of the current step" in err and "--resume-or-start" in err

@@ -142,6 +142,7 @@ def test_falcon_step_validation(rng, inputs):
 
 @pytest.mark.parametrize("kw,pattern", [
     (dict(variant="9"), "variant"), (dict(window=0), "window"), (dict(heads=0), "heads"),
+    (dict(dtype=jnp.int32), "`dtype` must be a floating dtype"), (dict(dtype="bool"), "`dtype` must be a floating"),
 ])
 def test_init_state_validation(kw, pattern):
     args = dict(batch=B, heads=H, dk=DK, dv=DV, variant="3", window=4)

@@ -376,6 +376,11 @@ def _int_at_least(key: str, value, low: int, meaning: str = "") -> None:
     _need(_is_int(value) and value >= low, key, value, f"must be an integer >= {low}{meaning}.")
 
 
+def _seed(key: str, value) -> None:
+    # jax.random.key keeps the low 32 bits without x64: seed 2**32 would repeat seed 0's run
+    _need(_is_int(value) and 0 <= value < 2**32, key, value, "must be an integer in [0, 2**32).")
+
+
 def _choice(key: str, value, choices) -> None:
     _need(value in choices, key, value, f"use one of {', '.join(repr(c) for c in choices)}."
           + _suggest(str(value), choices))
@@ -409,7 +414,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
           f"must divide train.batch_size={t.batch_size} (the batch is split into grad_accum micro-batches).")
     _int_at_least("train.log_every", t.log_every, 1)
     _int_at_least("train.eval_every", t.eval_every, 0, " (0 = evaluate only at the end)")
-    _int_at_least("train.seed", t.seed, 0)
+    _seed("train.seed", t.seed)
     _need(isinstance(t.run_dir, str) and t.run_dir.strip() != "", "train.run_dir", t.run_dir,
           "must be a directory path.")
     _choice("train.init", t.init, ("eager", "jit"))
@@ -434,7 +439,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     # data
     _choice("data.kind", d.kind, ("addition", "text"))
     _choice("data.loader", d.loader, ("grain", "builtin"))
-    _int_at_least("data.seed", d.seed, 0)
+    _seed("data.seed", d.seed)
     _int_at_least("data.grain_threads", d.grain_threads, 0, " (0 = read in the training thread)")
     _int_at_least("data.grain_prefetch", d.grain_prefetch, 0)
     # every field is checked whatever data.kind is: a typo in the other kind's fields is still a typo
@@ -454,7 +459,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _int_at_least("data.greedy_examples", d.greedy_examples, 1)
     _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
           "must be in (0, 1) (the share of problems held out for evaluation).")
-    _int_at_least("data.split_seed", d.split_seed, 0)
+    _seed("data.split_seed", d.split_seed)
     _choice("data.width_sampling", d.width_sampling, ("uniform", "token_balanced"))
     _int_at_least("data.curriculum_steps", d.curriculum_steps, 0, " (0 = no width curriculum)")
     if d.kind == "addition" and d.curriculum_steps:

@@ -3,7 +3,8 @@
 While :class:`StopRequest` is active, the first SIGINT or SIGTERM only records the request: the training
 loop finishes its current step, writes a checkpoint and raises :class:`Interrupted`, which the command line
 turns into one line saying how to resume and the exit code ``128 + signal`` (130 for SIGINT, 143 for
-SIGTERM).  A second signal stops at once (the default behaviour, without a checkpoint).
+SIGTERM).  A second signal stops at once (the default behaviour, without a checkpoint), with a line saying how
+to continue.
 
 On several processes a signal reaches each process at a different step, and the checkpoint is a collective
 write; there the processes agree on the step through JAX's preemption sync point (the coordination
@@ -60,6 +61,10 @@ class StopRequest:
     def _handle(self, signum, frame):
         if self.signum is not None:  # a second signal: stop now, as without this handler
             self.__exit__()
+            print(f"[{signal.Signals(signum).name}] again: stopping now, without a checkpoint of the current step "
+                  "(a checkpoint being written is left unfinished and never restored); --resume continues from the "
+                  "last finished checkpoint, --resume-or-start from step 0 if there is none.", file=sys.stderr,
+                  flush=True)
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)

@@ -148,6 +148,16 @@ def main(argv=None, *, root: str | None = None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--set", action="append", default=[], help="extra --set for every run (smoke tests)")
     args = p.parse_args(argv)
+    if args.lanes < 1:  # no lane would start a run, and the suite would end at once with exit code 0
+        p.error(f"--lanes must be >= 1, got {args.lanes}")
+    if args.deadline_min < 0:
+        p.error(f"--deadline-min must be >= 0 (0 = none), got {args.deadline_min}")
+    if args.pack:  # checked now, not after hours of runs; relative to the caller's folder, not root
+        args.pack = os.path.abspath(args.pack)
+        folder = os.path.dirname(args.pack)
+        if os.path.isdir(args.pack) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--pack {args.pack}: give a file path in an existing, writable folder (e.g. "
+                    f"{os.path.join(os.getcwd(), 'results.tar.gz')})")
     if root is not None:
         os.chdir(root)
     names = args.only or list(SUITES[args.suite][1])

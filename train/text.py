@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import uuid
 from typing import Iterable
 
 import numpy as np
@@ -58,15 +59,21 @@ class BPETokenizer:
                                "pip install 'falcon-jax[train]' (or pip install tokenizers), "
                                "or use data.tokenizer='byte'.") from e
         if path and os.path.exists(path):
-            return cls(Tokenizer.from_file(path))
+            try:
+                return cls(Tokenizer.from_file(path))
+            except Exception as e:  # tokenizers raises its own Exception type for a cut or foreign file
+                raise ValueError(f"data.cache_dir: the saved BPE tokenizer {path} cannot be read ({e}); delete it "
+                                 "and it is trained again.") from None
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
-        if path:
-            tok.save(path)
+        if path:  # written whole, then renamed: a killed run never leaves a cut tokenizer to reuse
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # this writer's own: hosts sharing cache_dir write at once
+            tok.save(tmp)
+            os.replace(tmp, path)
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:
@@ -77,47 +84,130 @@ class BPETokenizer:
 
 
 # ----------------------------------------------------------------------------- text corpora
+EXTENSIONS = ("txt", "md", "jsonl", "json", "parquet")
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar")
+
+
 def expand_paths(patterns) -> list[str]:
-    """Glob patterns / directories -> a sorted list of .txt/.md/.jsonl/.json/.parquet files."""
+    """Files, directories and glob patterns -> a sorted list of files.  A directory (given, or
+    matched by a glob) contributes its .txt/.md/.jsonl/.json/.parquet files, recursively; a glob's
+    plain files are taken as they are.  FileNotFoundError naming an entry that matches no file (a
+    typo in one of several entries would otherwise drop its data without a word)."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
     for p in patterns:
-        if os.path.isdir(p):
-            for ext in ("txt", "md", "jsonl", "json", "parquet"):
-                files += glob.glob(os.path.join(p, "**", f"*.{ext}"), recursive=True)
-        else:
-            files += glob.glob(p, recursive=True)
+        found = []
+        for m in [p] if os.path.isdir(p) else glob.glob(p, recursive=True):
+            if os.path.isdir(m):
+                for ext in EXTENSIONS:
+                    found += glob.glob(os.path.join(m, "**", f"*.{ext}"), recursive=True)
+            else:
+                found.append(m)
+        if not found:
+            raise FileNotFoundError(f"data.paths={list(patterns)!r} matched no .txt/.md/.jsonl/.json/.parquet files "
+                                    f"at {p!r} (a missing file, an empty directory or a glob that matches nothing); "
+                                    "fix that entry or remove it.")
+        files += found
     return sorted(set(files))
 
 
+def _check_plain(f: str) -> None:
+    if f.endswith(_COMPRESSED):
+        raise ValueError(f"data.paths: {f} is compressed; decompress it first (only plain .txt/.md/.jsonl/.json "
+                         "and .parquet files are read).")
+
+
+def _lines(f: str):
+    """``(line number, text)`` of each ``\\n``-ended line of ``f`` read as UTF-8, streamed (a leading byte-order
+    mark dropped); ValueError naming the file, line and first bad byte otherwise: decoding with replacement
+    would train on U+FFFD for every such byte."""
+    _check_plain(f)
+    offset = 0
+    with open(f, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                yield i, raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data.paths: {f} is not UTF-8 text (byte {offset + e.start}, line {i}: "
+                                 f"{raw[e.start:e.start + 4]!r}); convert it, e.g. `iconv -f latin1 -t utf-8`, or "
+                                 "leave it out of data.paths.") from None
+            offset += len(raw)
+
+
+def _read_text(f: str) -> str:
+    """The whole file as UTF-8 text (:func:`_lines`' checks and errors)."""
+    _check_plain(f)
+    try:
+        with open(f, encoding="utf-8-sig") as fh:  # universal newlines: \r\n paragraphs split too
+            return fh.read()
+    except UnicodeDecodeError:
+        for _ in _lines(f):  # finds the line and byte, and raises
+            pass
+        raise
+
+
+def _json_rows(f: str):
+    """``(where, row)`` for each row of a .jsonl file (one JSON value per line, blank lines skipped; streamed) or
+    a .json file (a JSON array of rows, one row, or JSON lines)."""
+    lines = _lines(f)
+    if f.endswith(".json"):
+        text = _read_text(f)
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            lines = enumerate(text.split("\n"), 1)  # JSON lines in a .json file
+        else:
+            rows = whole if isinstance(whole, list) else [whole]
+            yield from ((f"{f}: row {i}", row) for i, row in enumerate(rows))
+            return
+    for i, line in lines:
+        line = line.strip()
+        if line:
+            try:
+                yield f"{f}:{i}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{i}: not a JSON row ({e}); fix or remove that line.") from None
+
+
+def _document(where: str, row, text_key: str) -> str:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object with a {text_key!r} field; got "
+                         f"{type(row).__name__} {str(row)[:40]!r}.")
+    if text_key not in row:
+        raise KeyError(f"{where}: a row has no key {text_key!r} (set data.text_key; this row's keys: "
+                       f"{', '.join(map(repr, list(row)[:8]))}).")
+    value = row[text_key]
+    if not isinstance(value, str):
+        # str(None) would train on the text 'None'
+        raise ValueError(f"{where}: {text_key!r} is {type(value).__name__} {str(value)[:40]!r}, not a string; "
+                         "remove such rows or set data.text_key to a text field.")
+    return value
+
+
 def read_documents(paths, text_key: str = "text") -> list[str]:
-    """Documents from local files: a .txt/.md file is one document per blank-line-separated
-    block; .jsonl/.json rows give ``row[text_key]``; .parquet (needs pyarrow) its ``text_key``
-    column."""
+    """Documents from local files: a .txt/.md file (or any other plain file a glob names) is one
+    document per blank-line-separated block; .jsonl/.json rows give ``row[text_key]``; .parquet
+    (needs pyarrow) its ``text_key`` column.  Files must be UTF-8 and each row's ``text_key`` a
+    string: ValueError (KeyError for a missing key) naming the file and row otherwise."""
     files = expand_paths(paths)
-    if not files:
-        raise FileNotFoundError(f"data.paths={list(paths)!r} matched no .txt/.md/.jsonl/.parquet files.")
     docs: list[str] = []
     for f in files:
         if f.endswith((".jsonl", ".json")):
-            with open(f, encoding="utf-8") as fh:
-                for line in fh:
-                    line = line.strip()
-                    if line:
-                        row = json.loads(line)
-                        if text_key not in row:
-                            raise KeyError(f"{f}: a row has no key {text_key!r} (set data.text_key).")
-                        docs.append(str(row[text_key]))
+            docs += [_document(where, row, text_key) for where, row in _json_rows(f)]
         elif f.endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
             except ImportError as e:
                 raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
-            docs += [str(t) for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
+            names = pq.read_schema(f).names
+            if text_key not in names:
+                raise KeyError(f"{f}: no column {text_key!r} (set data.text_key; columns: "
+                               f"{', '.join(map(repr, names[:8]))}).")
+            docs += [_document(f"{f}: row {i}", {text_key: t}, text_key)
+                     for i, t in enumerate(pq.read_table(f, columns=[text_key]).column(text_key).to_pylist())]
         else:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                docs += [blk.strip() for blk in fh.read().split("\n\n") if blk.strip()]
+            docs += [blk.strip() for blk in _read_text(f).split("\n\n") if blk.strip()]
     return docs
 
 
@@ -173,7 +263,8 @@ class TextData:
         docs = read_documents(self.paths, self.text_key)
         files = expand_paths(self.paths)
         key = hashlib.sha1(json.dumps([[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
-                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac]).encode()).hexdigest()[:16]
+                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
+                                      ).encode()).hexdigest()[:16]
         os.makedirs(self.cache_dir, exist_ok=True)
         base = os.path.join(self.cache_dir, key)
         if self.tokenizer == "byte":
@@ -192,13 +283,17 @@ class TextData:
             if not (os.path.exists(f_tok) and os.path.exists(f_doc)):
                 stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s], self.tok)
                 for f, arr in ((f_tok, stream), (f_doc, dids)):
-                    np.save(f + ".tmp.npy", arr)
-                    os.replace(f + ".tmp.npy", f)  # atomic: a killed run never leaves half a file
+                    # atomic: a killed run never leaves half a file; the temporary name is this writer's own, as
+                    # the hosts of one run (or two runs) sharing cache_dir may tokenize the same files at once
+                    tmp = f"{f}.{uuid.uuid4().hex}.tmp.npy"
+                    np.save(tmp, arr)
+                    os.replace(tmp, f)
             self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
         n_train = len(self.splits["train"][0])
-        if n_train < self.seq_len + 1:
-            raise ValueError(f"data: the training split has {n_train} tokens, fewer than seq_len={self.seq_len}; "
-                             "add more text or lower data.seq_len.")
+        if n_train < self.seq_len:
+            raise ValueError(f"data: the training split has {n_train} tokens ({int((~is_val).sum())} of "
+                             f"{len(docs)} documents), fewer than one window of {self.seq_len} tokens "
+                             "(data.seq_len + 1); add more text or lower data.seq_len or data.val_frac.")
 
     @property
     def vocab_size(self) -> int:
@@ -216,6 +311,12 @@ class TextData:
                 cache.pop(min(cache))
             cache[epoch] = np.random.default_rng([self.seed, 0x7E77, epoch]).permutation(n)
         return cache[epoch]
+
+    @property
+    def num_val_windows(self) -> int:
+        """How many non-overlapping windows of ``seq_len`` the validation stream has
+        (:meth:`val_batches` reads them in order)."""
+        return max(len(self.splits["val"][0]) - self.seq_len, -self.seq_len) // self.seq_len + 1
 
     @property
     def num_train_starts(self) -> int:

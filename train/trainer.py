@@ -63,9 +63,15 @@ def _build_data(cfg: TrainConfig):
         if not d.paths:
             raise ValueError("data.paths is empty: give local text files, e.g. "
                              "--set 'data.paths=[\"corpus/*.jsonl\"]'.")
-        return TextData(paths=tuple(d.paths), seq_len=d.seq_len + 1, seed=d.seed, tokenizer=d.tokenizer,
+        data = TextData(paths=tuple(d.paths), seq_len=d.seq_len + 1, seed=d.seed, tokenizer=d.tokenizer,
                         bpe_vocab_size=d.bpe_vocab_size, val_frac=d.val_frac, text_key=d.text_key,
                         cache_dir=d.cache_dir)
+        if d.val_batches > 0 and data.num_val_windows == 0:  # every evaluation would record no loss
+            n_val, n_docs = len(data.splits["val"][0]), len(np.unique(data.splits["val"][1]))
+            raise ValueError(f"data: the validation split has {n_val} tokens ({n_docs} documents), fewer than one "
+                             f"window of data.seq_len + 1 = {data.seq_len}; raise data.val_frac, add documents, "
+                             "lower data.seq_len, or set data.val_batches=0 to train without validation.")
+        return data
     raise ValueError(f"data.kind={d.kind!r}: use 'addition' or 'text'.")
 
 

@@ -21,7 +21,9 @@ from falcon_jax.state import FalconState
 def chunk(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, chunk_size: int):
     """Same arguments and result as :func:`falcon_jax.forms.recurrent.recurrent`."""
     B, H, T, dk = q.shape
-    W, C = rule.window, chunk_size
+    # one chunk of the next power of two >= T covers the sequence: a longer one only adds identity steps,
+    # and its C x C intra-chunk products would grow with chunk_size, not T
+    W, C = rule.window, min(chunk_size, 1 << (T - 1).bit_length())
     stream = write_stream(rule, k, v, inputs, resets, state)
     n = -(-T // C)
     pad = n * C - T

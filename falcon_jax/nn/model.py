@@ -156,7 +156,7 @@ class FalconLM(nnx.Module):
         ``pad_id`` up to ``P + max_new_tokens``.
 
         ``greedy=True`` takes the argmax; otherwise samples ``softmax(logits / temperature)``
-        with ``rng`` (a ``jax.random.key``).  Token ids must be ints in ``[0, vocab_size)``.
+        (``temperature`` finite and > 0) with ``rng`` (a ``jax.random.key``).  Token ids must be ints in ``[0, vocab_size)``.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0; got {max_new_tokens!r}.")
@@ -174,6 +174,8 @@ class FalconLM(nnx.Module):
         if lengths is not None:
             lengths = _check_lengths(lengths, B, P)
             tokens = jnp.where(jnp.arange(P)[None] < lengths[:, None], tokens, pad_id)
+        if not isinstance(greedy, (bool, np.bool_)):  # the string 'false' would decode greedily
+            raise TypeError(f"generate: greedy must be True or False; got {greedy!r}.")
         if max_new_tokens == 0:
             return tokens
         if not greedy:
@@ -183,8 +185,12 @@ class FalconLM(nnx.Module):
                                                     or (rng.dtype == jnp.uint32 and rng.shape == (2,)))):
                 raise TypeError(f"generate: rng must be a JAX random key (jax.random.key(seed)); got "
                                 f"{type(rng).__name__}{'' if not hasattr(rng, 'dtype') else ' of dtype ' + str(rng.dtype)}.")
-            if not temperature > 0:
-                raise ValueError(f"generate: temperature must be > 0 when sampling; got {temperature!r} "
+            if isinstance(temperature, bool) or np.ndim(temperature) != 0 \
+                    or not (np.issubdtype(np.asarray(temperature).dtype, np.integer)
+                            or np.issubdtype(np.asarray(temperature).dtype, np.floating)):
+                raise TypeError(f"generate: temperature must be one real number > 0; got {temperature!r}.")
+            if not 0 < float(temperature) < float("inf"):  # inf samples uniformly: the model would be ignored
+                raise ValueError(f"generate: temperature must be finite and > 0 when sampling; got {temperature!r} "
                                  "(use greedy=True for argmax decoding).")
         else:
             rng = jax.random.key(0)  # unused
@@ -205,8 +211,11 @@ def check_token_ids(owner: str, tokens, vocab_size: int) -> None:
                            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "") + ".")
     if not is_concrete(tokens) or tokens.size == 0:
         return
-    with jax.ensure_compile_time_eval():
-        lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
+    if isinstance(tokens, np.ndarray):  # read in numpy: jnp would wrap int64 ids to int32 first (2**40 -> 0)
+        lo, hi = int(tokens.min()), int(tokens.max())
+    else:
+        with jax.ensure_compile_time_eval():
+            lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{owner}: token ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to {hi}.")
 
