@@ -1,4 +1,4 @@
-"""Multi-GPU training of the lm-130m model in one command (issue #45), from the repository root: throughput and
+"""Multi-GPU training of the lm-130m model in one command, from the repository root: throughput and
 scaling of data, FSDP and context-parallel meshes, the loss against one GPU, a checkpoint restored on one GPU.
 The runs and the runner are :mod:`falcon_jax.train.multi_gpu`; ``--help`` for the options.
 

@@ -1,4 +1,4 @@
-"""Build the offline English corpus of the small LM comparison (issue #7).
+"""Build the offline English corpus of the small LM comparison (docs/results.md).
 
 Source: the Debian package ``python3.11-doc`` (3.11.2-6+deb12u9, Debian 12), which ships the
 reStructuredText sources of the Python 3.11 documentation under

@@ -1,4 +1,4 @@
-"""Run a paper-experiment suite (issue #7) from the repository root: runs in runs/exp/<suite>/,
+"""Run a paper-experiment suite from the repository root: runs in runs/exp/<suite>/,
 the LM corpus from data/python-docs.jsonl (experiments/prepare_python_docs.py).  The suites and
 the runner are :mod:`falcon_jax.train.suite`; ``--help`` for the options.
 

@@ -1,4 +1,4 @@
-"""The paper-experiment suites (issue #7): their runs, and a runner that starts them as resumable
+"""The paper-experiment suites (docs/results.md): their runs, and a runner that starts them as resumable
 ``falcon-train`` runs (``experiments/suite.py`` calls it from the repository root).
 
     python experiments/suite.py addition --lanes 6 --deadline-min 8 --pack $OUT/addition.tar.gz
@@ -137,7 +137,7 @@ def pack(suite: str, out: str) -> None:
 
 def main(argv=None, *, root: str | None = None) -> int:
     """The command line; ``root``: the working directory of the runs (default: the current one)."""
-    p = argparse.ArgumentParser(description="Run an experiment suite of issue #7 (resumable).")
+    p = argparse.ArgumentParser(description="Run one of the paper's experiment suites (resumable).")
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--only", nargs="*", help="run only these names")
     p.add_argument("--lanes", type=int, default=1, help="runs at once on the one device")
