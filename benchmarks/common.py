@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import fnmatch
 import json
 import os
 import queue
@@ -18,6 +19,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
 RESULT = "@@RESULT "
 TAIL_LINES = 60  # of a process's output, kept to report why it failed
+
+
+def select_names(patterns: str, names: list[str], option: str, noun: str, fold_case: bool = False) -> list[str]:
+    """The entries of ``names`` that ``patterns`` (comma-separated names or shell patterns; ``fold_case``: matched
+    case-insensitively) names, in ``names`` order.  ValueError naming ``option`` and the choices for a pattern
+    that matches nothing, or for patterns that name nothing at all ('' or ',' would run a suite of nothing)."""
+    chosen = set()
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        pattern = pattern.lower() if fold_case else pattern
+        hits = [n for n in names if fnmatch.fnmatchcase(n.lower() if fold_case else n, pattern)]
+        if not hits:
+            raise ValueError(f"{option}: {pattern!r} matches none of {', '.join(names)}")
+        chosen.update(hits)
+    if not chosen:
+        raise ValueError(f"{option} {patterns!r} names no {noun}; give names or patterns of {', '.join(names)}")
+    return [n for n in names if n in chosen]
 
 
 def worker_scratch(prefix: str) -> tuple[str, str]:

@@ -6,7 +6,6 @@ nothing here imports jax."""
 from __future__ import annotations
 
 import datetime
-import fnmatch
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import threading
 import time
 
 from benchmarks import source_tree, trace_scopes
-from benchmarks.common import ROOT, Log, Worker, note, table, worker_scratch
+from benchmarks.common import ROOT, Log, Worker, note, select_names, table, worker_scratch
 
 # the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
 # that a run cut short has the rows that matter most
@@ -37,15 +36,7 @@ def select_mixers(patterns: str | None) -> list[str]:
     ``LM_MIXERS``, case-insensitive; None: all), in ``LM_MIXERS`` order."""
     if patterns is None:
         return list(LM_MIXERS)
-    chosen = set()
-    for pattern in (p.strip().lower() for p in patterns.split(",") if p.strip()):
-        hits = [m for m in LM_MIXERS if fnmatch.fnmatchcase(m.lower(), pattern)]
-        if not hits:
-            raise ValueError(f"--mixers: {pattern!r} matches none of {', '.join(LM_MIXERS)}")
-        chosen.update(hits)
-    if not chosen:  # '' or ',' would run a suite of nothing
-        raise ValueError(f"--mixers {patterns!r} names no mixer; give names or patterns of {', '.join(LM_MIXERS)}")
-    return [m for m in LM_MIXERS if m in chosen]
+    return select_names(patterns, list(LM_MIXERS), "--mixers", "mixer", fold_case=True)
 
 
 def lm_table(rows):

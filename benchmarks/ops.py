@@ -21,7 +21,8 @@ torch at module level: ``run.py`` reads the catalogue without starting either.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+
+from benchmarks.common import select_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +74,7 @@ def select(patterns: str | None, default: list[str], allowed=None) -> list[Op]:
     names = [op.name for op in OPS if allowed(op)]
     if patterns is None:
         return [BY_NAME[n] for n in names if n in default]
-    chosen = set()
-    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
-        hits = fnmatch.filter(names, pattern)
-        if not hits:
-            raise ValueError(f"--rules: {pattern!r} matches none of {', '.join(names)}")
-        chosen.update(hits)
-    if not chosen:  # '' or ',' would run a suite of nothing
-        raise ValueError(f"--rules {patterns!r} names no op; give names or patterns of {', '.join(names)}")
-    return [BY_NAME[n] for n in names if n in chosen]
+    return [BY_NAME[n] for n in select_names(patterns, names, "--rules", "op")]
 
 
 # ---- inputs -------------------------------------------------------------------------------------------------
