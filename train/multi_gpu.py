@@ -112,7 +112,7 @@ class Run:
         return self.batch * self.seq_len
 
     def program(self) -> tuple:
-        """What the compiled train step depends on (a second run of the same program hits the compilation cache)."""
+        """What the compiled train step depends on: runs of equal programs share one entry of the compilation cache."""
         return self.preset, self.batch, self.seq_len, tuple(sorted(self.mesh.items())), self.gpus
 
 
@@ -302,8 +302,12 @@ class Estimator:
         t = per_token * run.tokens_per_step
         return t if run.gpus == 1 else t / (run.gpus * EFFICIENCY_GUESS)
 
+    def _cached(self, run: Run) -> bool:
+        """An earlier run compiled this run's step, and the compilation cache holds it."""
+        return self.cache and run.program() in self.seen
+
     def seconds(self, run: Run, steps: int) -> float:
-        cached = self.cache and run.program() in self.seen
+        cached = self._cached(run)
         startup = max(self.startup) if self.startup else self.d["startup"]
         if cached:
             comp = max(self.compile_cached) if self.compile_cached else self.d["compile_cached"]
@@ -317,7 +321,7 @@ class Estimator:
         first, wall, sps = res.get("first_step_s"), res.get("wall_s"), res.get("s_per_step")
         if first is None or wall is None:
             return
-        cached = self.cache and run.program() in self.seen
+        cached = self._cached(run)
         (self.compile_cached if cached else self.compile).append(first)
         self.seen.add(run.program())
         if sps and run.gpus == 1:
