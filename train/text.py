@@ -316,7 +316,7 @@ class TextData:
     def num_val_windows(self) -> int:
         """How many non-overlapping windows of ``seq_len`` the validation stream has
         (:meth:`val_batches` reads them in order)."""
-        return max(len(self.splits["val"][0]) - self.seq_len, -self.seq_len) // self.seq_len + 1
+        return len(self.splits["val"][0]) // self.seq_len
 
     @property
     def num_train_starts(self) -> int:
