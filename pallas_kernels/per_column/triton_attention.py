@@ -44,11 +44,16 @@ Passes (``api.py`` runs them):
   pairs t = s.
 * :func:`state_grad_pass` — the reverse walk: ``dS ← a ⊙ dS + Qᵀ (c ⊙ dO)``, storing every chunk's end-state
   gradient dh.
-* :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk.  Per value
-  block of ``block_v`` columns: o again, ``dU = w ⊙ X dh`` plus the levels' transposed reads, written, and
-  the gradient of g, ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); dA summed
-  over the value blocks.  Then, as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ`` and
-  ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
+* :func:`column_grad_pass` — grid (batch·head, chunk, value block of ``block_v``): from h and dh, for its
+  columns, o again, ``dU = w ⊙ X dh`` plus the levels' transposed reads, written, the gradient of g,
+  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row), and the columns' share of dA
+  (the pairs t = s on its diagonal) into ``dA_part [BH, n_chunks, dv / block_v, C, C]`` fp32.
+* XLA sums ``dA_part`` over the value blocks (fp32).
+* :func:`row_grad_pass` — grid (batch·head, chunk): as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ``
+  and ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
+
+:func:`chunk_grad_pass` runs the last three.  The split (each program of the column pass holds one value
+block's tiles and one ``[C, C]`` share) is not yet timed on a GPU.
 """
 
 from __future__ import annotations
