@@ -162,10 +162,10 @@ class TritonPerColumn(PerColumnChecks):
                  NAMES)
 
     def test_attention_sums_dA_over_value_blocks(self, rng):
-        """Falcon-2A with dv = 4 × ``grad_block_v`` and each value block its own gates and scale (γ = 1; log γ
-        from −30 to −10 per step; ordinary; up to −2 with η and y larger): dq and dx take dA summed over the
-        four blocks' shares (the column gradient pass writes one share per block, XLA sums them), so a share
-        dropped, counted twice or written to another block's place fails against float64."""
+        """Falcon-2A with dv = 4 × ``grad_block_v``, each value block with its own decays (γ = 1; log γ from −30
+        to −10 per step; ordinary; down to −2) and values scaled by 1, 1.5, 2, 2.5: dq and dx take dA summed
+        over the four blocks' shares (the column gradient pass writes one share per block, XLA sums them), so a
+        share dropped, counted twice or written to another block's place fails against float64."""
         dv = 4 * self.BLOCK_V
         (q, x, y, eta, log_gamma, s0), run = column_inputs(rng, T=77, dv=dv)
         blocks = np.arange(dv) // self.BLOCK_V
