@@ -8,8 +8,8 @@ Value column c has its own write weight and decay (:mod:`.reference`)::
 
 Falcon-2A on a GPU (:mod:`.triton_attention`), on the weighted values ``η ⊙ y`` (formed in XLA): a state walk per
 (batch·head, piece, value block) stores every chunk's start state, then one program per chunk and value block
-forms its output; the backward recomputes the states, walks the state gradients in reverse and forms every
-gradient per chunk.  A piece's walk is affine in its start state with a per-column slope, so when batch·heads
+forms its output; the backward recomputes the states, walks the state gradients in reverse, forms du, dg and
+each value block's share of dA per chunk and value block, and dq, dx per chunk from the summed shares.  A piece's walk is affine in its start state with a per-column slope, so when batch·heads
 leave the GPU idle the sequence is cut into pieces (exact, as ``decayed_attention``).
 
 Falcon-2 (:mod:`.triton`), and both rules on a TPU (:mod:`.mosaic_tpu`: grid steps over the chunks, the state in
@@ -103,9 +103,9 @@ class _AttentionStatic:
         return dict(chunk=self.chunk, pieces=self.pieces, block_v=cfg.walk_block_v, interpret=self.interpret,
                     num_warps=cfg.walk_warps, num_stages=cfg.walk_stages, **layout_kw(self.heads))
 
-    def chunk_kw(self, block_v, num_warps):
+    def chunk_kw(self, block_v, num_warps, **kw):
         return dict(chunk=self.chunk, block_v=block_v, interpret=self.interpret, num_warps=num_warps,
-                    **layout_kw(self.heads))
+                    **layout_kw(self.heads), **kw)
 
 
 def _piece_decay(g, rl, st: _AttentionStatic):
@@ -170,8 +170,9 @@ def _attention_backward(st: _AttentionStatic, res, cts):
     else:
         ds_ends = ds_final[:, None]
     dh, ds_start = triton_attention.state_grad_pass(q, g, rl, do, ds_ends, write_dh=True, **st.walk_kw())
-    dq, dx, du, dg = triton_attention.chunk_grad_pass(q, x, u, g, rl, do, h, dh,
-                                                      **st.chunk_kw(st.config.grad_block_v, st.config.grad_warps))
+    cfg = st.config
+    dq, dx, du, dg = triton_attention.chunk_grad_pass(
+        q, x, u, g, rl, do, h, dh, **st.chunk_kw(cfg.grad_block_v, cfg.grad_warps, row_warps=cfg.row_grad_warps))
     # g is the chunk-local cumsum of log γ: its gradient is the reverse cumsum within each chunk (time: axis 1)
     return dq, dx, du, reverse_chunk_cumsum(dg, st.chunk), None, ds_start[:, 0]
 

@@ -16,9 +16,10 @@ class KernelConfig:
     columns per program of the state walks, with ``walk_warps`` warps and ``walk_stages`` pipelining stages;
     ``pieces_below``: cut the sequence into pieces while fewer walk programs (batch·heads × value blocks × pieces)
     would run; ``out_block_v``: the value columns of one program of the output pass (grid batch·head × chunk ×
-    value block), with ``out_warps`` warps; ``grad_block_v``: the value columns the gradient pass takes at a
-    time (one program per chunk; several ``[C, width]`` fp32 tiles live beside the ``[C, C]`` sums), with
-    ``grad_warps`` warps."""
+    value block), with ``out_warps`` warps; ``grad_block_v``: the value columns of one program of the column
+    gradient pass (grid batch·head × chunk × value block; several ``[C, width]`` fp32 tiles live beside the
+    ``[C, C]`` scores and the block's share of dA), with ``grad_warps`` warps, and the width of the row gradient
+    pass's state terms; ``row_grad_warps``: warps of the row gradient pass (grid batch·head × chunk: dq, dx)."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -30,16 +31,18 @@ class KernelConfig:
     out_warps: int = 4
     grad_block_v: int = 32
     grad_warps: int = 8
+    row_grad_warps: int = 4
 
     def __post_init__(self):
         check_launch_parameters(self, widths=("block_v", "walk_block_v", "out_block_v", "grad_block_v"),
-                                warps=("num_warps", "walk_warps", "out_warps", "grad_warps"),
+                                warps=("num_warps", "walk_warps", "out_warps", "grad_warps",
+                                       "row_grad_warps"),
                                 counts=("walk_stages", "pieces_below"))
 
 
 # Falcon-2 measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps.  Falcon-2A's fields: the
 # walks as decayed_attention's (64 columns, 4 warps, 3 stages, pieces below 128 programs), the per-chunk passes
-# 32 columns; not yet timed.  The same elsewhere.
+# 32 columns, the row gradient pass 4 warps as decayed_attention's chunk gradients; not yet timed.  The same elsewhere.
 TUNED: dict[str, KernelConfig] = {"default": KernelConfig()}
 
 

@@ -44,11 +44,16 @@ Passes (``api.py`` runs them):
   pairs t = s.
 * :func:`state_grad_pass` — the reverse walk: ``dS ← a ⊙ dS + Qᵀ (c ⊙ dO)``, storing every chunk's end-state
   gradient dh.
-* :func:`chunk_grad_pass` — grid (batch·head, chunk): from h and dh, every gradient of the chunk.  Per value
-  block of ``block_v`` columns: o again, ``dU = w ⊙ X dh`` plus the levels' transposed reads, written, and
-  the gradient of g, ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row); dA summed
-  over the value blocks.  Then, as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ`` and
-  ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
+* :func:`column_grad_pass` — grid (batch·head, chunk, value block of ``block_v``): from h and dh, for its
+  columns, o again, ``dU = w ⊙ X dh`` plus the levels' transposed reads, written, the gradient of g,
+  ``dO ⊙ o − u ⊙ dU`` (+ ``⟨S_C, dS_C⟩`` per column at the chunk's last row), and the columns' share of dA
+  (the pairs t = s on its diagonal) into ``dA_part [BH, n_chunks, dv / block_v, C, C]`` fp32.
+* XLA sums ``dA_part`` over the value blocks (fp32).
+* :func:`row_grad_pass` — grid (batch·head, chunk): as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ``
+  and ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
+
+:func:`chunk_grad_pass` runs the last three.  The split (each program of the column pass holds one value
+block's tiles and one ``[C, C]`` share) is not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -118,13 +123,18 @@ def _state_grad_kernel(q_ref, g_ref, rl_ref, do_ref, ds_end_ref, *out_refs, chun
     ds_start_ref[...] = lax.fori_loop(0, n_chunks, body, ds_end_ref[...].astype(F32))
 
 
-def _scores(q, x, rl, chunk, precision):
-    """``A = Q Xᵀ ⊙ M`` ``[C, C]`` fp32, its diagonal ``[C]`` and the mask ``M[t, s] = [s ≤ t, same segment]``."""
+def _mask(rl, chunk):
+    """``M[t, s] = [s ≤ t, same segment]`` ``[C, C]``."""
     t = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     s = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    mask = (t >= s) & (rl[:, None] == rl[None, :])
-    A = jnp.where(mask, dot(q, x.T, precision), 0.0)
-    return A, jnp.sum(jnp.where(t == s, A, 0.0), axis=1), mask
+    return (t >= s) & (rl[:, None] == rl[None, :])
+
+
+def _scores(q, x, rl, chunk, precision):
+    """``A = Q Xᵀ ⊙ M`` ``[C, C]`` fp32 and its diagonal ``[C]``."""
+    A = jnp.where(_mask(rl, chunk), dot(q, x.T, precision), 0.0)
+    eye = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) == lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return A, jnp.sum(jnp.where(eye, A, 0.0), axis=1)
 
 
 def _levels(chunk):
@@ -157,7 +167,7 @@ def _level_factors(g_ref, cols, g, pivot, first):
 def _output_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, precision):
     dtype = q_ref.dtype
     q, rl = q_ref[...], rl_ref[...]
-    A, A_diag, _ = _scores(q, x_ref[...], rl, chunk, precision)
+    A, A_diag = _scores(q, x_ref[...], rl, chunk, precision)
     A_lo = A.astype(dtype)  # the products' operand (fp32 inputs: unchanged)
     g, u = g_ref[...], u_ref[...].astype(F32)
     cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
@@ -171,47 +181,55 @@ def _output_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, h_ref, o_ref, *, chunk, p
     o_ref[...] = lax.fori_loop(0, _levels(chunk), level, o).astype(o_ref.dtype)
 
 
-def _chunk_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, dq_ref, dx_ref, du_ref, dg_ref, *,
-                       chunk, block_v, precision):
+def _column_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, du_ref, dg_ref, da_ref, *,
+                        chunk, precision):
+    """One chunk's ``block_v`` value columns: o again, du and dg (written) and the columns' share of dA,
+    ``dA_v[t, s] = Σ_{c in the block} dO[t, c] e^{g_t,c − g_s,c} u[s, c]`` on the pairs s < t, with the pairs
+    t = s, ``Σ_c dO[t, c] u[t, c]``, on its diagonal (``da_ref [C, C]`` fp32, unmasked: the segment mask is
+    applied after the sum over the value blocks)."""
+    dtype = q_ref.dtype
+    q, x, rl = q_ref[...], x_ref[...], rl_ref[...]
+    A, A_diag = _scores(q, x, rl, chunk, precision)
+    A_lo = A.astype(dtype)
+    last = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) == chunk - 1
+    g, u, do = g_ref[...], u_ref[...].astype(F32), do_ref[...].astype(F32)
+    h, dh = h_ref[...], dh_ref[...]
+    w, a = _walk_gates(g, rl, g_ref[chunk - 1, :], rl_ref[chunk - 1])
+    cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
+    du_state = w * _mm(x, dh, dtype, precision)
+    o = cont * _mm(q, h, dtype, precision) + A_diag[:, None] * u
+    du = du_state + A_diag[:, None] * do
+    # ⟨S_C, dS_C⟩ per column: a ⟨h, dh⟩ + Σ_s u_s (w ⊙ X dh)_s
+    end = a * jnp.sum(h.astype(F32) * dh.astype(F32), axis=0) + jnp.sum(u * du_state, axis=0)
+    eye = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) == lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    dA = jnp.where(eye, jnp.sum(do * u, axis=1)[:, None], 0.0)  # no level pairs t = s: the diagonal is free
+
+    def level(k, carry):
+        o, du, dA = carry
+        pivot, first, pairs = _level(k, chunk)
+        src, dst = _level_factors(g_ref, slice(None), g, pivot, first)
+        su, dd = src * u, dst * do
+        A_k = jnp.where(pairs, A_lo, 0.0)
+        return (o + dst * _mm(A_k, su, dtype, precision), du + src * _mm(A_k.T, dd, dtype, precision),
+                dA + jnp.where(pairs, _mm(dd, su.T, dtype, precision), 0.0))
+
+    o, du, dA = lax.fori_loop(0, _levels(chunk), level, (o, du, dA))
+    du_ref[...] = du.astype(du_ref.dtype)
+    dg_ref[...] = do * o - u * du + jnp.where(last, end[None, :], 0.0)
+    da_ref[...] = dA
+
+
+def _row_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_ref, da_ref, dq_ref, dx_ref, *, chunk,
+                     block_v, precision):
+    """One chunk's ``dq = (dA ⊙ M) X + Σ_v (c ⊙ dO_v) h_vᵀ`` and ``dx = (dA ⊙ M)ᵀ Q + Σ_v (w ⊙ U_v) dh_vᵀ`` from
+    ``da_ref [C, C]``, dA summed over the value blocks (its diagonal the pairs t = s)."""
     dtype = q_ref.dtype
     q, x, rl = q_ref[...], x_ref[...], rl_ref[...]
     rl_last = rl_ref[chunk - 1]
-    A, A_diag, mask = _scores(q, x, rl, chunk, precision)
-    A_lo = A.astype(dtype)
-    last = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) == chunk - 1
-    dA = jnp.zeros((chunk, chunk), F32)  # Σ over the columns: dA[t, s] = Σ_c dO[t, c] e^{g_t,c − g_s,c} u[s, c]
-    dA_diag = jnp.zeros((chunk,), F32)
-    n_blocks = u_ref.shape[-1] // block_v
-    for v in range(n_blocks):  # unrolled: static column slices
-        cols = pl.ds(v * block_v, block_v)
-        g, u, do = g_ref[:, cols], u_ref[:, cols].astype(F32), do_ref[:, cols].astype(F32)
-        h, dh = h_ref[:, cols], dh_ref[:, cols]
-        w, a = _walk_gates(g, rl, g_ref[chunk - 1, cols], rl_last)
-        cont = jnp.where((rl == 0)[:, None], jnp.exp2(g), 0.0)
-        du_state = w * _mm(x, dh, dtype, precision)
-        o = cont * _mm(q, h, dtype, precision) + A_diag[:, None] * u
-        du = du_state + A_diag[:, None] * do
-        dA_diag = dA_diag + jnp.sum(do * u, axis=1)
-        # ⟨S_C, dS_C⟩ per column: a ⟨h, dh⟩ + Σ_s u_s (w ⊙ X dh)_s
-        end = a * jnp.sum(h.astype(F32) * dh.astype(F32), axis=0) + jnp.sum(u * du_state, axis=0)
-
-        def level(k, carry, g=g, u=u, do=do, cols=cols):
-            o, du, dA = carry
-            pivot, first, pairs = _level(k, chunk)
-            src, dst = _level_factors(g_ref, cols, g, pivot, first)
-            su, dd = src * u, dst * do
-            A_k = jnp.where(pairs, A_lo, 0.0)
-            return (o + dst * _mm(A_k, su, dtype, precision), du + src * _mm(A_k.T, dd, dtype, precision),
-                    dA + jnp.where(pairs, _mm(dd, su.T, dtype, precision), 0.0))
-
-        o, du, dA = lax.fori_loop(0, _levels(chunk), level, (o, du, dA))
-        du_ref[:, cols] = du.astype(du_ref.dtype)
-        dg_ref[:, cols] = do * o - u * du + jnp.where(last, end[None, :], 0.0)
-    eye = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) == lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    dA = jnp.where(mask, dA + jnp.where(eye, dA_diag[:, None], 0.0), 0.0)
+    dA = jnp.where(_mask(rl, chunk), da_ref[...], 0.0)
     dq = _mm(dA, x, dtype, precision)
     dx = _mm(dA.T, q, dtype, precision)
-    for v in range(n_blocks):  # the state terms (c ⊙ dO) hᵀ and (w ⊙ U) dhᵀ, the gates formed again
+    for v in range(u_ref.shape[-1] // block_v):  # the state terms, the gates formed again; unrolled: static slices
         cols = pl.ds(v * block_v, block_v)
         g = g_ref[:, cols]
         w, _ = _walk_gates(g, rl, g_ref[chunk - 1, cols], rl_last)
@@ -258,15 +276,20 @@ def state_grad_pass(q, g, rl, do, ds_end, *, chunk, pieces, block_v, write_dh, i
                 name="falcon_attn_col_dstate")
 
 
+def _column_block_specs(heads, chunk, dk, block_v):
+    """Block specs of a grid (batch·head, chunk, value block of ``block_v`` columns)."""
+    return types.SimpleNamespace(k=row_block(heads, chunk, dk, lambda b, c, v: (b, c, 0)),
+                                 v=row_block(heads, chunk, block_v, lambda b, c, v: (b, c, v)),
+                                 row=pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
+                                 state=pl.BlockSpec((None, None, dk, block_v), lambda b, c, v: (b, c, 0, v)))
+
+
 def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, num_stages=1, heads=None):
     """o (like u) of every chunk from its start state h [BH, n_chunks, dk, dv]; grid (batch·head, chunk, value
     block of ``block_v`` columns)."""
     BH, L, dk = token_dims(q, heads)
     dv = u.shape[-1]
-    sp = types.SimpleNamespace(k=row_block(heads, chunk, dk, lambda b, c, v: (b, c, 0)),
-                               v=row_block(heads, chunk, block_v, lambda b, c, v: (b, c, v)),
-                               row=pl.BlockSpec((None, chunk), lambda b, c, v: (b, c)),
-                               state=pl.BlockSpec((None, None, dk, block_v), lambda b, c, v: (b, c, 0, v)))
+    sp = _column_block_specs(heads, chunk, dk, block_v)
     kernel = functools.partial(_output_kernel, chunk=chunk, precision=precision_for(q.dtype))
     (o,) = call(kernel, grid=(BH, L // chunk, dv // block_v), in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.state],
                 out_specs=[sp.v], out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype)], args=(q, x, u, g, rl, h),
@@ -275,20 +298,56 @@ def output_pass(q, x, u, g, rl, h, *, chunk, block_v, interpret, num_warps=4, nu
     return o
 
 
-def chunk_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=4, num_stages=1, heads=None):
-    """Every gradient of every chunk from its start state h and end-state gradient dh ([BH, n_chunks, dk, dv]).
+def column_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=8, num_stages=1,
+                     heads=None):
+    """du, dg and each value block's share of dA for every (batch·head, chunk, value block of ``block_v``
+    columns), from h and dh ([BH, n_chunks, dk, dv]).
 
-    Returns dq, dx, du (like q, x, u) and dg (like u, fp32; w.r.t. the chunk-local natural-log cumsum)."""
-    BH, L, _ = token_dims(q, heads)
-    sp = chunk_specs(q, u.shape[-1], chunk, heads)
-    kernel = functools.partial(_chunk_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
-    return call(kernel, grid=(BH, L // chunk),
+    Returns du (like u), dg (like u, fp32; w.r.t. the chunk-local natural-log cumsum) and
+    dA_part [BH, n_chunks, dv / block_v, C, C] fp32 (each block's pairs s < t, its pairs t = s on the diagonal;
+    unmasked)."""
+    BH, L, dk = token_dims(q, heads)
+    n, n_blocks = L // chunk, u.shape[-1] // block_v
+    sp = _column_block_specs(heads, chunk, dk, block_v)
+    square = pl.BlockSpec((None, None, None, chunk, chunk), lambda b, c, v: (b, c, v, 0, 0))
+    kernel = functools.partial(_column_grad_kernel, chunk=chunk, precision=precision_for(q.dtype))
+    return call(kernel, grid=(BH, n, n_blocks),
                 in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.v, sp.state, sp.state],
-                out_specs=[sp.k, sp.k, sp.v, sp.v],
-                out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(u.shape, F32)],
+                out_specs=[sp.v, sp.v, square],
+                out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(u.shape, F32),
+                           jax.ShapeDtypeStruct((BH, n, n_blocks, chunk, chunk), F32)],
                 args=(q, x, u, g, rl, do, h, dh), compiler_params=_params(interpret, num_warps, num_stages),
                 interpret=interpret, name="falcon_attn_col_grads")
 
 
-__all__ = ["chunk_grad_pass", "output_pass", "state_grad_pass", "state_pass"]
+def row_grad_pass(q, x, u, g, rl, do, h, dh, dA, *, chunk, block_v, interpret, num_warps=4, num_stages=1,
+                  heads=None):
+    """dq, dx (like q, x) of every (batch·head, chunk) from dA [BH, n_chunks, C, C] fp32 (summed over the
+    value blocks, unmasked), h and dh; the state terms ``block_v`` columns at a time."""
+    BH, L, _ = token_dims(q, heads)
+    sp = chunk_specs(q, u.shape[-1], chunk, heads)
+    kernel = functools.partial(_row_grad_kernel, chunk=chunk, block_v=block_v, precision=precision_for(q.dtype))
+    return call(kernel, grid=(BH, L // chunk),
+                in_specs=[sp.k, sp.k, sp.v, sp.v, sp.row, sp.v, sp.state, sp.state, sp.square],
+                out_specs=[sp.k, sp.k],
+                out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                args=(q, x, u, g, rl, do, h, dh, dA.reshape(BH, L, chunk)),
+                compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+                name="falcon_attn_row_grads")
+
+
+def chunk_grad_pass(q, x, u, g, rl, do, h, dh, *, chunk, block_v, interpret, num_warps=8, row_warps=4,
+                    num_stages=1, heads=None):
+    """Every gradient of every chunk from its start state h and end-state gradient dh ([BH, n_chunks, dk, dv]):
+    :func:`column_grad_pass` (``num_warps``), its dA shares summed over the value blocks (XLA, fp32), then
+    :func:`row_grad_pass` (``row_warps``).
+
+    Returns dq, dx, du (like q, x, u) and dg (like u, fp32; w.r.t. the chunk-local natural-log cumsum)."""
+    kw = dict(chunk=chunk, block_v=block_v, interpret=interpret, num_stages=num_stages, heads=heads)
+    du, dg, dA_part = column_grad_pass(q, x, u, g, rl, do, h, dh, num_warps=num_warps, **kw)
+    dq, dx = row_grad_pass(q, x, u, g, rl, do, h, dh, jnp.sum(dA_part, axis=2), num_warps=row_warps, **kw)
+    return dq, dx, du, dg
+
+
+__all__ = ["chunk_grad_pass", "column_grad_pass", "output_pass", "row_grad_pass", "state_grad_pass",
+           "state_pass"]

@@ -161,6 +161,21 @@ class TritonPerColumn(PerColumnChecks):
         check_op(rng, self.op("attention", run, 64), reference("attention", run), (q, x, y, eta, log_gamma, s0),
                  NAMES)
 
+    def test_attention_sums_dA_over_value_blocks(self, rng):
+        """Falcon-2A with dv = 4 × ``grad_block_v``, each value block with its own decays (γ = 1; log γ from −30
+        to −10 per step; ordinary; down to −2) and values scaled by 1, 1.5, 2, 2.5: dq and dx take dA summed
+        over the four blocks' shares (the column gradient pass writes one share per block, XLA sums them), so a
+        share dropped, counted twice or written to another block's place fails against float64."""
+        dv = 4 * self.BLOCK_V
+        (q, x, y, eta, log_gamma, s0), run = column_inputs(rng, T=77, dv=dv)
+        blocks = np.arange(dv) // self.BLOCK_V
+        log_gamma = np.where(blocks == 0, 0.0, log_gamma)
+        log_gamma = np.where(blocks == 1, -rng.uniform(10.0, 30.0, size=log_gamma.shape), log_gamma)
+        log_gamma = np.where(blocks == 3, -rng.uniform(0.0, 2.0, size=log_gamma.shape), log_gamma)
+        y = y * (1.0 + 0.5 * blocks)
+        check_op(rng, self.op("attention", run, 32, dv=dv), reference("attention", run),
+                 (q, x, y, eta, log_gamma, s0), NAMES)
+
     def test_attention_pieces(self, rng):
         """Falcon-2A's walks cut into 4 pieces of one chunk (each column's slope over a piece, a scan over the
         pieces, forward and in reverse) with two segment starts (one where no piece starts) and an initial state:
@@ -189,8 +204,8 @@ class TritonPerColumn(PerColumnChecks):
 
     def test_attention_runs_its_passes(self, rng):
         """Falcon-2A's forward is the state walk and the per-chunk output; its backward recomputes the states,
-        walks the state gradients in reverse and forms the gradients per chunk (with pieces: each walk from zero
-        first)."""
+        walks the state gradients in reverse and forms the gradients per chunk and value block, then dq and dx
+        per chunk (with pieces: each walk from zero first)."""
         args, run = column_inputs(rng, T=100, dv=32)
         args = tuple(jnp.asarray(a, jnp.float32) for a in args)
 
@@ -198,11 +213,12 @@ class TritonPerColumn(PerColumnChecks):
             o, s = self.op("attention", run, 32, pieces=pieces)(*a)
             return jnp.sum(o) + jnp.sum(s)
 
-        walk, out, back, grads = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate",
-                                  "falcon_attn_col_grads")
+        walk, out, back, col, row = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate",
+                                     "falcon_attn_col_grads", "falcon_attn_row_grads")
         assert pallas_calls(lambda *a: loss(1, *a), *args) == [walk, out]
-        assert pallas_calls(jax.grad(lambda *a: loss(1, *a)), *args) == [walk, out, walk, back, grads]
-        assert pallas_calls(jax.grad(lambda *a: loss(2, *a)), *args) == [walk, walk, out, walk, back, back, grads]
+        assert pallas_calls(jax.grad(lambda *a: loss(1, *a)), *args) == [walk, out, walk, back, col, row]
+        assert pallas_calls(jax.grad(lambda *a: loss(2, *a)), *args) == [walk, walk, out, walk, back, back, col,
+                                                                         row]
 
     def test_attention_pieces_validated(self, rng):
         args, run = column_inputs(rng, T=20, dv=16)
@@ -238,6 +254,7 @@ def test_kernel_config_is_validated():
                        ({"num_warps": 3}, "num_warps must be 1, 2, 4, 8 or 16"),
                        ({"grad_block_v": 8}, "grad_block_v must be a power of two >= 16"),
                        ({"out_warps": 5}, "out_warps must be 1, 2, 4, 8 or 16"),
+                       ({"row_grad_warps": 32}, "row_grad_warps must be 1, 2, 4, 8 or 16"),
                        ({"pieces_below": 0}, "pieces_below must be an int >= 1")):
         with pytest.raises(ValueError, match=f"KernelConfig: {match}"):
             KernelConfig(**bad)
@@ -263,7 +280,8 @@ def test_lowers_for_the_accelerator(monkeypatch, rule, implementation, dtype, dv
                         [S((B, H, T, D), dtype), S((B, H, T, D), dtype), S((B, H, T, dv), dtype), gate, gate,
                          S((B, H, D, dv), jnp.float32)], platform="tpu" if platform == "tpu" else "cuda")
     if rule == "attention" and platform == "gpu":
-        names = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads")
+        names = ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads",
+                 "falcon_attn_row_grads")
     else:
         prefix = "falcon_delta" if rule == "delta" else "falcon_attn"
         names = tuple(f"{prefix}_{name}{'_tpu' if platform == 'tpu' else ''}" for name in ("col_fwd", "col_bwd"))
@@ -285,9 +303,15 @@ def test_falcon_2a_kernels_read_the_model_layout(monkeypatch):
     specs = [S((B, T, H, D), bf16)] * 3 + [S((B, T, H, D), f32), S((B, T, H), f32)]
     grad = jax.grad(loss, argnums=tuple(range(5)))
     text = lowered_text(grad, specs)
-    for name in ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads"):
+    for name in ("falcon_attn_col_state", "falcon_attn_col_out", "falcon_attn_col_dstate", "falcon_attn_col_grads",
+                 "falcon_attn_row_grads"):
         assert f'"{name}' in text, name
-    L = 256  # 200 rows padded to 4 chunks of 64
-    operands, outputs = pallas_call_avals(grad, specs, "falcon_attn_col_grads")[0]
-    assert [shape for shape, _ in operands[:4]] == [(B, L, H, D)] * 4  # q, x, u, g in place
-    assert [shape for shape, _ in outputs] == [(B, L, H, D)] * 4  # dq, dx, du, dg
+    L, n, width = 256, 4, tuned_config().grad_block_v  # 200 rows padded to 4 chunks of 64
+    for name in ("falcon_attn_col_grads", "falcon_attn_row_grads"):
+        operands, _ = pallas_call_avals(grad, specs, name)[0]
+        assert [shape for shape, _ in operands[:4]] == [(B, L, H, D)] * 4, name  # q, x, u, g in place
+    _, outputs = pallas_call_avals(grad, specs, "falcon_attn_col_grads")[0]
+    # du, dg in place; each value block's share of dA
+    assert outputs == [((B, L, H, D), bf16), ((B, L, H, D), f32), ((B * H, n, D // width, 64, 64), f32)]
+    _, outputs = pallas_call_avals(grad, specs, "falcon_attn_row_grads")[0]
+    assert [shape for shape, _ in outputs] == [(B, L, H, D)] * 2  # dq, dx
