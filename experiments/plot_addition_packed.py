@@ -1,0 +1,77 @@
+"""Plots of packed-addition runs from their result files: mean in-distribution exact match against training
+tokens, and teacher-forced accuracy by operand width at each run's last evaluation.
+
+    python experiments/plot_addition_packed.py OUT_PREFIX LABEL=RESULT.json [LABEL=RESULT.json ...]
+
+writes ``OUT_PREFIX-learning-curves.png`` and ``OUT_PREFIX-accuracy-vs-width.png``.  A result file is the JSON
+``experiments/results/addition-packed-*.json`` holds: the run's ``config`` and every record of its
+``metrics.jsonl`` (``kind`` "eval": ``teacher_forced`` per width, ``exact`` and ``digit``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+TARGET = 95.0  # the in-distribution target of the addition experiment, % exact
+
+
+def load(path: str):
+    """``(tokens per step, eval records by step, trained widths)`` of one result file; a step evaluated twice
+    (the last evaluation repeated at the end of a run) keeps its last record."""
+    res = json.load(open(path))
+    cfg = res["config"]
+    tokens = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+    evals = {r["step"]: r for r in res["metrics"] if r.get("kind") == "eval"}
+    widths = range(cfg["data"]["train_min_width"], cfg["data"]["train_max_width"] + 1)
+    return tokens, dict(sorted(evals.items())), list(widths)
+
+
+def mean_exact(record, widths) -> float:
+    return 100.0 * sum(record["teacher_forced"][str(w)]["exact"] for w in widths) / len(widths)
+
+
+def main(argv) -> int:
+    if len(argv) < 2 or any("=" not in a for a in argv[1:]):
+        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        return 2
+    prefix, runs = argv[0], [a.split("=", 1) for a in argv[1:]]
+    loaded = [(label, *load(path)) for label, path in runs]
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, tokens, evals, widths in loaded:
+        steps = list(evals)
+        ax.plot([s * tokens / 1e9 for s in steps], [mean_exact(evals[s], widths) for s in steps], marker="o",
+                markersize=3, label=label)
+    ax.axhline(TARGET, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("training tokens (B)")
+    ax.set_ylabel("mean exact match, trained widths (%)")
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}-learning-curves.png", dpi=100)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, _, evals, widths in loaded:
+        step, last = next(reversed(evals.items()))
+        all_widths = sorted(int(w) for w in last["teacher_forced"])
+        for key, style in (("exact", "-"), ("digit", "--")):
+            ax.plot(all_widths, [100.0 * last["teacher_forced"][str(w)][key] for w in all_widths], style,
+                    marker="o", markersize=3, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
+        ax.axvline(max(widths) + 0.5, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("digits per operand")
+    ax.set_ylabel("teacher-forced accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}-accuracy-vs-width.png", dpi=100)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
