@@ -62,3 +62,37 @@ def test_lm_rows_report_the_last_validation_and_median_speed(tmp_path, rng):
     assert row["tokens"] == 30 * 4 * 64
     steady = sorted(speeds[2:])  # steps 15..35: after twice the log interval
     assert row["tokens_per_s_median"] == pytest.approx(steady[len(steady) // 2])
+
+
+def _plot_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "plot_addition_packed.py"
+    spec = importlib.util.spec_from_file_location("plot_addition_packed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
+    plot = _plot_module()
+    exact = rng.uniform(size=(3, 6))
+    evals = [{"kind": "eval", "step": step, "teacher_forced": {str(w): {"exact": float(exact[i, w - 1]), "digit": 0.5}
+                                                               for w in range(1, 7)}}
+             for i, step in enumerate((100, 200, 200))]
+    result = {"config": {"train": {"batch_size": 4}, "data": {"seq_len": 256, "train_min_width": 1,
+                                                               "train_max_width": 4}},
+              "metrics": [{"kind": "train", "step": 1, "loss": 2.0}, *evals]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    tokens, by_step, widths = plot.load(str(path))
+    assert tokens == 1024 and widths == [1, 2, 3, 4] and list(by_step) == [100, 200]
+    # step 200 was evaluated twice: the later record counts, and only the trained widths enter the mean
+    assert plot.mean_exact(by_step[200], widths) == pytest.approx(100 * exact[2, :4].mean())
+    prefix = tmp_path / "img" / "p"
+    prefix.parent.mkdir()
+    assert plot.main([str(prefix), f"run={path}"]) == 0
+    assert (tmp_path / "img" / "p-learning-curves.png").stat().st_size > 0
+    assert (tmp_path / "img" / "p-accuracy-vs-width.png").stat().st_size > 0
+    assert plot.main([str(prefix), str(path)]) == 2
