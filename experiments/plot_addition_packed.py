@@ -49,12 +49,7 @@ def main(argv) -> int:
         ax.plot([s * tokens / 1e9 for s in steps], [mean_exact(evals[s], widths) for s in steps], marker="o",
                 markersize=3, label=label)
     ax.axhline(TARGET, color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("training tokens (B)")
-    ax.set_ylabel("mean exact match, trained widths (%)")
-    ax.set_ylim(-2, 102)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}-learning-curves.png", dpi=100)
+    _save(fig, ax, "training tokens (B)", "mean exact match, trained widths (%)", f"{prefix}-learning-curves.png")
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, _, evals, widths in loaded:
@@ -64,13 +59,18 @@ def main(argv) -> int:
             ax.plot(all_widths, [100.0 * last["teacher_forced"][str(w)][key] for w in all_widths], style,
                     marker="o", markersize=3, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
         ax.axvline(max(widths) + 0.5, color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("digits per operand")
-    ax.set_ylabel("teacher-forced accuracy (%)")
+    _save(fig, ax, "digits per operand", "teacher-forced accuracy (%)", f"{prefix}-accuracy-vs-width.png")
+    return 0
+
+
+def _save(fig, ax, xlabel: str, ylabel: str, path: str):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-2, 102)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(f"{prefix}-accuracy-vs-width.png", dpi=100)
-    return 0
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
