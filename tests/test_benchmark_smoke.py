@@ -293,16 +293,20 @@ def test_trace_scopes_reads_gpu_kernels_by_instruction_annotation_and_kernel_nam
     assert split["modules_us"] == {"jit_train_step": total}
 
     # inside a CUDA graph every kernel names the graph's launch: XLA's fusions and the Pallas kernels are found by
-    # kernel name; the cuBLAS kernel is not, and neither is the kernel two scopes' custom calls share
+    # kernel name; the cuBLAS kernel is not, and neither is the kernel two scopes' custom calls share; an op_name
+    # the graph's annotation carries is the graph's, not the kernel's: not taken
     graph = [(k, 7, us, _annotated("command_buffer", cuda_graph_id="3")) for _, k, us in LAUNCHES]
+    graph.append(("nvjet_in_graph", 7, 128.0, _annotated("command_buffer_1376", cuda_graph_id="4",
+                                                          name="jvp(FalconLM)/blocks/mixer/dot_general")))
     split = ts.scope_times(_device_trace(graph), prog, SCOPES)
     assert split["by_scope_us"] == {"mixer": 2.0 + 4.0 + 8.0, "mixer/core": 4.0 + 8.0, "mlp": 64.0}
     assert split["by_method_us"] == {"hlo_op": 0.0, "annotation": 0.0, "kernel_name": 2.0 + 4.0 + 8.0 + 64.0}
-    assert split["unattributed_us"] == 1.0 + 16.0 + 32.0
+    assert split["unattributed_us"] == 1.0 + 16.0 + 32.0 + 128.0
     top = split["unattributed_top"]
     assert [(r["name"], r["us"], r["events"]) for r in top] == [
-        ("gate_transpose", 48.0, 2), ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0, 1)]
-    assert top[0]["args"]["hlo_op"] == "command_buffer" and top[0]["args"]["cuda_graph_id"] == "3"
+        ("nvjet_in_graph", 128.0, 1), ("gate_transpose", 48.0, 2),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0, 1)]
+    assert top[1]["args"]["hlo_op"] == "command_buffer" and top[1]["args"]["cuda_graph_id"] == "3"
 
     # the op_name the annotation carries stands in for an instruction the text lacks; a "%" and a long_name's
     # HLO text still name one
