@@ -132,10 +132,12 @@ def run(args, argv) -> int:
                           "largest, with their args); mixer_share and core_share are null when over "
                           f"{trace_scopes.MAX_UNATTRIBUTED:.0%} of the time is unattributed; mixer_kernels_share: "
                           "kernels whose names mark them as the mixers' own (falcon-jax's Pallas kernels, cuDNN "
-                          "attention), from the names alone; on a GPU the step is compiled with "
-                          "xla_enable_command_buffers_during_profiling=false, so that the traced step launches "
-                          "the CUDA graphs' kernels one at a time, each naming its instruction (untraced steps keep "
-                          "the graphs) (benchmarks/trace_scopes.py)".format(**timing),
+                          "attention), from the names alone; on a GPU the traced steps run a second executable of "
+                          "the same step compiled without CUDA graphs (xla_gpu_enable_command_buffer empty; "
+                          "profile_compile_s), which launches each kernel on its own, naming its instruction "
+                          "(inside a graph every kernel names the graph); the timed steps run the executable with "
+                          "the graphs, and peak_bytes is read before the other one first runs "
+                          "(benchmarks/trace_scopes.py)".format(**timing),
                "compile": "lower_s: tracing the step to StableHLO; compile_s: XLA's compilation, with "
                           "compiled_alongside other configurations compiling in their processes at the same time"
                           + ("" if autotune is None else "; the configurations share XLA's per-fusion autotuning "

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -406,13 +407,14 @@ def test_lm_compile_drops_the_options_an_xla_does_not_know():
                     raise RuntimeError(f"INVALID_ARGUMENT: No such compile option: '{key}'")
             return "compiled"
 
-    options = {"xla_enable_command_buffers_during_profiling": False, "xla_gpu_per_fusion_autotune_cache_dir": "/a"}
+    options = {"xla_gpu_enable_command_buffer": "", "xla_gpu_per_fusion_autotune_cache_dir": "/a"}
     notes = {}
     lowered = Lowered({"xla_gpu_per_fusion_autotune_cache_dir"})
     assert compile_with(lowered, options, notes)[0] == "compiled"
     assert lowered.calls == [options, {"xla_gpu_per_fusion_autotune_cache_dir": "/a"}]
-    assert list(notes) == ["xla_enable_command_buffers_during_profiling"] and "has no" in notes[
-        "xla_enable_command_buffers_during_profiling"]
+    assert list(notes) == ["xla_gpu_enable_command_buffer"]
+    assert "has no" in notes["xla_gpu_enable_command_buffer"] and "CUDA graphs" in notes[
+        "xla_gpu_enable_command_buffer"]
     assert len(options) == 2  # the caller's dict is left alone
 
     notes = {}
@@ -426,3 +428,41 @@ def test_lm_compile_drops_the_options_an_xla_does_not_know():
 
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         compile_with(Broken(set()), options, {})
+
+
+def test_lm_measure_times_one_executable_and_profiles_the_other_with_the_donated_state(monkeypatch):
+    import jax.numpy as jnp
+
+    import falcon_jax.train.trainer as trainer
+    from benchmarks import lm, trace_scopes
+
+    def step(params, rest, opt_state, batch):  # the train step's signature; the state counts the steps it took
+        with jax.named_scope("mixer"):
+            new = params + batch["x"] * rest
+        return new, opt_state + 1, {"loss": jnp.sum(new)}
+
+    args = (jnp.zeros(8), jnp.float32(2.0), jnp.int32(0), {"x": jnp.arange(8.0)})
+    lowered = jax.jit(step, donate_argnums=(0, 2)).lower(*args)
+    calls = []
+
+    def logged(name, executable):
+        def run(*a):
+            calls.append(name)
+            return executable(*a)
+        return run
+
+    profiled = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})  # accepted on any backend
+    monkeypatch.setattr(trainer, "peak_device_memory", lambda: calls.append("peak") or 1234)
+    lm.STATE.update(compiled=logged("timed", lowered.compile()), profiled=logged("profiled", profiled), params=args[0], rest=args[1], opt_state=args[2],
+                    batch=args[3], program=trace_scopes.program(profiled.as_text()), tokens=8)
+    try:
+        row = lm.measure({"timing": {"warmup": 2, "calls": 3, "repeats": 2, "profile_steps": 2}})
+        # the peak is read after the timed steps, before the profiled executable's untraced step and traced steps;
+        # each step took the state the one before it left (donated), so the state counts them all
+        assert calls == ["timed"] * (2 + 3 * 2) + ["peak"] + ["profiled"] * (1 + 2), calls
+        assert int(lm.STATE["opt_state"]) == len(calls) - 1
+        np.testing.assert_array_equal(lm.STATE["params"], np.arange(8.0) * 2.0 * (len(calls) - 1))
+        assert row["peak_bytes"] == 1234 and row["loss"] == pytest.approx(float(np.arange(8.0).sum() * 2 * 8))
+        assert row["device_ms"] > 0 and row["unattributed_share"] < 0.5, row
+    finally:
+        lm.STATE.clear()
