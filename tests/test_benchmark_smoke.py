@@ -111,6 +111,7 @@ def test_lm_smoke_times_the_train_step_and_splits_it_by_scope(tmp_path):
     for mixer, row in rows.items():
         assert (row["shape"], row["batch"], row["length"], row["tokens_per_step"]) == ("2x64", 2, 64, 128), row
         assert row["notes"] == {} and row["kernels"] == "xla", row  # the CPU: XLA serves every mixer
+        assert row["profile_compile_s"] is None, row  # no CUDA graphs: the timed executable is the profiled one
         assert row["compiled_alongside"] == 1, row  # --jobs 2: compiled together
         cfg = LMConfig.preset(f"{mixer}-tiny", dtype="bfloat16", param_dtype="float32")
         assert row["params"] == expected_param_count(cfg)["total"], row
