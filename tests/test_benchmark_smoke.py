@@ -3,7 +3,8 @@ kernels in interpret mode, no peers): the whole entry point runs as a subprocess
 every row with finite times and the metadata a result needs.  The lm suite's split of device time by named scope
 (``benchmarks/trace_scopes.py``, which imports nothing heavy) is also checked on hand-written programs and traces
 in the GPU profiler's layouts: launches that name their instruction, kernels inside a CUDA graph (found by kernel
-name), annotations carrying only the op_name, other programs' kernels; and its printed table on hand-written rows."""
+name), annotations carrying only the op_name, other programs' kernels; its printed table on hand-written rows; which
+executable its measurement runs when; and its deadlines under ``--budget``, with stand-in workers."""
 
 import datetime
 import json
@@ -467,3 +468,73 @@ def test_lm_measure_times_one_executable_and_profiles_the_other_with_the_donated
         assert row["device_ms"] > 0 and row["unattributed_share"] < 0.5, row
     finally:
         lm.STATE.clear()
+
+
+def test_lm_budget_deadlines_leave_each_configuration_its_measuring_time():
+    from benchmarks.lm_suite import LM_MEASURE_RESERVE as R
+    from benchmarks.lm_suite import LM_MIN_PREPARE, measure_deadline, prepare_deadline
+
+    assert prepare_deadline(420, None, 10) == 420  # no budget: the limit alone
+    assert prepare_deadline(420, 1000.0, 10) == 420
+    assert prepare_deadline(420, 112.0, 10) == pytest.approx(112.0 - 10 * R)  # 9 compiled in time get measured
+    assert prepare_deadline(420, 112.0, 1) == pytest.approx(112.0 - R)
+    assert prepare_deadline(420, 3 * R, 10) == LM_MIN_PREPARE
+    assert measure_deadline(180, None) == 180 and measure_deadline(180, 1000.0) == 180
+    assert measure_deadline(180, 100.0) == 100.0 and measure_deadline(180, 0.5) == R
+
+
+def test_lm_budget_measures_the_compiled_configurations_of_a_wave_whose_slow_compile_times_out(tmp_path, monkeypatch):
+    import signal
+    import time
+
+    from benchmarks import lm_suite
+    from benchmarks.run import parse_args
+
+    compile_s = {"falcon-1A.3": 30.0, "transformer": 0.2}  # the first would outlast the whole budget
+    requests = []
+
+    class Worker:  # benchmarks.common.Worker's interface, the worker process replaced by sleeps
+        def __init__(self, name, *args, **kwargs):
+            self.mixer, self.environment = name.split()[0], None
+
+        def start(self):
+            return "ok"
+
+        def request(self, req, limit):
+            requests.append((self.mixer, req["cmd"], limit))
+            if req["cmd"] == "lm_prepare":
+                if compile_s[self.mixer] > limit:
+                    time.sleep(limit)
+                    return f"timed out after {limit:.0f} s", {}
+                time.sleep(compile_s[self.mixer])
+                return "ok", {"seconds": compile_s[self.mixer], "compile_s": compile_s[self.mixer], "notes": {}}
+            time.sleep(0.1)
+            return "ok", {"seconds": 0.1, "step_ms": 1.0, "tokens_per_s": 128e3, "notes": {}}
+
+        def stop(self):
+            pass
+
+    budget, reserve = 4.0, 1.5
+    monkeypatch.setattr(lm_suite, "Worker", Worker)
+    monkeypatch.setattr(lm_suite, "LM_MEASURE_RESERVE", reserve)
+    monkeypatch.setattr(lm_suite, "LM_MIN_PREPARE", 0.5)
+    argv = ["--suite", "lm", "--smoke", "--mixers", "falcon-1A.3,transformer", "--lengths", "64", "--jobs", "2",
+            "--budget", str(budget), "--out", str(tmp_path)]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert lm_suite.run(parse_args(argv), argv) == 1  # a configuration timed out
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+    data = json.loads((tmp_path / "lm.json").read_text())
+    rows = {r["mixer"]: r for r in data["rows"]}
+    # one wave of both: its compiles end two reserves before the budget; the slow one is cut there, the fast one
+    # is measured in the time left
+    prepares = [limit for _, cmd, limit in requests if cmd == "lm_prepare"]
+    assert len(prepares) == 2 and all(budget - 2 * reserve - 0.5 < p <= budget - 2 * reserve for p in prepares)
+    assert rows["falcon-1A.3"]["notes"] == {"prepare": "timed out after 1 s"}, rows
+    assert rows["transformer"]["tokens_per_s"] == 128e3 and rows["transformer"]["notes"] == {}, rows
+    (measure,) = [limit for mixer, cmd, limit in requests if cmd == "lm_measure"]
+    assert reserve <= measure < budget - 1.0
+    assert [s["status"] for s in data["steps"]] == ["timed out after 1 s", "ok"]
+    assert data["budget_s"] == budget and data["measure_reserve_s"] == reserve
