@@ -190,7 +190,9 @@ def _profile(steps: int, notes: dict) -> dict:
     matches no instruction of the step (they would count only the part that did);
     ``mixer_kernels_share`` (kernel names alone) stands regardless.  ``attributed_by``: the share each
     matching method covered; ``unattributed_top``: the largest unattributed kernels, ms per step, with their
-    args, so that a trace the attribution does not read shows what it holds."""
+    args, so that a trace the attribution does not read shows what it holds.  ``device_ms`` and
+    ``profiled_wall_ms`` are the profiled executable's: without CUDA graphs the host launches every kernel, so
+    its wall time per step may exceed ``step_ms``."""
     if steps < 1:
         return {}
     host = jax.default_backend() == "cpu"
