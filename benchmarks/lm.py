@@ -9,13 +9,17 @@ settings, parameters and optimizer state donated).  ``--smoke`` uses the ``tiny`
 
 * :func:`prepare`: build the model eagerly (``train.init="eager"``, the trainer's default), the optimizer
   state and a batch of random tokens, then trace and compile the step (timed apart: ``lower_s`` and
-  ``compile_s``; on a GPU with ``xla_enable_command_buffers_during_profiling=false``, which affects profiled
-  steps only: they launch the CUDA graphs' kernels one at a time, each naming its instruction; and with
-  ``autotune_cache``, a folder of XLA's per-fusion autotuning results shared by the run's processes);
+  ``compile_s``; with ``autotune_cache``, a folder of XLA's per-fusion autotuning results shared by the run's
+  processes).  On a GPU the same lowered step is compiled a second time without CUDA graphs
+  (``xla_gpu_enable_command_buffer`` empty; ``profile_compile_s``): the executable of the profiled steps.
+  Inside a CUDA graph every kernel's launch names the graph (``hlo_op=command_buffer_N``), so cuBLAS and cuDNN
+  kernels could not be told apart by scope; launched one at a time, each names its HLO instruction.  The
+  timed steps run the executable with the graphs;
 * :func:`measure`: time the step (``warmup`` steps, then the median over ``repeats`` samples of the mean time
-  of ``calls`` back-to-back steps), read the process's peak device memory, and profile ``profile_steps``
-  steps to split their device time by named scope (:mod:`benchmarks.trace_scopes`) and to find the time
-  spent in the mixers' own kernels by kernel name.
+  of ``calls`` back-to-back steps), read the process's peak device memory (before the profiled executable
+  first runs, so the peak is the timed step's), and profile ``profile_steps`` steps of the profiled executable
+  (on a GPU after one untraced step of it) to split their device time by named scope (:mod:`benchmarks.trace_scopes`)
+  and to find the time spent in the mixers' own kernels by kernel name.
 
 The batch has no ``segment_ids`` (every row one sequence, so the Transformer takes cuDNN attention on a
 GPU) unless ``packed``: then ``segment_ids`` of zeros, as the trainer's text loader passes, which sends the
@@ -40,7 +44,8 @@ SCOPES = ("mixer", "mixer/core")
 STATE: dict = {}
 UNKNOWN_OPTION_EFFECTS = {
     "xla_gpu_per_fusion_autotune_cache_dir": "autotuning results not shared",
-    "xla_enable_command_buffers_during_profiling": "the profiled step runs as this XLA runs it under a profiler",
+    "xla_gpu_enable_command_buffer": "the profiled steps run with CUDA graphs, whose kernels all name the graph: "
+                                     "only kernel names attribute them (cuBLAS and cuDNN kernels stay unattributed)",
 }
 
 
@@ -88,25 +93,33 @@ def prepare(req: dict) -> dict:
     t2 = time.perf_counter()
     lower_s = t2 - t1
     options = {}
-    if jax.default_backend() == "gpu":
-        # a profiled step runs the CUDA graphs' thunks one by one, so that each kernel's launch names its HLO
-        # instruction (inside a graph every kernel names the graph); steps run without a profiler keep the graphs
-        options["xla_enable_command_buffers_during_profiling"] = False
-        if req.get("autotune_cache"):
-            # XLA's per-fusion autotuning results, shared by the run's processes (the layers and the MLP are
-            # the same in every configuration: their GEMMs are tuned once, by the first compile, on a quiet GPU)
-            options["xla_gpu_per_fusion_autotune_cache_dir"] = req["autotune_cache"]
+    graphs = jax.default_backend() == "gpu"  # XLA gathers a GPU program's kernels into CUDA graphs
+    if graphs and req.get("autotune_cache"):
+        # XLA's per-fusion autotuning results, shared by the run's processes (the layers and the MLP are the same
+        # in every configuration: their GEMMs are tuned once, by the first compile, on a quiet GPU)
+        options["xla_gpu_per_fusion_autotune_cache_dir"] = req["autotune_cache"]
     notes = {}
     compiled, t2 = compile_with(lowered, options, notes)
     t3 = time.perf_counter()
+    profiled, profile_compile_s = compiled, None
+    if graphs:
+        # the profiled steps' executable: no command buffers (an empty list of the commands CUDA graphs may hold),
+        # so every kernel is launched by its own thunk and names its instruction; the same autotuning results
+        profile_options = {k: v for k, v in options.items() if k not in notes}
+        profile_options["xla_gpu_enable_command_buffer"] = ""
+        profiled, t4 = compile_with(lowered, profile_options, notes)
+        profile_compile_s = round(time.perf_counter() - t4, 2)
     hlo = compiled.as_text()
-    prog = trace_scopes.program(hlo)
+    # a trace names the instructions of the executable that ran: the profiled one's
+    prog = trace_scopes.program(hlo if profiled is compiled else profiled.as_text())
+    names = prog.names if profiled is compiled else trace_scopes.op_names(hlo)
     STATE.clear()
-    STATE.update(compiled=compiled, params=params, rest=rest, opt_state=opt_state, batch=batch, program=prog,
-                 tokens=req["batch"] * req["length"])
+    STATE.update(compiled=compiled, profiled=profiled, params=params, rest=rest, opt_state=opt_state, batch=batch,
+                 program=prog, tokens=req["batch"] * req["length"])
     row = {"init_s": round(t1 - t0, 2), "lower_s": round(lower_s, 2), "compile_s": round(t3 - t2, 2),
+           "profile_compile_s": profile_compile_s,
            "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
-           "kernels": "+".join(trace_scopes.kernel_families(hlo, "mixer/core", prog.names)) or "xla",
+           "kernels": "+".join(trace_scopes.kernel_families(hlo, "mixer/core", names)) or "xla",
            "hlo_module": prog.module,
            "model": {k: v for k, v in cfg.model.items() if k != "mixer"}, "notes": notes}
     analysis = compiled.memory_analysis()
@@ -132,12 +145,14 @@ def compile_with(lowered, options: dict, notes: dict):
                 notes[key] = f"this XLA has no {key}: " + UNKNOWN_OPTION_EFFECTS.get(key, "compiled without it")
 
 
-def _steps(n: int):
-    """Run ``n`` train steps back to back; returns the last step's metrics (not waited for)."""
+def _steps(n: int, executable: str = "compiled"):
+    """Run ``n`` train steps back to back with ``STATE[executable]`` (``"compiled"``: the timed one,
+    ``"profiled"``: the one without CUDA graphs); returns the last step's metrics (not waited for).  Parameters
+    and optimizer state are donated: each step takes the current ones and its outputs replace them."""
     s = STATE
     metrics = None
     for _ in range(n):
-        s["params"], s["opt_state"], metrics = s["compiled"](s["params"], s["rest"], s["opt_state"], s["batch"])
+        s["params"], s["opt_state"], metrics = s[executable](s["params"], s["rest"], s["opt_state"], s["batch"])
     return metrics
 
 
@@ -156,6 +171,7 @@ def measure(req: dict) -> dict:
         metrics = jax.block_until_ready(_steps(timing["calls"]))
         samples.append((time.perf_counter() - start) / timing["calls"])
     step_s = statistics.median(samples)
+    # the peak is read before the profiled executable first runs: its buffers are not the timed step's
     row = {"step_ms": step_s * 1e3, "tokens_per_s": STATE["tokens"] / step_s,
            "step_ms_samples": [round(t * 1e3, 3) for t in samples], "peak_bytes": peak_device_memory(),
            "loss": float(metrics["loss"]), "notes": {}}
@@ -166,23 +182,28 @@ def measure(req: dict) -> dict:
 
 
 def _profile(steps: int, notes: dict) -> dict:
-    """Device time per step and its split by named scope, from a trace of ``steps`` steps
+    """Device time per step and its split by named scope, from a trace of ``steps`` steps of the profiled
+    executable (:func:`prepare`; after one untraced step of it, where it is not the timed one)
     (:func:`benchmarks.trace_scopes.scope_times`).
 
     ``mixer_share`` and ``core_share`` are ``None`` when more than ``MAX_UNATTRIBUTED`` of the device time
     matches no instruction of the step (they would count only the part that did);
     ``mixer_kernels_share`` (kernel names alone) stands regardless.  ``attributed_by``: the share each
     matching method covered; ``unattributed_top``: the largest unattributed kernels, ms per step, with their
-    args, so that a trace the attribution does not read shows what it holds."""
+    args, so that a trace the attribution does not read shows what it holds.  ``device_ms`` and
+    ``profiled_wall_ms`` are the profiled executable's: without CUDA graphs the host launches every kernel, so
+    its wall time per step may exceed ``step_ms``."""
     if steps < 1:
         return {}
     host = jax.default_backend() == "cpu"
     try:
+        if STATE["profiled"] is not STATE["compiled"]:
+            jax.block_until_ready(_steps(1, "profiled"))  # untraced: its first run loads its kernels
         with tempfile.TemporaryDirectory(prefix="falcon-lm-trace-") as log_dir:
             jax.profiler.start_trace(log_dir)
             try:
                 start = time.perf_counter()
-                jax.block_until_ready(_steps(steps))
+                jax.block_until_ready(_steps(steps, "profiled"))
                 wall = time.perf_counter() - start
             finally:
                 jax.profiler.stop_trace()

@@ -27,6 +27,13 @@ SMOKE_LM_TOKENS, SMOKE_LM_LENGTHS = 128, (16, 64, 128)
 LM_TIMING = {"warmup": 2, "calls": 2, "repeats": 5, "profile_steps": 1}
 SMOKE_LM_TIMING = {"warmup": 1, "calls": 1, "repeats": 2, "profile_steps": 1}
 LM_LIMITS = {"prepare": 420, "measure": 180}  # seconds per configuration: build + compile, then timing + profile
+# seconds one configuration's measurement takes (warm-up, timed and profiled steps, reading the trace): 2.4-4.7 s
+# a row on an H200 at 32,768 tokens per step with the timed executable profiled, plus here one untraced step of
+# the profiled executable; ~34 s for the per-column Falcon-2.3 (2.5 s steps), the last mixer measured.  Under
+# --budget a wave's compiles end this long per configuration before the budget, so that those which compiled are
+# measured; a measurement, once started, gets at least this long
+LM_MEASURE_RESERVE = 6.0
+LM_MIN_PREPARE = 5.0  # seconds a wave's compiles get however little of the budget is left
 # processes share the GPU while others compile: each allocates as it goes (the peak is still per process)
 LM_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
@@ -75,6 +82,21 @@ def lm_table(rows):
                         ("mixer kernels %", kernels_share), ("note", note)])
 
 
+def prepare_deadline(limit: float, left: float | None, configurations: int) -> float:
+    """Seconds a wave of ``configurations`` may build and compile for: ``limit``; under ``--budget`` (``left``:
+    its seconds left) at most what remains after ``LM_MEASURE_RESERVE`` s of measuring per configuration, and at
+    least ``LM_MIN_PREPARE`` s."""
+    if left is None:
+        return limit
+    return max(min(limit, left - LM_MEASURE_RESERVE * configurations), LM_MIN_PREPARE)
+
+
+def measure_deadline(limit: float, left: float | None) -> float:
+    """Seconds a measurement (started while ``left`` > 0) may take: ``limit``; under ``--budget`` what is left of
+    it, but at least ``LM_MEASURE_RESERVE`` s (so the run ends at most that long past the budget)."""
+    return limit if left is None else min(limit, max(left, LM_MEASURE_RESERVE))
+
+
 def _merge_reply(row: dict, stage: str, status: str, reply) -> str:
     """Fold a worker's reply to ``stage`` ("prepare" or "measure") into ``row``: its numbers as fields (its
     "seconds" as ``<stage>_s``) and its notes, or the error under ``row["notes"][stage]``.  Returns the status."""
@@ -92,7 +114,11 @@ def _merge_reply(row: dict, stage: str, status: str, reply) -> str:
 
 def run(args, argv) -> int:
     """The lm suite: waves of ``--jobs`` configurations, each in a fresh worker process, built and compiled
-    together, then measured one at a time; the JSON is rewritten after every row."""
+    together, then measured one at a time; the JSON is rewritten after every row.
+
+    ``--budget``: no wave starts, and no measurement starts, past it; a wave's compiles are stopped at
+    :func:`prepare_deadline` (the budget less ``LM_MEASURE_RESERVE`` s per configuration of the wave), those cut
+    there reported as timed out and the others measured, each for at most :func:`measure_deadline`."""
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "lm.log"))
     started = time.monotonic()
@@ -132,16 +158,19 @@ def run(args, argv) -> int:
                           "largest, with their args); mixer_share and core_share are null when over "
                           f"{trace_scopes.MAX_UNATTRIBUTED:.0%} of the time is unattributed; mixer_kernels_share: "
                           "kernels whose names mark them as the mixers' own (falcon-jax's Pallas kernels, cuDNN "
-                          "attention), from the names alone; on a GPU the step is compiled with "
-                          "xla_enable_command_buffers_during_profiling=false, so that the traced step launches "
-                          "the CUDA graphs' kernels one at a time, each naming its instruction (untraced steps keep "
-                          "the graphs) (benchmarks/trace_scopes.py)".format(**timing),
+                          "attention), from the names alone; on a GPU the traced steps run a second executable of "
+                          "the same step compiled without CUDA graphs (xla_gpu_enable_command_buffer empty; "
+                          "profile_compile_s), which launches each kernel on its own, naming its instruction "
+                          "(inside a graph every kernel names the graph); the timed steps run the executable with "
+                          "the graphs, and peak_bytes is read before the other one first runs "
+                          "(benchmarks/trace_scopes.py)".format(**timing),
                "compile": "lower_s: tracing the step to StableHLO; compile_s: XLA's compilation, with "
                           "compiled_alongside other configurations compiling in their processes at the same time"
                           + ("" if autotune is None else "; the configurations share XLA's per-fusion autotuning "
                              "results (xla_gpu_per_fusion_autotune_cache_dir): the first row's compile is cold and "
                              "alone, the later ones find the GEMMs they share with it tuned"),
                "jobs": args.jobs, "worker_env": LM_ENV, "timing_parameters": timing, "limits_s": limits,
+               "budget_s": args.budget, "measure_reserve_s": LM_MEASURE_RESERVE,
                "trees": {"measured": tree}, "environment": None, "steps": [], "rows": []}
     out_json = os.path.join(args.out, "lm.json")
 
@@ -152,10 +181,6 @@ def run(args, argv) -> int:
 
     def left():
         return None if args.budget is None else args.budget - (time.monotonic() - started)
-
-    def limit(kind):
-        budget = left()
-        return limits[kind] if budget is None else max(min(limits[kind], budget), 1)
 
     log(f"benchmarks.run --suite lm{' --smoke' if args.smoke else ''}: {tree['path']} "
         f"({tree['commit'] or 'no git commit'}, source {tree['source_sha1']}); {len(configs)} configurations, "
@@ -179,12 +204,15 @@ def run(args, argv) -> int:
             workers.extend(wave_workers)
             prepared = [None] * len(wave)
 
-            def prepare(i, mixer, b, t, worker, deadline):
-                prepared[i] = worker.request({"cmd": "lm_prepare", "mixer": mixer, "batch": b, "length": t,
-                                              "packed": args.packed, "autotune_cache": autotune}, deadline)
+            def prepare(i, mixer, b, t, worker, end):
+                # the wave's compiles end together: a worker's start-up counts against its deadline
+                status = worker.start()
+                prepared[i] = (status, {}) if status != "ok" else worker.request(
+                    {"cmd": "lm_prepare", "mixer": mixer, "batch": b, "length": t, "packed": args.packed,
+                     "autotune_cache": autotune}, max(end - time.monotonic(), 1))
 
-            deadline = limit("prepare")
-            threads = [threading.Thread(target=prepare, args=(i, *config, worker, deadline), daemon=True)
+            end = time.monotonic() + prepare_deadline(limits["prepare"], left(), len(wave))
+            threads = [threading.Thread(target=prepare, args=(i, *config, worker, end), daemon=True)
                        for i, (config, worker) in enumerate(zip(wave, wave_workers))]
             for th in threads:
                 th.start()
@@ -206,7 +234,8 @@ def run(args, argv) -> int:
                         status = "skipped: past --budget"
                         row["notes"]["skipped"] = "past --budget (compiled, not measured)"
                     else:
-                        reply = worker.request({"cmd": "lm_measure", "timing": timing}, limit("measure"))
+                        reply = worker.request({"cmd": "lm_measure", "timing": timing},
+                                               measure_deadline(limits["measure"], left()))
                         status = _merge_reply(row, "measure", *reply)
                 worker.stop()
                 failed |= status != "ok" and not status.startswith("skipped")

@@ -35,6 +35,8 @@ overruns is reported and skipped; results are written as they come):
              ``segment_ids`` (the Transformer then takes the Pallas flash attention).  Every configuration runs in a fresh process
              (the peak is its own).  ``--jobs N`` builds and compiles N configurations at once (CPU-bound),
              then times them one after another with nothing else running; rows are written as each finishes.
+             Under ``--budget`` a wave's compiles end early enough for those that compiled to be timed
+             (``lm_suite.LM_MEASURE_RESERVE`` seconds each); a compile still running then is reported as timed out.
              On a GPU the first configuration compiles alone and the others read its GEMMs' autotuning
              results (``--cold-compiles``: each tunes its own).  docs/kernels.md#benchmarks has the table.
 ``compare``  the ``bench`` rows of Falcon-1A, 3A, 1, 3 (forward and forward+backward, the standard shapes) for

@@ -27,9 +27,11 @@ An event is matched to the step's program (:func:`program`), first method that a
    (``loop_add_fusion.2`` -> ``loop_add_fusion_2``); a Pallas Triton call's kernel is its backend
    config's ``name``; a Mosaic GPU call's kernel carries its host function's name
    (``NAME_mosaic_gpu``) as a prefix.  This is what is left inside a CUDA graph, whose kernels all
-   name the graph's launch (``hlo_op=command_buffer``).  A kernel XLA reuses for identical fusions
-   keeps the first one's name, and a kernel name shared by instructions of different scopes is not
-   attributed; vendor kernels (cuBLAS, cuDNN) have no such name and need method 1.
+   name the graph's launch (``hlo_op=command_buffer_N``): such an event takes this method alone (the
+   graph's instruction or op_name would put all of its kernels in one scope).  A kernel XLA reuses
+   for identical fusions keeps the first one's name, and a kernel name shared by instructions of
+   different scopes is not attributed; vendor kernels (cuBLAS, cuDNN) have no such name and need
+   method 1 — which is why ``benchmarks/lm.py`` profiles an executable compiled without CUDA graphs.
 
 Events of another program (an ``hlo_module`` other than the step's, when the step's appears in the
 trace) and events nothing matches are unattributed; the largest of them are listed
@@ -279,6 +281,12 @@ def _instruction_candidates(args: dict) -> list[str]:
     return [c for c in dict.fromkeys(out) if c]
 
 
+def _graph_launch(args: dict) -> bool:
+    """Whether an event's args name a CUDA graph's launch (``hlo_op=command_buffer_N``) rather than the
+    kernel's own instruction."""
+    return str(args.get("hlo_op") or "").strip().lstrip("%").startswith("command_buffer")
+
+
 def _annotation_path(args: dict) -> str | None:
     """The op_name XLA's launch annotation carries: ``prefix/name`` (``name`` is the op_name without the
     module's common prefix), else a ``tf_op`` that is a path."""
@@ -346,10 +354,11 @@ def scope_times(events: list[dict], names, scopes: tuple[str, ...], host: bool =
         args = e.get("args") or {}
         path = method = None
         if not (strict and args.get("hlo_module") and str(args["hlo_module"]) != prog.module):
-            path = next((prog.names[c] for c in _instruction_candidates(args) if c in prog.names), None)
-            method = "hlo_op"
-            if path is None:
-                path, method = _annotation_path(args), "annotation"
+            if not _graph_launch(args):
+                path = next((prog.names[c] for c in _instruction_candidates(args) if c in prog.names), None)
+                method = "hlo_op"
+                if path is None:
+                    path, method = _annotation_path(args), "annotation"
             if path is None:
                 path, method = by_kernel_name(str(e.get("name", ""))), "kernel_name"
         if path is None:

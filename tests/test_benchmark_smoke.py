@@ -3,7 +3,8 @@ kernels in interpret mode, no peers): the whole entry point runs as a subprocess
 every row with finite times and the metadata a result needs.  The lm suite's split of device time by named scope
 (``benchmarks/trace_scopes.py``, which imports nothing heavy) is also checked on hand-written programs and traces
 in the GPU profiler's layouts: launches that name their instruction, kernels inside a CUDA graph (found by kernel
-name), annotations carrying only the op_name, other programs' kernels; and its printed table on hand-written rows."""
+name), annotations carrying only the op_name, other programs' kernels; its printed table on hand-written rows; which
+executable its measurement runs when; and its deadlines under ``--budget``, with stand-in workers."""
 
 import datetime
 import json
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +112,7 @@ def test_lm_smoke_times_the_train_step_and_splits_it_by_scope(tmp_path):
     for mixer, row in rows.items():
         assert (row["shape"], row["batch"], row["length"], row["tokens_per_step"]) == ("2x64", 2, 64, 128), row
         assert row["notes"] == {} and row["kernels"] == "xla", row  # the CPU: XLA serves every mixer
+        assert row["profile_compile_s"] is None, row  # no CUDA graphs: the timed executable is the profiled one
         assert row["compiled_alongside"] == 1, row  # --jobs 2: compiled together
         cfg = LMConfig.preset(f"{mixer}-tiny", dtype="bfloat16", param_dtype="float32")
         assert row["params"] == expected_param_count(cfg)["total"], row
@@ -293,16 +296,20 @@ def test_trace_scopes_reads_gpu_kernels_by_instruction_annotation_and_kernel_nam
     assert split["modules_us"] == {"jit_train_step": total}
 
     # inside a CUDA graph every kernel names the graph's launch: XLA's fusions and the Pallas kernels are found by
-    # kernel name; the cuBLAS kernel is not, and neither is the kernel two scopes' custom calls share
+    # kernel name; the cuBLAS kernel is not, and neither is the kernel two scopes' custom calls share; an op_name
+    # the graph's annotation carries is the graph's, not the kernel's: not taken
     graph = [(k, 7, us, _annotated("command_buffer", cuda_graph_id="3")) for _, k, us in LAUNCHES]
+    graph.append(("nvjet_in_graph", 7, 128.0, _annotated("command_buffer_1376", cuda_graph_id="4",
+                                                          name="jvp(FalconLM)/blocks/mixer/dot_general")))
     split = ts.scope_times(_device_trace(graph), prog, SCOPES)
     assert split["by_scope_us"] == {"mixer": 2.0 + 4.0 + 8.0, "mixer/core": 4.0 + 8.0, "mlp": 64.0}
     assert split["by_method_us"] == {"hlo_op": 0.0, "annotation": 0.0, "kernel_name": 2.0 + 4.0 + 8.0 + 64.0}
-    assert split["unattributed_us"] == 1.0 + 16.0 + 32.0
+    assert split["unattributed_us"] == 1.0 + 16.0 + 32.0 + 128.0
     top = split["unattributed_top"]
     assert [(r["name"], r["us"], r["events"]) for r in top] == [
-        ("gate_transpose", 48.0, 2), ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0, 1)]
-    assert top[0]["args"]["hlo_op"] == "command_buffer" and top[0]["args"]["cuda_graph_id"] == "3"
+        ("nvjet_in_graph", 128.0, 1), ("gate_transpose", 48.0, 2),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", 1.0, 1)]
+    assert top[1]["args"]["hlo_op"] == "command_buffer" and top[1]["args"]["cuda_graph_id"] == "3"
 
     # the op_name the annotation carries stands in for an instruction the text lacks; a "%" and a long_name's
     # HLO text still name one
@@ -402,13 +409,14 @@ def test_lm_compile_drops_the_options_an_xla_does_not_know():
                     raise RuntimeError(f"INVALID_ARGUMENT: No such compile option: '{key}'")
             return "compiled"
 
-    options = {"xla_enable_command_buffers_during_profiling": False, "xla_gpu_per_fusion_autotune_cache_dir": "/a"}
+    options = {"xla_gpu_enable_command_buffer": "", "xla_gpu_per_fusion_autotune_cache_dir": "/a"}
     notes = {}
     lowered = Lowered({"xla_gpu_per_fusion_autotune_cache_dir"})
     assert compile_with(lowered, options, notes)[0] == "compiled"
     assert lowered.calls == [options, {"xla_gpu_per_fusion_autotune_cache_dir": "/a"}]
-    assert list(notes) == ["xla_enable_command_buffers_during_profiling"] and "has no" in notes[
-        "xla_enable_command_buffers_during_profiling"]
+    assert list(notes) == ["xla_gpu_enable_command_buffer"]
+    assert "has no" in notes["xla_gpu_enable_command_buffer"] and "CUDA graphs" in notes[
+        "xla_gpu_enable_command_buffer"]
     assert len(options) == 2  # the caller's dict is left alone
 
     notes = {}
@@ -422,3 +430,111 @@ def test_lm_compile_drops_the_options_an_xla_does_not_know():
 
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         compile_with(Broken(set()), options, {})
+
+
+def test_lm_measure_times_one_executable_and_profiles_the_other_with_the_donated_state(monkeypatch):
+    import jax.numpy as jnp
+
+    import falcon_jax.train.trainer as trainer
+    from benchmarks import lm, trace_scopes
+
+    def step(params, rest, opt_state, batch):  # the train step's signature; the state counts the steps it took
+        with jax.named_scope("mixer"):
+            new = params + batch["x"] * rest
+        return new, opt_state + 1, {"loss": jnp.sum(new)}
+
+    args = (jnp.zeros(8), jnp.float32(2.0), jnp.int32(0), {"x": jnp.arange(8.0)})
+    lowered = jax.jit(step, donate_argnums=(0, 2)).lower(*args)
+    calls = []
+
+    def logged(name, executable):
+        def run(*a):
+            calls.append(name)
+            return executable(*a)
+        return run
+
+    profiled = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})  # accepted on any backend
+    monkeypatch.setattr(trainer, "peak_device_memory", lambda: calls.append("peak") or 1234)
+    lm.STATE.update(compiled=logged("timed", lowered.compile()), profiled=logged("profiled", profiled), params=args[0], rest=args[1], opt_state=args[2],
+                    batch=args[3], program=trace_scopes.program(profiled.as_text()), tokens=8)
+    try:
+        row = lm.measure({"timing": {"warmup": 2, "calls": 3, "repeats": 2, "profile_steps": 2}})
+        # the peak is read after the timed steps, before the profiled executable's untraced step and traced steps;
+        # each step took the state the one before it left (donated), so the state counts them all
+        assert calls == ["timed"] * (2 + 3 * 2) + ["peak"] + ["profiled"] * (1 + 2), calls
+        assert int(lm.STATE["opt_state"]) == len(calls) - 1
+        np.testing.assert_array_equal(lm.STATE["params"], np.arange(8.0) * 2.0 * (len(calls) - 1))
+        assert row["peak_bytes"] == 1234 and row["loss"] == pytest.approx(float(np.arange(8.0).sum() * 2 * 8))
+        assert row["device_ms"] > 0 and row["unattributed_share"] < 0.5, row
+    finally:
+        lm.STATE.clear()
+
+
+def test_lm_budget_deadlines_leave_each_configuration_its_measuring_time():
+    from benchmarks.lm_suite import LM_MEASURE_RESERVE as R
+    from benchmarks.lm_suite import LM_MIN_PREPARE, measure_deadline, prepare_deadline
+
+    assert prepare_deadline(420, None, 10) == 420  # no budget: the limit alone
+    assert prepare_deadline(420, 1000.0, 10) == 420
+    assert prepare_deadline(420, 112.0, 10) == pytest.approx(112.0 - 10 * R)  # 9 compiled in time get measured
+    assert prepare_deadline(420, 112.0, 1) == pytest.approx(112.0 - R)
+    assert prepare_deadline(420, 3 * R, 10) == LM_MIN_PREPARE
+    assert measure_deadline(180, None) == 180 and measure_deadline(180, 1000.0) == 180
+    assert measure_deadline(180, 100.0) == 100.0 and measure_deadline(180, 0.5) == R
+
+
+def test_lm_budget_measures_the_compiled_configurations_of_a_wave_whose_slow_compile_times_out(tmp_path, monkeypatch):
+    import signal
+    import time
+
+    from benchmarks import lm_suite
+    from benchmarks.run import parse_args
+
+    compile_s = {"falcon-1A.3": 30.0, "transformer": 0.2}  # the first would outlast the whole budget
+    requests = []
+
+    class Worker:  # benchmarks.common.Worker's interface, the worker process replaced by sleeps
+        def __init__(self, name, *args, **kwargs):
+            self.mixer, self.environment = name.split()[0], None
+
+        def start(self):
+            return "ok"
+
+        def request(self, req, limit):
+            requests.append((self.mixer, req["cmd"], limit))
+            if req["cmd"] == "lm_prepare":
+                if compile_s[self.mixer] > limit:
+                    time.sleep(limit)
+                    return f"timed out after {limit:.0f} s", {}
+                time.sleep(compile_s[self.mixer])
+                return "ok", {"seconds": compile_s[self.mixer], "compile_s": compile_s[self.mixer], "notes": {}}
+            time.sleep(0.1)
+            return "ok", {"seconds": 0.1, "step_ms": 1.0, "tokens_per_s": 128e3, "notes": {}}
+
+        def stop(self):
+            pass
+
+    budget, reserve = 4.0, 1.5
+    monkeypatch.setattr(lm_suite, "Worker", Worker)
+    monkeypatch.setattr(lm_suite, "LM_MEASURE_RESERVE", reserve)
+    monkeypatch.setattr(lm_suite, "LM_MIN_PREPARE", 0.5)
+    argv = ["--suite", "lm", "--smoke", "--mixers", "falcon-1A.3,transformer", "--lengths", "64", "--jobs", "2",
+            "--budget", str(budget), "--out", str(tmp_path)]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert lm_suite.run(parse_args(argv), argv) == 1  # a configuration timed out
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+    data = json.loads((tmp_path / "lm.json").read_text())
+    rows = {r["mixer"]: r for r in data["rows"]}
+    # one wave of both: its compiles end two reserves before the budget; the slow one is cut there, the fast one
+    # is measured in the time left
+    prepares = [limit for _, cmd, limit in requests if cmd == "lm_prepare"]
+    assert len(prepares) == 2 and all(budget - 2 * reserve - 0.5 < p <= budget - 2 * reserve for p in prepares)
+    assert rows["falcon-1A.3"]["notes"] == {"prepare": "timed out after 1 s"}, rows
+    assert rows["transformer"]["tokens_per_s"] == 128e3 and rows["transformer"]["notes"] == {}, rows
+    (measure,) = [limit for mixer, cmd, limit in requests if cmd == "lm_measure"]
+    assert reserve <= measure < budget - 1.0
+    assert [s["status"] for s in data["steps"]] == ["timed out after 1 s", "ok"]
+    assert data["budget_s"] == budget and data["measure_reserve_s"] == reserve
