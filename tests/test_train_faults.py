@@ -360,8 +360,9 @@ def test_out_of_memory_at_the_first_step_is_a_message_and_exit_1(tmp_path, capsy
     assert err.startswith("falcon-train: error: the train step ran out of device memory at the first step "
                           "(it tried to allocate 98.42 GiB)."), err
     assert "train.grad_accum cannot go higher: each of the 1 data-parallel device(s) holds 1 row(s)" in err
-    assert "--set train.grad_accum=" not in err and "--resume" not in err
-    assert f"config.json and metrics.jsonl in {run_dir} are kept (no checkpoint yet)" in err
+    assert "--set train.grad_accum=" not in err and "--resume " not in err
+    assert f"config.json and metrics.jsonl in {run_dir} are kept (no checkpoint yet): run the command again with " \
+           f"--resume-or-start" in err
     assert json.loads((run_dir / "config.json").read_text())["train"]["grad_accum"] == 8
     assert read_metrics(str(run_dir))[0] == {} and checkpoint_steps(str(run_dir)) == []
 
@@ -457,7 +458,8 @@ def test_the_gpu_allocator_settings_are_named_only_when_they_leave_memory_unused
                  "3. a smaller train.batch_size or data.seq_len", "4. more devices",
                  "5. JAX uses at most 75% of a GPU's memory by default: "
                  "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9", "unset XLA_PYTHON_CLIENT_PREALLOCATE=false",
-                 "run the command again with the fix (--set train.grad_accum=2)."):
+                 "run the command again with --resume-or-start (it starts over from step 0 in that folder) and the fix "
+                 "(--set train.grad_accum=2)."):
         assert part in msg, (part, msg)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 caps" in message("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
     cfg.model["remat"] = True  # already on: not offered again

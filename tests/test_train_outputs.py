@@ -37,6 +37,31 @@ def test_existing_run_is_refused_before_any_model_or_data_work(tmp_path, monkeyp
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[:2] == ["3", "6"]  # untouched
 
 
+@pytest.mark.parametrize("files", [("config.json", "metrics.jsonl"), ("metrics.jsonl",), ("config.json",)])
+def test_a_run_without_checkpoints_is_not_overwritten_by_a_new_one(tmp_path, monkeypatch, capsys, files):
+    """A run with checkpoint.enabled=false (or one stopped before its first checkpoint): a new run in its folder
+    appended to its metrics (readers then mixed the two runs' steps) and replaced its config.json."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    before = {"config.json": json.dumps({"model": {"d_model": 32}}),
+              "metrics.jsonl": json.dumps({"kind": "train", "step": 1, "loss": 2.5}) + "\n"}
+    for name in files:
+        (run_dir / name).write_text(before[name])
+
+    def forbidden(*a, **k):
+        pytest.fail("the refusal came after mesh, data or model work")
+
+    for name in ("maybe_initialize_distributed", "make_mesh", "build_data", "make_loader", "FalconLM"):
+        monkeypatch.setattr(trainer, name, forbidden)
+    cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={run_dir}", "checkpoint.enabled=false"])
+    with pytest.raises(RunDirError, match=rf"{run_dir} already holds a run without checkpoints \({', '.join(files)}\)"
+                                          r".*another train.run_dir.*--resume-or-start"):
+        trainer.run(cfg, log=lambda line: pytest.fail(f"printed before refusing: {line}"))
+    assert cli.main(["--preset", "addition-tiny", "--run-dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err.startswith(f"falcon-train: error: {run_dir} already holds a run")
+    assert {p.name: p.read_text() for p in run_dir.iterdir()} == {name: before[name] for name in files}
+
+
 @pytest.mark.parametrize("preset, plots", [("addition-tiny", "loss.png, accuracy_vs_width.png"),
                                            ("lm-tiny", "loss.png")])
 def test_start_lines_name_the_absolute_run_directory(tmp_path, monkeypatch, preset, plots):

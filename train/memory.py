@@ -154,7 +154,8 @@ def explain(err: BaseException, cfg, *, program: str, step: int, row_tokens: int
                  f"are kept; continue with the fix: falcon-train --run-dir {t.run_dir} --resume{fix_arg}")
     else:
         keep += (f"config.json and metrics.jsonl in {t.run_dir} are kept (no checkpoint yet): run the command again "
-                 f"with the fix{f' ({fix_arg.strip()})' if fix_arg else ''}.")
+                 f"with --resume-or-start (it starts over from step 0 in that folder) and the fix"
+                 f"{f' ({fix_arg.strip()})' if fix_arg else ''}.")
     lines = [head, what, "Fixes, in order:", *(f"  {i}. {f}" for i, f in enumerate(fixes, 1)), keep]
     return DeviceMemoryError("\n".join(lines), program=program, step=step, requested=requested,
                              limit_bytes=limit_bytes, grad_accum=accum)
