@@ -96,6 +96,9 @@ def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatc
     monkeypatch.setattr(suite.time, "sleep", lambda s: None)
     _FinishedProcess.launched = []
     assert suite.main(["lm", "--only", "transformer", "falcon-3A.3", "falcon-1A.3"], root=str(tmp_path)) == 0
-    cmds = {run["cmd"][-2 if run["cmd"][-1] == "--resume" else -1]: run["cmd"] for run in _FinishedProcess.launched}
+    cmds = {run["cmd"][run["cmd"].index("--run-dir") + 1]: run["cmd"] for run in _FinishedProcess.launched}
     assert sorted(cmds) == ["runs/exp/lm/falcon-1A.3", "runs/exp/lm/falcon-3A.3"]  # the finished one skipped
-    assert cmds["runs/exp/lm/falcon-3A.3"][-1] == "--resume" and cmds["runs/exp/lm/falcon-1A.3"][-1] != "--resume"
+    # the started run was killed before its first checkpoint (config.json, no checkpoints): --resume would refuse
+    # it for good (exit code 2); --resume-or-start continues from its last checkpoint or starts it again
+    assert cmds["runs/exp/lm/falcon-3A.3"][-1] == "--resume-or-start"
+    assert not any(a.startswith("--resume") for a in cmds["runs/exp/lm/falcon-1A.3"])

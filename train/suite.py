@@ -10,8 +10,9 @@
 Every run is ``python -m falcon_jax.train`` in ``runs/exp/<suite>/<name>`` (under the working directory
 ``root``; the LM suite reads ``data/python-docs.jsonl`` there) with the suite's settings (below).
 A run that already finished (its metrics hold the final evaluation) is skipped; one that has
-checkpoints is resumed, so a suite cut off by ``--deadline-min`` (GPU leases are short)
-continues where it stopped when called again on the same machine.  ``--lanes`` runs that many
+checkpoints is resumed (``--resume-or-start``: one cut off before its first checkpoint starts again), so a
+suite cut off by ``--deadline-min`` (GPU leases are short) continues where it stopped when called again on
+the same machine.  ``--lanes`` runs that many
 at once on the one GPU (small models leave it mostly idle); each process gets an equal slice of
 GPU memory.  Throughput is only meaningful with ``--lanes 1`` (the LM suite).
 
@@ -120,7 +121,9 @@ def command(suite: str, name: str) -> list[str]:
     path = run_dir(suite, name)
     cmd = [sys.executable, "-m", "falcon_jax.train", *common, *runs[name], "--run-dir", path]
     if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.exists(os.path.join(path, CONFIG)):
-        cmd.append("--resume")
+        # not --resume: a run killed before its first checkpoint (or with none left that verifies) would be
+        # refused at every later call; --resume-or-start starts it again from step 0
+        cmd.append("--resume-or-start")
     return cmd
 
 
