@@ -162,6 +162,24 @@ def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
     assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
 
 
+def test_resume_with_fewer_steps_than_the_checkpoint_refuses_and_changes_nothing(tmp_path):
+    """Before: the loop ran no step and the final evaluation of step 3's parameters was recorded as step 2's
+    (and config.json then said train.steps=2)."""
+    run_dir = tmp_path / "run"
+
+    def cfg(steps):
+        return build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", f"train.steps={steps}"])
+
+    trainer.run(cfg(3), log=lambda line: None)
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for resume in ("resume", "resume_or_start"):
+        with pytest.raises(RunDirError, match=rf"--resume: the latest checkpoint in {run_dir / 'checkpoints'} is step "
+                                              r"3, past train.steps=2.*--set train.steps=3"):
+            trainer.run(cfg(2), **{resume: True}, log=lambda line: None)
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+        assert checkpoint_steps(str(run_dir)) == [3]
+
+
 def test_resume_mismatch_ignores_the_implementation_and_the_training_schedule():
     base = build_config(preset="addition-tiny", overrides=TINY)
     same = build_config(preset="addition-tiny", overrides=TINY + ["model.form=chunk", "model.impl=xla", "model.remat=true",

@@ -258,6 +258,14 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 start = int(meta["data"]["step"])
                 if start != step0:
                     raise RuntimeError(f"checkpoint {step0}: data-iterator step {start} does not match.")
+                if start > cfg.train.steps:  # no step would run, and the final evaluation would be mislabelled
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"--resume: the latest checkpoint in {ckpt.dir} is step {start}, past "
+                                      f"train.steps={cfg.train.steps}; the run has trained beyond the end asked for. "
+                                      f"Continue it with --set train.steps={start} or more (train.steps={start} "
+                                      f"evaluates it again), or train the shorter run in another --run-dir. Nothing "
+                                      f"was changed.")
                 saved = meta["data"].get("loader", "builtin")  # checkpoints before Grain: builtin
                 if saved != loader.kind:
                     ckpt.close()
