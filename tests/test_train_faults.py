@@ -160,6 +160,12 @@ def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
     with pytest.raises(RunDirError, match=r"checkpoint 3 in .* is intact .* but does not fit this model"):
         trainer.run(cfg("train.steps=6", "model.d_model=64"), resume=True, log=lambda line: None)
     assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
+    # and one that fits another model's shapes is compared with the config saved in the checkpoint (it loaded)
+    with pytest.raises(RunDirError, match=r"--resume: checkpoint 3 in .* was saved from another model than this "
+                                          r"command's \(model.mixer: 'falcon-1A.3' in the run, 'falcon-3A.3' here\)"):
+        trainer.run(cfg("train.steps=6", "model.mixer=falcon-3A.3"), resume=True, log=lambda line: None)
+    assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
+    assert not (run_dir / "config.json").exists()
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_refuses_and_changes_nothing(tmp_path):

@@ -258,6 +258,13 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 start = int(meta["data"]["step"])
                 if start != step0:
                     raise RuntimeError(f"checkpoint {step0}: data-iterator step {start} does not match.")
+                differences = saved_model_mismatch(meta, cfg)
+                if differences:  # a model with the same parameter shapes restores without an error
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was saved from another model than "
+                                      f"this command's ({'; '.join(differences)}). Resume with the run's model, or "
+                                      f"train the new model in another --run-dir. Nothing was moved.")
                 if start > cfg.train.steps:  # no step would run, and the final evaluation would be mislabelled
                     ckpt.close()
                     loader.close()
@@ -520,6 +527,19 @@ def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
                           f"command's ({'; '.join(differences)}). Resume with the run's own config "
                           f"(falcon-train --run-dir {run_dir} --resume, without --preset, --config or --set for "
                           f"these keys), or train the new model in another --run-dir. Nothing was changed.")
+
+
+def saved_model_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
+    """What makes ``cfg``'s model another than the one a checkpoint was saved from (its ``meta["config"]``), as
+    :func:`~falcon_jax.train.config.resume_mismatch`; nothing when the saved config is absent or unreadable
+    (then only the restore's shapes are compared).  Covers runs whose ``config.json`` is gone."""
+    saved = meta.get("config")
+    if not isinstance(saved, dict):
+        return []
+    try:
+        return resume_mismatch(saved, cfg)
+    except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
+        return []
 
 
 def best_in_dist(evals: list[dict]) -> dict | None:
