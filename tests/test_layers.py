@@ -428,6 +428,10 @@ def test_layer_config_errors():
         FalconAttention(32, 4, variant="1A", per_column_gains=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"variant='4'"):
         FalconAttention(32, 4, variant="4", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"per_column_gains='False' must be None, True or False"):
+        FalconAttention(32, 4, variant="2A", per_column_gains="False", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"lam_init=0.01 must be a pair \(low, high\)"):
+        FalconAttention(32, 4, lam_init=0.01, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"gain='eta'"):
         FalconAttention(32, 4, gain="eta", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"chunk_size=48.*power of two"):

@@ -85,6 +85,13 @@ def test_config_errors_name_the_field_and_the_fix():
         LMConfig(gain="beta")
     with pytest.raises(ValueError, match=r"LMConfig\.lam_init"):
         LMConfig(lam_init=(0.5, 2.0))
+    # a string is truthy: 'False' (--set model.per_column_gains=False) made per-column gains, silently
+    for value in ("False", 0, "none"):
+        with pytest.raises(ValueError, match=rf"LMConfig\.per_column_gains={value!r} must be None, True or False"):
+            LMConfig(mixer="falcon-2A", per_column_gains=value)
+    for value in (0.01, (0.01,), ("a", "b")):  # (an unpacking error or a str comparison before)
+        with pytest.raises(ValueError, match=r"LMConfig\.lam_init=.* must be a pair \(low, high\)"):
+            LMConfig(lam_init=value)
     with pytest.raises(ValueError, match=r"unknown size '7b'"):
         LMConfig.preset("falcon-1A-7b")
     with pytest.raises(TypeError, match="LMConfig"):

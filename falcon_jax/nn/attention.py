@@ -30,6 +30,7 @@ from flax import nnx
 
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.nn.cache import RecurrentCache
+from falcon_jax.nn.config import is_pair_of_reals
 from falcon_jax.nn.layers import ShortConv, dense, l2_normalize, make_param, rms_normalize
 from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
 from falcon_jax.state import empty_state
@@ -217,6 +218,9 @@ class FalconAttention(RecurrentMixer):
             raise _err(o, "gain", gain, "must be 'ctx_beta' (β = 2σ, normalized step) or 'ctx_eta' (direct η).")
         if lam not in ("ctx", "const", "none"):
             raise _err(o, "lam", lam, "must be 'ctx', 'const' or 'none'.")
+        if per_column_gains is not None and not isinstance(per_column_gains, (bool, np.bool_)):
+            raise _err(o, "per_column_gains", per_column_gains, "must be None, True or False (None: per-column "
+                       "gains exactly for variants '2' and '2A').")
         if per_column_gains is None:
             per_column_gains = variant in PER_COLUMN_VARIANTS
         if per_column_gains and variant not in PER_COLUMN_VARIANTS:
@@ -228,6 +232,8 @@ class FalconAttention(RecurrentMixer):
             raise _err(o, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
         if not (isinstance(chunk_size, int) and chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0):
             raise _err(o, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
+        if not is_pair_of_reals(lam_init):
+            raise _err(o, "lam_init", lam_init, "must be a pair (low, high) of numbers, e.g. (1e-3, 1e-1).")
         lo, hi = lam_init
         if not 0 < lo <= hi < lam_max:
             raise _err(o, "lam_init", lam_init, f"must satisfy 0 < low <= high < lam_max = {lam_max}.")

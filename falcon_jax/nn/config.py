@@ -102,6 +102,12 @@ def _real(field: str, value, low: float, high: float | None = None, *, low_ok: b
         raise ValueError(f"LMConfig.{field}={value!r} must be a finite number {where}{meaning}.")
 
 
+def is_pair_of_reals(value) -> bool:
+    """``value`` is a list or tuple of two finite real numbers (not bools)."""
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value))
+
+
 def swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
     """Default SwiGLU width: 8/3·d rounded up to a multiple of 64 (= 2048 at d = 768), which
     keeps the MLP at the parameter count of GPT-2's 4·d GELU MLP (3·d·8d/3 = 2·d·4d)."""
@@ -181,6 +187,10 @@ class LMConfig:
                 f"LMConfig.n_heads={self.n_heads} does not divide d_model={self.d_model}: pick n_heads "
                 f"dividing d_model (e.g. {max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)}) "
                 f"or set head_dim explicitly.")
+        if self.per_column_gains is not None and not isinstance(self.per_column_gains, bool):
+            # a string is truthy: 'False' would choose per-column gains
+            raise ValueError(f"LMConfig.per_column_gains={self.per_column_gains!r} must be None, True or False "
+                             f"(None: per-column gains exactly for falcon-2 / falcon-2A).")
         _pos_int("attn_every", self.attn_every, zero_ok=True)
         _pos_int("conv_size", self.conv_size, zero_ok=True)
         _pos_int("window", self.window)
@@ -206,6 +216,9 @@ class LMConfig:
         _real("norm_eps", self.norm_eps, 0.0, meaning=" (the RMSNorm epsilon)")
         _real("init_std", self.init_std, 0.0, low_ok=False, meaning=" (the initial weights' standard deviation)")
         _real("rope_theta", self.rope_theta, 0.0, low_ok=False, meaning=" (the RoPE base)")
+        if not is_pair_of_reals(self.lam_init):
+            raise ValueError(f"LMConfig.lam_init={self.lam_init!r} must be a pair (low, high) of numbers, e.g. "
+                             f"(1e-3, 1e-1): the initial λ̄ of the heads, log-spaced from low to high.")
         lo, hi = self.lam_init
         if not 0 < lo <= hi < self.lam_max:
             raise ValueError(f"LMConfig.lam_init={self.lam_init!r} must satisfy 0 < low <= high < lam_max "
