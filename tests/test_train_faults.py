@@ -292,6 +292,50 @@ def test_sigint_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch)
     assert rc == 130 and err.startswith("falcon-train: interrupted (SIGINT)") and err.count("\n") == 1
 
 
+# ----------------------------------------------------------------------------- divergence
+def _poisoned_step(monkeypatch, at, value):
+    """The trainer's own step, except that the ``at``-th call multiplies the parameters by ``value`` first (NaN:
+    every later loss is NaN, as after a diverged update)."""
+    real = trainer.make_train_step
+
+    def make(graphdef, tx, shardings=None):
+        step, calls = real(graphdef, tx, shardings), []
+
+        def poisoned(params, rest, opt_state, batch):
+            calls.append(1)
+            if len(calls) == at:
+                params = jax.tree.map(lambda p: p * value, params)
+            return step(params, rest, opt_state, batch)
+
+        return poisoned
+
+    monkeypatch.setattr(trainer, "make_train_step", make)
+
+
+def test_a_diverged_run_stops_before_saving_and_keeps_the_last_finite_checkpoint(tmp_path, monkeypatch, capsys):
+    """Before: the run went on with NaN parameters, saved them at steps 6 and 9, deleted step 3 (keep=1: the only
+    finite checkpoint) and exited 0."""
+    run_dir = tmp_path / "run"
+    cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=9",
+                                                                 "checkpoint.keep=1", "train.log_every=2"])
+    _poisoned_step(monkeypatch, at=5, value=jnp.nan)
+    with pytest.raises(trainer.TrainingDiverged) as info:
+        trainer.run(cfg, log=lambda line: None)
+    msg = str(info.value)
+    assert info.value.step == 5 and msg.startswith("training diverged: the loss of step 5 is nan (grad_norm nan)"), msg
+    for part in ("Nothing was saved from step 5 on", f"the checkpoints (the latest: step 3) in {run_dir} are kept",
+                 "a lower optim.lr (now 0.002)", f"falcon-train --run-dir {run_dir} --resume --set optim.lr=0.001"):
+        assert part in msg, (part, msg)
+    assert checkpoint_steps(str(run_dir)) == [3] and (run_dir / "checkpoints" / "3" / CHECKSUMS).exists()
+    train_records, _ = read_metrics(str(run_dir))
+    assert sorted(train_records) == [1, 2, 3, 4, 5, 6]  # recorded as they were, up to the log point that saw it
+    assert all(np.isfinite(train_records[s]["loss"]) for s in (1, 2, 3, 4)) and np.isnan(train_records[5]["loss"])
+    # the command line: one message, exit code 1
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: (_ for _ in ()).throw(info.value))
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(tmp_path / "other")], capsys)
+    assert rc == 1 and err == f"falcon-train: error: {msg}\n"
+
+
 # ----------------------------------------------------------------------------- out of device memory
 # the message of the first step of addition-packed on one H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false
 OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 98.42GiB with allocator GPU_0_bfc on device 0. "

@@ -7,7 +7,8 @@
 
 Exit codes: 0 done, or stopped before train.time_limit_s with a checkpoint (the last line says how to
 continue); 2 a config or run-directory error (nothing trained); 1 a failure while training (out of device
-memory: the message names the batch and the fixes; a checkpoint that could not be written, a disk error);
+memory: the message names the batch and the fixes; a NaN or infinite loss, stopped before it is saved; a
+checkpoint that could not be written, a disk error);
 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint (the last line says how to resume).
 """
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     # imported here, so that --help, --list-presets, --print-config and config errors answer sooner
     from falcon_jax.train.checkpoint import CheckpointError
     from falcon_jax.train.mesh import MeshError
-    from falcon_jax.train.trainer import run
+    from falcon_jax.train.trainer import TrainingDiverged, run
     try:
         run(cfg, resume=args.resume, resume_or_start=args.resume_or_start, standalone=True)
     except (MeshError, RunDirError, ConfigError, FileNotFoundError) as e:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         print("falcon-train: interrupted (SIGINT) before a checkpoint of the current step was written; "
               "--resume continues from the last checkpoint, if there is one.", file=sys.stderr)
         return 128 + signal.SIGINT
-    except DeviceMemoryError as e:
+    except (DeviceMemoryError, TrainingDiverged) as e:
         print(f"falcon-train: error: {e}", file=sys.stderr)
         return 1
     except (CheckpointError, OSError) as e:

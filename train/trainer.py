@@ -171,7 +171,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     it with the same batches as an uninterrupted run.
     A train step or evaluation that runs out of device memory raises
     :class:`~falcon_jax.train.memory.DeviceMemoryError` (the JAX error chained), naming the batch and the fixes;
-    the steps before it keep their records and checkpoints, and nothing is saved from the failed state."""
+    the steps before it keep their records and checkpoints, and nothing is saved from the failed state.  A step
+    whose loss or gradient norm is not finite stops the run at the next log point or save, before anything is
+    saved from it: :class:`TrainingDiverged`."""
     t_begin = time.perf_counter()
     validate(cfg)
     resume = resume or resume_or_start
@@ -299,8 +301,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     pending: list[tuple[int, dict]] = []
     last_train: dict = {}
 
+    non_finite = None  # (step, loss, grad_norm) of the first step whose loss or gradient norm is not finite
+
     def flush(t_elapsed, n_steps_timed, tokens_timed):
-        nonlocal last_train
+        nonlocal last_train, non_finite
         while pending:  # a step leaves the list once its record is written: a failed one stays first
             s, m = pending[0]
             m = jax.device_get(m)
@@ -308,6 +312,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                           "lr": float(sched(s - 1))}
             logger.write(last_train)
             pending.pop(0)
+            if non_finite is None and not (math.isfinite(last_train["loss"]) and math.isfinite(last_train["grad_norm"])):
+                non_finite = (s, last_train["loss"], last_train["grad_norm"])
 
     running = {"program": TRAIN_STEP}  # what a device out-of-memory error is reported against
 
@@ -430,6 +436,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 jax.block_until_ready(metrics["loss"])
                 dt = time.perf_counter() - t_last
                 flush(dt, steps_since, tokens_per_step * steps_since)
+                if non_finite is not None:  # stop before a save: non-finite parameters never recover
+                    raise _Diverged
                 if first:
                     say(f"step {step:>6}/{cfg.train.steps} | loss {last_train['loss']:.4f} | "
                         f"gnorm {last_train['grad_norm']:.3f} | lr {last_train['lr']:.2e} | "
@@ -480,8 +488,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 t_done = None
         if pending:
             flush(0, 0, 0)
-        if stopped is None:
+        if stopped is None and non_finite is None:
             last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
+    except _Diverged:
+        pass  # reported below, once the checkpointer has closed
     except jax.errors.JaxRuntimeError as err:
         if not is_out_of_memory(err):
             raise
@@ -502,6 +512,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     if out_of_memory is not None:  # after the checkpointer closed: a save still in flight has finished
         err, program, at = out_of_memory
         raise memory_error(err, program, at) from err
+    if non_finite is not None:
+        raise diverged_error(cfg, *non_finite, checkpoints=checkpoint_steps(run_dir))
 
     summary = {"final_step": step, "final_loss": last_train.get("loss"), "eval": last_eval, "stopped": stopped}
     if is_main and stopped is None:
@@ -510,6 +522,39 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
 
 WIDTH_SHARES = "width_shares.json"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm of a step was not finite: the run stopped before saving (exit code 1).
+    ``step``: the first such step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class _Diverged(Exception):
+    """Leaves the training loop once a non-finite step is recorded (reported as :class:`TrainingDiverged`)."""
+
+
+def diverged_error(cfg: TrainConfig, step: int, loss: float, grad_norm: float, checkpoints: list[int]) -> TrainingDiverged:
+    """The message of a run whose ``step`` had a non-finite loss or gradient norm: what was kept and the fixes."""
+    o, run_dir = cfg.optim, cfg.train.run_dir
+    lower = f"--set optim.lr={o.lr / 2:g}"
+    if checkpoints:
+        kept = (f"the checkpoints (the latest: step {checkpoints[-1]}) in {run_dir} are kept; continue from it with a "
+                f"fix, e.g. falcon-train --run-dir {run_dir} --resume {lower}")
+    else:
+        kept = (f"there is no checkpoint to continue from; start again with a fix, e.g. falcon-train --run-dir "
+                f"{run_dir} --resume-or-start {lower}")
+    dtype = str(cfg.model.get("dtype", "float32"))
+    fixes = [f"a lower optim.lr (now {o.lr:g})", f"a longer optim.warmup_steps (now {o.warmup_steps})",
+             f"gradient clipping (optim.clip_norm, now {o.clip_norm:g})"]
+    if dtype != "float32":
+        fixes.append(f"float32 compute (--set model.dtype=float32, now {dtype})")
+    return TrainingDiverged(
+        f"training diverged: the loss of step {step} is {loss:g} (grad_norm {grad_norm:g}). Nothing was saved from "
+        f"step {step} on (its parameters are not finite); {kept}. Fixes: {', '.join(fixes)}.", step)
 
 
 def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
