@@ -76,6 +76,23 @@ def test_scalar_gates_broadcast(qkv):
                                   run(full(0.5), full(0.1)))
 
 
+@pytest.mark.parametrize("form", ["recurrent", "parallel", "chunk"])
+@pytest.mark.parametrize("variant", ["1", "3A"])
+def test_a_non_finite_key_reaches_its_own_row_only(qkv, form, variant):
+    """q, k, v are not checked (docs/rules.md): a NaN key makes its row's later outputs NaN (in the chunk and
+    parallel forms possibly any output of the row: their masks and resets multiply by 0, and 0 · NaN = NaN),
+    but the other rows keep exactly the values of the clean call."""
+    q, k, v = qkv
+    seg = jnp.asarray(np.repeat([[0, 1]], B, axis=0).repeat(T // 2, axis=1), jnp.int32)
+    run = lambda k: np.asarray(falcon(q, k, v, full(0.7), full(0.1), variant=variant, form=form, chunk_size=4,  # noqa: E731
+                                      segment_ids=seg))
+    clean, poisoned = run(k), run(k.at[0, 2, 0, 1].set(jnp.nan))
+    np.testing.assert_array_equal(poisoned[1:], clean[1:])
+    assert np.isfinite(clean).all() and np.isnan(poisoned[0, 3:T // 2]).any()
+    if form == "recurrent":
+        assert np.isfinite(poisoned[0, :2]).all()  # the positions before the NaN key
+
+
 def test_empty_batch_or_heads_give_empty_results():
     for b, h in ((0, 2), (2, 0)):
         q = jnp.zeros((b, 8, h, DK))
