@@ -283,6 +283,28 @@ def test_failed_save_stops_the_run_at_that_step(tmp_path):
     assert "File too large" in (run_dir / "checkpoint-3-error.log").read_text()
 
 
+def test_a_disk_error_writing_the_metrics_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    """Before: the OS error alone (``[Errno 28] No space left on device: '.../metrics.jsonl'``)."""
+    from falcon_jax.train import rundir
+
+    run_dir = tmp_path / "run"
+    real, writes = rundir.Logger.write, []
+
+    def write(self, rec):
+        writes.append(rec)
+        if rec.get("kind") == "train" and rec["step"] == 5:  # after the checkpoint of step 3
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        return real(self, rec)
+
+    monkeypatch.setattr(rundir.Logger, "write", write)
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.steps=9",
+                         *sum((["--set", o] for o in TINY), [])], capsys)
+    assert rc == 1 and err == (f"falcon-train: error: [Errno 28] No space left on device: '{run_dir / 'metrics.jsonl'}'"
+                               f"; the checkpoints in {run_dir} (the latest: step 3) are kept: fix the cause, then "
+                               f"continue with: falcon-train --run-dir {run_dir} --resume\n"), err
+    assert checkpoint_steps(str(run_dir)) == [3]
+
+
 def test_sigint_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch):
     def interrupted_while_building(*a, **k):
         raise KeyboardInterrupt

@@ -23,7 +23,7 @@ import sys
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
 from falcon_jax.train.memory import DeviceMemoryError
 from falcon_jax.train.preemption import Interrupted
-from falcon_jax.train.rundir import RunDirError
+from falcon_jax.train.rundir import RunDirError, checkpoint_steps
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,8 +93,14 @@ def main(argv=None) -> int:
     except (DeviceMemoryError, TrainingDiverged) as e:
         print(f"falcon-train: error: {e}", file=sys.stderr)
         return 1
-    except (CheckpointError, OSError) as e:
+    except CheckpointError as e:
         print(f"falcon-train: error: {e}", file=getattr(e, "terminal", None) or sys.stderr)
+        return 1
+    except OSError as e:  # a disk error while training (the metrics, the report): say what is kept
+        steps = checkpoint_steps(cfg.train.run_dir)
+        kept = (f"; the checkpoints in {cfg.train.run_dir} (the latest: step {steps[-1]}) are kept: fix the cause, then "
+                f"continue with: falcon-train --run-dir {cfg.train.run_dir} --resume") if steps else ""
+        print(f"falcon-train: error: {e}{kept}", file=sys.stderr)
         return 1
     return 0
 
