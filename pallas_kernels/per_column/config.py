@@ -42,7 +42,7 @@ class KernelConfig:
 
 # Falcon-2 measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps.  Falcon-2A's fields: the
 # walks as decayed_attention's (64 columns, 4 warps, 3 stages, pieces below 128 programs), the per-chunk passes
-# 32 columns, the row gradient pass 4 warps as decayed_attention's chunk gradients; not yet timed.  The same elsewhere.
+# 32 columns, the row gradient pass 4 warps as decayed_attention's chunk gradients; not swept.  The same elsewhere.
 TUNED: dict[str, KernelConfig] = {"default": KernelConfig()}
 
 
