@@ -271,12 +271,10 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
             raise ValueError(f"`{name}` must be an array of rank 3 [batch, heads, dim]; got "
                              f"{tuple(x.shape) if hasattr(x, 'shape') else type(x).__name__}.")
     beta_t, lam_t = (val.gate_array(name, x, q_t.shape[:2], q_t) for name, x in (("beta_t", beta_t), ("lam_t", lam_t)))
-    # reuse the sequence checks on a length-1 view
-    q, k, v, beta, lam = (a[:, None] for a in (q_t, k_t, v_t, beta_t, lam_t))
-    B, _, H, dk, dv = val.check_qkv(q, k, v)
-    val.check_beta_for_variant(beta, variant, B, 1, H, dv)
-    val.check_gate("lam", lam, B, 1, H)
-    beta_t, lam_t = val.falcon_gates_in_domain(beta_t, lam_t, step=step)
+    # reuse the sequence checks of q, k, v on a length-1 view
+    B, _, H, dk, dv = val.check_qkv(*(a[:, None] for a in (q_t, k_t, v_t)))
+    val.check_step_gates(beta_t, lam_t, variant, B, H, dv)
+    beta_t, lam_t = val.falcon_gates_in_domain(beta_t, lam_t, step=step, names=("beta_t", "lam_t"))
     val.check_state(state, B, H, dk, dv, tail_length_for(variant, window), argname="state")
     rule = falcon_rule(variant, window=int(window), alignment=alignment, timing=timing, step=step,
                        scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))

@@ -161,24 +161,27 @@ def clamp(x, low: float | None, high: float | None):
 BETA_MAX = 2.0  # the normalized step: η·E_t = β·E_t/(E_t + λ + ε) < 2 keeps the regression updates contractive
 
 
-def falcon_gates_in_domain(beta, lam, *, step: str):
+def falcon_gates_in_domain(beta, lam, *, step: str, names: tuple[str, str] = ("beta", "lam")):
     """Falcon's gates checked (concrete) and clamped (traced) into the rules' domain (docs/rules.md):
 
     * ``beta``: β ∈ [0, 2] with ``step="normalized"``; η ≥ 0 with ``step="direct"``.
     * ``lam``: λ ≥ 0 (λ̄ ≥ 0 when scale-coupled).
 
+    ``names`` are the argument names the errors give (``("beta_t", "lam_t")`` for :func:`falcon_step`).
+
     Inside the domain the decay γ ∈ [ε_γ, 1] and the regression update ``I − η x xᵀ`` has eigenvalues in
     (−1, 1]: the state stays bounded for any finite q, k, v.  Outside, λ < 0 gives γ > 1 and β > 2 or
     β < 0 an expanding update, so a long sequence overflows to inf and then NaN."""
+    beta_name, lam_name = names
     if step == "normalized":
-        check_range("beta", beta, 0.0, BETA_MAX, " (the normalized step size)",
+        check_range(beta_name, beta, 0.0, BETA_MAX, " (the normalized step size)",
                     "Map a free parameter into the range with 2 * jax.nn.sigmoid(z).")
         beta = clamp(beta, 0.0, BETA_MAX)
     else:
-        check_range("beta", beta, 0.0, None, " (the step size η with step='direct')",
+        check_range(beta_name, beta, 0.0, None, " (the step size η with step='direct')",
                     "Map a free parameter into the range with jax.nn.softplus(z) or jax.nn.sigmoid(z).")
         beta = clamp(beta, 0.0, None)
-    check_range("lam", lam, 0.0, None, " (the ridge λ; λ < 0 makes the decay γ > 1 and the state grow "
+    check_range(lam_name, lam, 0.0, None, " (the ridge λ; λ < 0 makes the decay γ > 1 and the state grow "
                 "without bound)", "Map a free parameter into the range with jax.nn.softplus(z).")
     return beta, clamp(lam, 0.0, None)
 
@@ -212,6 +215,30 @@ def check_beta_for_variant(beta, variant: str, B: int, T: int, H: int, dv: int) 
             f"head, shape [B, T, H] = {[B, T, H]}; pass variant '2' or '2A' for per-column gains.")
     else:
         check_gate("beta", beta, B, T, H)
+
+
+def check_step_gates(beta_t, lam_t, variant: str, B: int, H: int, dv: int) -> None:
+    """:func:`falcon_step`'s gates: ``beta_t`` ``[B, H]`` (also ``[B, H, dv]`` for the per-column variants
+    2/2A) and ``lam_t`` ``[B, H]``; errors name the step's arguments and give the shapes without a time axis."""
+    def check(name, x, allowed, what=""):
+        _floating(name, x)
+        if tuple(x.shape) not in [shape for _, shape in allowed]:
+            shapes = " or ".join(f"[{dims}] = {list(shape)}" for dims, shape in allowed)
+            raise ValueError(f"`{name}` must have shape {shapes}{what}; got {tuple(x.shape)}. For step t of "
+                             f"a gate over a sequence pass gate[:, t], without the time axis.")
+
+    per_head = ("B, H", (B, H))
+    _floating("beta_t", beta_t)
+    if variant in PER_COLUMN_VARIANTS:
+        check("beta_t", beta_t, [per_head, ("B, H, dv", (B, H, dv))],
+              " (one gain per value column, or one per head)")
+    elif tuple(beta_t.shape) == (B, H, dv):
+        raise ValueError(
+            f"`beta_t` must have shape [B, H] = {[B, H]} (variant {variant!r} takes one gain per head); got "
+            f"{tuple(beta_t.shape)}, per-column gains: pass variant '2' or '2A' for per-column gains.")
+    else:
+        check("beta_t", beta_t, [per_head])
+    check("lam_t", lam_t, [per_head])
 
 
 def check_segment_ids(segment_ids, B: int, T: int) -> None:

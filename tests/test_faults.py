@@ -41,7 +41,7 @@ def test_gates_outside_the_domain_raise_naming_the_range(qkv, beta, lam, step, n
         with pytest.raises(ValueError, match=named):  # checked while tracing: nothing is compiled
             jax.eval_shape(lambda: falcon(q, k, v, b, l_, variant="1", step=step))
     state = init_state(B, H, DK, DK, variant="1")
-    with pytest.raises(ValueError, match=named.replace("`beta`", "`beta`").replace("`lam`", "`lam`")):
+    with pytest.raises(ValueError, match=named.replace("`beta`", "`beta_t`").replace("`lam`", "`lam_t`")):
         falcon_step(state, q[:, 0], k[:, 0], k[:, 0], full(beta, (B, H)), full(lam, (B, H)), variant="1", step=step)
 
 

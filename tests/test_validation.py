@@ -2,6 +2,8 @@
 
 The accepted calls are traced with jax.eval_shape (validation happens at trace time), so
 no program is compiled here."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,43 @@ def test_falcon_step_validation(rng, inputs):
         falcon_step(state, q_t, k_t, v_t, jnp.ones((B, H, DV)), lam_t, variant="3", window=4)
     with pytest.raises(ERRORS, match=r"\bq"):
         falcon_step(state, q_t[0], k_t, v_t, beta_t, lam_t, variant="3", window=4)
+
+
+@pytest.mark.parametrize("variant,arg,shape,expected", [
+    ("3", "beta_t", (B, 1, H), r"\[B, H\] = \[2, 2\]"),             # a [B, T, H] slice kept its time axis
+    ("3", "lam_t", (B, H, 1), r"\[B, H\] = \[2, 2\]"),
+    ("2", "beta_t", (B, H, DV + 1), r"\[B, H\] = \[2, 2\] or \[B, H, dv\] = \[2, 2, 3\]"),
+    ("2A", "beta_t", (B, 1, H, DV), r"\[B, H\] = \[2, 2\] or \[B, H, dv\] = \[2, 2, 3\]"),
+    ("2", "lam_t", (B, H, DV), r"\[B, H\] = \[2, 2\]"),
+    ("1", "beta_t", (B, H, DV), r"\[B, H\] = \[2, 2\] \(variant '1' takes one gain per head\)"),
+])
+def test_falcon_step_gate_shapes_name_the_step_arguments(inputs, variant, arg, shape, expected):
+    """falcon_step's gate errors name `beta_t` / `lam_t` and show the shape passed and the [B, H] (or
+    [B, H, dv]) shape expected, not the length-1 sequence view the checks once ran on."""
+    state = init_state(B, H, DK, DV, variant=variant, dtype=jnp.float64)
+    q_t, k_t, v_t = (inputs[n][:, 0] for n in ("q", "k", "v"))
+    gates = {"beta_t": inputs["beta"][:, 0], "lam_t": inputs["lam"][:, 0]}
+    gates[arg] = jnp.full(shape, 0.5, jnp.float64)
+    with pytest.raises(ValueError) as err:
+        falcon_step(state, q_t, k_t, v_t, gates["beta_t"], gates["lam_t"], variant=variant)
+    msg = str(err.value)
+    assert msg.startswith(f"`{arg}` "), msg
+    assert f"got {shape}" in msg, msg
+    assert re.search(expected, msg), msg
+    other = "lam" if arg == "beta_t" else "beta"
+    assert f"`{other}" not in msg and f"`{arg[:-2]}`" not in msg, msg
+
+
+def test_falcon_step_gate_range_names_the_step_arguments(inputs):
+    state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float64)
+    q_t, k_t, v_t = (inputs[n][:, 0] for n in ("q", "k", "v"))
+    beta_t, lam_t = inputs["beta"][:, 0], inputs["lam"][:, 0]
+    with pytest.raises(ValueError, match=r"^`beta_t` must be in \[0, 2\]"):
+        falcon_step(state, q_t, k_t, v_t, beta_t + 3.0, lam_t, variant="1")
+    with pytest.raises(ValueError, match=r"^`lam_t` must be >= 0"):
+        falcon_step(state, q_t, k_t, v_t, beta_t, lam_t - 1.0, variant="1")
+    with pytest.raises(TypeError, match=r"^`beta_t` must be a floating-point array"):
+        falcon_step(state, q_t, k_t, v_t, jnp.ones((B, H), jnp.int32), lam_t, variant="1")
 
 
 @pytest.mark.parametrize("kw,pattern", [
