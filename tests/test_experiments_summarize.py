@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from falcon_jax.train import summarize
+from falcon_jax.train.rundir import Logger
 
 
 def _pack(path, suite, runs):
@@ -62,6 +63,40 @@ def test_lm_rows_report_the_last_validation_and_median_speed(tmp_path, rng):
     assert row["tokens"] == 30 * 4 * 64
     steady = sorted(speeds[2:])  # steps 15..35: after twice the log interval
     assert row["tokens_per_s_median"] == pytest.approx(steady[len(steady) // 2])
+
+
+def _strict_json(text: str):
+    def refuse(token):
+        raise ValueError(f"not strict JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("suite", ["addition", "lm"])
+def test_a_diverged_run_is_summarized_as_strict_json(tmp_path, rng, suite):
+    """A run whose loss went NaN (metrics.jsonl written by the trainer's Logger): the summary reads it and its
+    JSON stays strict, with the non-finite numbers as the strings "nan" / "inf"."""
+    nan, inf = float("nan"), float("inf")
+    run = tmp_path / suite / "run-a"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({
+        "data": {"train_max_width": 2, "seq_len": 65}, "model": {"mixer": "falcon-1A.3"},
+        "train": {"seed": 0, "batch_size": 4, "log_every": 1}}))
+    a = float(rng.uniform(0.5, 1.0))
+    evals = ([{"kind": "eval", "step": 2, "in_dist_exact": a, "heldout_width_exact": None,
+               "teacher_forced": {"1": {"exact": a, "digit": inf}, "3": {"exact": nan, "digit": 0.5}}}]
+             if suite == "addition" else
+             [{"kind": "eval", "step": 2, "val_loss": nan, "val_ppl": inf, "val_tokens": 64}])
+    logger = Logger(str(run), is_main=True)
+    for rec in [{"kind": "train", "step": 1, "loss": a}, {"kind": "train", "step": 2, "loss": nan}] + evals:
+        logger.write(rec)
+    assert summarize.main([suite, str(tmp_path / suite), "--tag", "t"], out_dir=str(tmp_path / "results"),
+                          img_dir=str(tmp_path / "img")) == 0
+    (row,) = _strict_json((tmp_path / "results" / f"{suite}-t.json").read_text())["rows"]
+    if suite == "addition":
+        assert row["final_loss"] == "nan" and row["in_dist_exact"] == pytest.approx(a)
+        assert row["exact_at"] in ({"3": "nan"}, {3: "nan"}) and row["heldout_mean_exact"] is None
+    else:
+        assert row["val_loss"] == "nan" and row["val_ppl"] == "inf" and row["val_curve"] == [[2, "nan"]]
 
 
 def _plot_module():

@@ -2,13 +2,14 @@
 existing run before any model or data work, the note on missing plots, and the end-of-run report
 and file list.  No training here (the end-to-end runs are in test_train_extras / test_train_resume)."""
 import json
+import math
 import sys
 
 import pytest
 
 from falcon_jax.train import cli, report, trainer
 from falcon_jax.train.config import build_config
-from falcon_jax.train.rundir import Logger, RunDirError, checkpoint_steps, metric_records, parse_records
+from falcon_jax.train.rundir import Logger, RunDirError, checkpoint_steps, metric_records, parse_records, read_metrics
 
 
 def _fake_checkpoints(run_dir, steps):
@@ -139,3 +140,55 @@ def test_a_resumed_run_appends_after_a_cut_line_without_losing_its_first_record(
     for rec in later:
         logger.write(rec)
     assert metric_records(str(tmp_path)) == [first, *later]
+
+
+def strict_json(line: str):
+    """``json.loads`` that refuses the non-standard tokens NaN, Infinity and -Infinity."""
+    def refuse(token):
+        raise ValueError(f"not strict JSON: {token}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def _diverged_records():
+    nan, inf = float("nan"), float("inf")
+    return [{"kind": "train", "step": 1, "loss": 2.5, "grad_norm": 1.25, "lr": 1e-3},
+            {"kind": "train", "step": 2, "loss": nan, "grad_norm": inf, "lr": 1e-3},
+            {"kind": "eval", "step": 2, "val_loss": -inf, "in_dist_exact": None,
+             "teacher_forced": {"1": {"exact": nan, "digit": 0.5}, "2": {"exact": 0.25, "digit": inf}}}]
+
+
+def test_non_finite_metrics_are_strict_json_and_read_back_as_floats(tmp_path):
+    """A diverged step's NaN / inf are written as the strings "nan" / "inf" / "-inf" (bare NaN and Infinity
+    tokens are not JSON: jq and strict parsers refuse the line); the readers give them back as floats."""
+    recs = _diverged_records()
+    logger = Logger(str(tmp_path), is_main=True)
+    for rec in recs:
+        logger.write(rec)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    parsed = [strict_json(line) for line in lines]
+    assert parsed[1]["loss"] == "nan" and parsed[1]["grad_norm"] == "inf" and parsed[2]["val_loss"] == "-inf"
+    assert parsed[2]["teacher_forced"] == {"1": {"exact": "nan", "digit": 0.5}, "2": {"exact": 0.25, "digit": "inf"}}
+    assert parsed[0] == recs[0] and parsed[2]["in_dist_exact"] is None  # null stays "not measured"
+    back = metric_records(str(tmp_path))
+    assert repr(back) == repr(recs)  # repr: NaN == NaN, and floats stay floats
+    assert math.isnan(back[1]["loss"]) and back[1]["grad_norm"] == math.inf and back[2]["val_loss"] == -math.inf
+    train, evals = read_metrics(str(tmp_path))
+    assert math.isnan(train[2]["loss"]) and evals[0]["val_loss"] == -math.inf
+
+
+def test_the_report_reads_a_diverged_run(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    logger = Logger(str(run_dir), is_main=True)
+    for rec in _diverged_records():
+        logger.write(rec)
+    cfg = build_config(preset="addition-tiny", overrides=[f"train.run_dir={run_dir}"])
+    last_eval = metric_records(str(run_dir), "eval")[-1]
+    lines = []
+    if report.plots_available():
+        written, note = report.make_plots(str(run_dir), cfg)
+        assert note is None and [p.rsplit("/", 1)[-1] for p in written] == ["loss.png", "accuracy_vs_width.png"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report.finish(cfg, last_eval, say=lines.append)
+    row1 = next(ln for ln in lines if ln.split("|")[0].strip() == "1")
+    assert "nan%" in row1, lines

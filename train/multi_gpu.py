@@ -66,7 +66,7 @@ import time
 
 from falcon_jax.train.launch import simulated_cpu_env
 from falcon_jax.train.memory import is_out_of_memory
-from falcon_jax.train.rundir import CONFIG, METRICS, checkpoint_steps, parse_records, write_atomic
+from falcon_jax.train.rundir import CONFIG, METRICS, checkpoint_steps, dumps_strict, parse_records, write_atomic
 
 JSON_NAME, LOG_NAME, PACK_NAME = "multi-gpu.json", "multi-gpu.log", "multi-gpu-logs.tar.gz"
 RUN_LOG = "stdout.log"
@@ -488,7 +488,7 @@ class Runner:
 
     def save(self) -> None:
         self.doc["elapsed_s"] = now() - self.t0
-        write_atomic(os.path.join(self.args.out, JSON_NAME), json.dumps(self.doc, indent=1).encode())
+        write_atomic(os.path.join(self.args.out, JSON_NAME), dumps_strict(self.doc, indent=1).encode())
         pack(os.path.join(self.args.out, PACK_NAME), self.run_dirs)
 
     def env(self, gpus: int, visible: list[str]) -> dict:

@@ -7,7 +7,9 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
     metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
                             first step of a process took, compilation included), "speed" (log
                             points), "eval"; a resumed run appends, readers take the last record
-                            of each step; "time_limit" (a stop by train.time_limit_s)
+                            of each step; "time_limit" (a stop by train.time_limit_s).  Strict
+                            JSON: a NaN / ±inf number (a diverged loss) is the string "nan" /
+                            "inf" / "-inf" (:func:`encode_non_finite`); null is a value not measured
     width_shares.json       addition: the training stream's share of problems and tokens per width
     checkpoints/<step>/     orbax checkpoints (:mod:`falcon_jax.train.checkpoint`)
     report.txt              the end-of-run table
@@ -19,6 +21,7 @@ Only the standard library here: the command line uses it before it imports JAX.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 CONFIG = "config.json"
@@ -87,13 +90,46 @@ def write_atomic(path: str, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode_non_finite(value):
+    """``value`` (dicts, lists and tuples walked) with each NaN / +inf / -inf float replaced by the string
+    "nan" / "inf" / "-inf", so that ``json.dumps(..., allow_nan=False)`` writes strict JSON (the bare tokens
+    NaN and Infinity that ``json.dumps`` writes by default are refused by jq and strict parsers).  Strings,
+    not null: null already stands for a value not measured, and NaN and inf tell different stories."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: encode_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_non_finite(v) for v in value]
+    return value
+
+
+def decode_non_finite(value):
+    """The inverse of :func:`encode_non_finite`: the strings "nan" / "inf" / "-inf" back to floats."""
+    if isinstance(value, str):
+        return NON_FINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: decode_non_finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_non_finite(v) for v in value]
+    return value
+
+
+def dumps_strict(value, **kwargs) -> str:
+    """``json.dumps`` of ``value`` as strict JSON, non-finite floats as in :func:`encode_non_finite`."""
+    return json.dumps(encode_non_finite(value), allow_nan=False, **kwargs)
+
+
 def parse_records(lines, kind: str | None = None) -> list[dict]:
-    """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``); a line
-    cut by a kill is skipped."""
+    """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``), with "nan" / "inf" /
+    "-inf" read back as floats (:func:`decode_non_finite`); a line cut by a kill is skipped."""
     out = []
     for line in lines:
         try:
-            r = json.loads(line)
+            r = decode_non_finite(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by a kill
         if kind is None or r.get("kind") == kind:
@@ -122,6 +158,8 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], list[dict]]:
 class Logger:
     """Progress lines on stdout and records in ``metrics.jsonl`` (appended, so a resumed run
     continues the file, after a line that a kill cut short; readers take the last record of each step).
+    Each record is one line of strict JSON: a NaN / ±inf float (a diverged loss or gradient norm) is
+    written as the string "nan" / "inf" / "-inf" and read back as the float by :func:`parse_records`.
     Only process 0 writes."""
 
     def __init__(self, run_dir: str, is_main: bool):
@@ -138,7 +176,7 @@ class Logger:
                         f.seek(-1, os.SEEK_END)
                         if f.read(1) != b"\n":
                             f.write(b"\n")
-                f.write((json.dumps(rec) + "\n").encode())
+                f.write((dumps_strict(rec) + "\n").encode())
 
     def print(self, msg: str):
         if self.is_main:

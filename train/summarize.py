@@ -21,7 +21,7 @@ import json
 import os
 import tarfile
 
-from falcon_jax.train.rundir import CONFIG, METRICS, parse_records
+from falcon_jax.train.rundir import CONFIG, METRICS, dumps_strict, parse_records
 
 
 def load_runs(path: str, suite: str) -> dict[str, dict]:
@@ -179,9 +179,9 @@ def main(argv=None, *, out_dir: str = ".", img_dir: str = ".") -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.img_dir, exist_ok=True)
     out = os.path.join(args.out_dir, f"{args.suite}-{args.tag}.json")
-    with open(out, "w") as f:
-        json.dump({"suite": args.suite, "tag": args.tag, "rows": rows,
-                   "configs": {n: r.get("config") for n, r in runs.items()}}, f, indent=1)
+    with open(out, "w") as f:  # strict JSON: a diverged run's NaN loss is the string "nan", as in metrics.jsonl
+        f.write(dumps_strict({"suite": args.suite, "tag": args.tag, "rows": rows,
+                              "configs": {n: r.get("config") for n, r in runs.items()}}, indent=1))
     print(lm_markdown(rows) if args.suite == "lm" else addition_markdown(rows))
     for f in plots(args.suite, rows, runs, os.path.join(args.img_dir, f"{args.suite}-{args.tag}")):
         print("wrote", f)
