@@ -198,7 +198,8 @@ def _profile(steps: int, notes: dict) -> dict:
     host = jax.default_backend() == "cpu"
     try:
         if STATE["profiled"] is not STATE["compiled"]:
-            jax.block_until_ready(_steps(1, "profiled"))  # untraced: its first run loads its kernels
+            # an untraced warm-up step: it loads the executable's kernels before the trace
+            jax.block_until_ready(_steps(1, "profiled"))
         with tempfile.TemporaryDirectory(prefix="falcon-lm-trace-") as log_dir:
             jax.profiler.start_trace(log_dir)
             try:
