@@ -260,6 +260,9 @@ def chunk_local(log_decay, run, chunk):
     in the model's layout ``[B, L, H, dv]``) and the chunk-local run index of ``run`` ``[BH, L]`` (0 = same segment
     as the chunk's initial state)."""
     N, L = log_decay.shape[:2]
+    # a constant log decay (DeltaNet's zeros, RetNet's per-head constants) would otherwise be cumsummed by XLA's
+    # constant folding at compile time, slowly, into a [BH, L] constant
+    log_decay = jax.lax.optimization_barrier(log_decay)
     g = jnp.cumsum(log_decay.reshape(N, L // chunk, chunk, *log_decay.shape[2:]), axis=2).reshape(log_decay.shape)
     r = run.reshape(run.shape[0], L // chunk, chunk)
     before = jnp.concatenate([jnp.zeros_like(r[:, :1, -1]), r[:, :-1, -1]], axis=1)
