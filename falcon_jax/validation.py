@@ -89,6 +89,21 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     return B, T, H, dk, v.shape[3]
 
 
+def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
+    """:func:`falcon_step`'s query, key and value, one token each (no time axis); returns ``(B, H, dk, dv)``."""
+    for name, x, dims in (("q_t", q_t, "B, H, dk"), ("k_t", k_t, "B, H, dk"), ("v_t", v_t, "B, H, dv")):
+        _floating(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"`{name}` must be [{dims}] (rank 3, one token); got shape {tuple(x.shape)}. For step t "
+                             f"of a sequence {name[0]} [B, T, H, ...] pass {name[0]}[:, t], without the time axis.")
+    B, H, dk = q_t.shape
+    if tuple(k_t.shape) != (B, H, dk):
+        raise ValueError(f"`k_t` must be [B, H, dk] = {[B, H, dk]}, the shape of `q_t`; got {tuple(k_t.shape)}.")
+    if tuple(v_t.shape[:2]) != (B, H):
+        raise ValueError(f"`v_t` must be [B, H, dv] with the [B, H] = {[B, H]} of `q_t`; got {tuple(v_t.shape)}.")
+    return B, H, dk, v_t.shape[2]
+
+
 def check_gate(name: str, x, B: int, T: int, H: int, *, dv: int | None = None, what: str = "") -> None:
     """``x`` must be ``[B, T, H]``, or also ``[B, T, H, dv]`` when ``dv`` is given."""
     _floating(name, x)
@@ -256,10 +271,11 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         raise TypeError(f"`{argname}` must be a FalconState (from falcon(..., return_final_state=True) "
                         f"or falcon_jax.init_state); got {type(state).__name__}.")
     expected = {
-        "S": (B, H, dk, dv), "last_key": (B, H, dk), "has_key": (B,),
-        "tail_x": (B, H, tail, dk), "tail_y": (B, H, tail, dv), "tail_valid": (B, tail),
+        "S": ("B, H, dk, dv", (B, H, dk, dv)), "last_key": ("B, H, dk", (B, H, dk)), "has_key": ("B", (B,)),
+        "tail_x": ("B, H, tail, dk", (B, H, tail, dk)), "tail_y": ("B, H, tail, dv", (B, H, tail, dv)),
+        "tail_valid": ("B, tail", (B, tail)),
     }
-    for field, shape in expected.items():
+    for field, (dims, shape) in expected.items():
         value = getattr(state, field)
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise TypeError(f"`{argname}.{field}` must be an array; got {type(value).__name__}.")
@@ -274,7 +290,8 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         if got != shape:
             hint = (" (the window tail length is window-1 for variants 3/3A and 0 otherwise: make the state "
                     "with the same variant and window)") if field.startswith("tail") else ""
-            raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need {shape}{hint}.")
+            raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need [{dims}] = "
+                             f"{list(shape)}{hint}.")
 
 
 def check_kernel_config(config, expected: type) -> None:
