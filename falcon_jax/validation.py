@@ -86,7 +86,17 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     B, T, H, dk = q.shape
     if T < 1:
         raise ValueError("`q`, `k`, `v` must have at least one time step (T >= 1).")
+    _head_dims(("q", "k", "v"), dk, v.shape[3])
     return B, T, H, dk, v.shape[3]
+
+
+def _head_dims(names: tuple[str, str, str], dk: int, dv: int) -> None:
+    """Heads of width 0 have an empty state: every output would be 0 (or empty) whatever the inputs."""
+    q, k, v = names
+    if dk < 1:
+        raise ValueError(f"`{q}` and `{k}` must have a head dim dk >= 1; got dk = 0.")
+    if dv < 1:
+        raise ValueError(f"`{v}` must have a head dim dv >= 1; got dv = 0.")
 
 
 def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
@@ -101,6 +111,7 @@ def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
         raise ValueError(f"`k_t` must be [B, H, dk] = {[B, H, dk]}, the shape of `q_t`; got {tuple(k_t.shape)}.")
     if tuple(v_t.shape[:2]) != (B, H):
         raise ValueError(f"`v_t` must be [B, H, dv] with the [B, H] = {[B, H]} of `q_t`; got {tuple(v_t.shape)}.")
+    _head_dims(("q_t", "k_t", "v_t"), dk, v_t.shape[2])
     return B, H, dk, v_t.shape[2]
 
 
@@ -259,9 +270,11 @@ def check_step_gates(beta_t, lam_t, variant: str, B: int, H: int, dv: int) -> No
 def check_segment_ids(segment_ids, B: int, T: int) -> None:
     if segment_ids is None:
         return
-    if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (B, T):
-        got = tuple(segment_ids.shape) if hasattr(segment_ids, "shape") else type(segment_ids).__name__
-        raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {got}.")
+    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+        raise TypeError(f"`segment_ids` must be an integer array [B, T] = {[B, T]} (e.g. jnp.asarray(ids, "
+                        f"jnp.int32)); got {type(segment_ids).__name__}.")
+    if tuple(segment_ids.shape) != (B, T):
+        raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {tuple(segment_ids.shape)}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"`segment_ids` must be an integer array; got dtype {segment_ids.dtype}.")
 

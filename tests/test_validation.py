@@ -99,6 +99,28 @@ def test_segment_ids_shape(inputs):
         call(inputs, segment_ids=jnp.zeros((B, T + 1), jnp.int32))
 
 
+def test_segment_ids_not_an_array(inputs):
+    with pytest.raises(TypeError, match=r"^`segment_ids` must be an integer array \[B, T\] = \[2, 8\] \(e\.g\. "
+                                        r"jnp\.asarray\(ids, jnp\.int32\)\); got list"):
+        call(inputs, segment_ids=[[0] * T] * B)
+
+
+def test_heads_of_width_zero_are_refused(inputs):
+    """A head dim of 0 leaves the state empty: before, falcon returned zeros whatever the inputs (dk = 0) or an
+    empty output (dv = 0), and so did the baselines and falcon_step."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    with pytest.raises(ValueError, match=r"^`q` and `k` must have a head dim dk >= 1; got dk = 0"):
+        call(inputs, q=q[..., :0], k=k[..., :0])
+    with pytest.raises(ValueError, match=r"^`v` must have a head dim dv >= 1; got dv = 0"):
+        call(inputs, v=v[..., :0])
+    with pytest.raises(ValueError, match=r"^`q` and `k` must have a head dim dk >= 1"):
+        deltanet(q[..., :0], k[..., :0], v, inputs["beta"])
+    state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float64)
+    with pytest.raises(ValueError, match=r"^`q_t` and `k_t` must have a head dim dk >= 1; got dk = 0"):
+        falcon_step(state, q[:, 0, :, :0], k[:, 0, :, :0], v[:, 0], inputs["beta"][:, 0], inputs["lam"][:, 0],
+                    variant="1")
+
+
 @pytest.mark.parametrize("what", ["heads", "dk", "dv", "batch", "tail", "no_tail"])
 def test_mismatched_initial_state(rng, inputs, what):
     dims = dict(B=B, H=H, dk=DK, dv=DV)
