@@ -115,6 +115,23 @@ def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
     return B, H, dk, v_t.shape[2]
 
 
+def check_hidden(owner: str, h, d_model: int, *, min_time: int = 0) -> tuple[int, int]:
+    """A layer's input ``h [B, T, D]``: a floating-point array with ``D = d_model`` and ``T >= min_time``;
+    returns ``(B, T)``.  Errors start with ``owner`` (the layer's class)."""
+    if not hasattr(h, "shape") or not hasattr(h, "dtype"):
+        raise TypeError(f"{owner}: `h` must be a floating-point array [B, T, D]; got {type(h).__name__}.")
+    if not jnp.issubdtype(h.dtype, jnp.floating):
+        raise TypeError(f"{owner}: `h` must be a floating-point array [B, T, D] of hidden states; got dtype "
+                        f"{h.dtype} (token ids go to FalconLM, which embeds them).")
+    if h.ndim != 3 or h.shape[2] != d_model:
+        hint = " (one sequence: add its batch axis, h[None])" if h.ndim == 2 and h.shape[1] == d_model else ""
+        raise ValueError(f"{owner}: `h` must be [B, T, D] with D = d_model = {d_model}; got shape "
+                         f"{tuple(h.shape)}{hint}.")
+    if h.shape[1] < min_time:
+        raise ValueError(f"{owner}: `h` must have T >= {min_time} time steps; got shape {tuple(h.shape)}.")
+    return h.shape[0], h.shape[1]
+
+
 def check_gate(name: str, x, B: int, T: int, H: int, *, dv: int | None = None, what: str = "") -> None:
     """``x`` must be ``[B, T, H]``, or also ``[B, T, H, dv]`` when ``dv`` is given."""
     _floating(name, x)
