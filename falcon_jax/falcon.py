@@ -266,13 +266,8 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
     val.check_options(form="recurrent", alignment=alignment, timing=timing, step=step, impl="auto",
                       eps=eps, eps_gamma=eps_gamma, scale=scale)
     val.check_flag("scale_coupled", scale_coupled)
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if getattr(x, "ndim", None) != 3:
-            raise ValueError(f"`{name}` must be an array of rank 3 [batch, heads, dim]; got "
-                             f"{tuple(x.shape) if hasattr(x, 'shape') else type(x).__name__}.")
-    beta_t, lam_t = (val.gate_array(name, x, q_t.shape[:2], q_t) for name, x in (("beta_t", beta_t), ("lam_t", lam_t)))
-    # reuse the sequence checks of q, k, v on a length-1 view
-    B, _, H, dk, dv = val.check_qkv(*(a[:, None] for a in (q_t, k_t, v_t)))
+    B, H, dk, dv = val.check_step_qkv(q_t, k_t, v_t)
+    beta_t, lam_t = (val.gate_array(name, x, (B, H), q_t) for name, x in (("beta_t", beta_t), ("lam_t", lam_t)))
     val.check_step_gates(beta_t, lam_t, variant, B, H, dv)
     beta_t, lam_t = val.falcon_gates_in_domain(beta_t, lam_t, step=step, names=("beta_t", "lam_t"))
     val.check_state(state, B, H, dk, dv, tail_length_for(variant, window), argname="state")

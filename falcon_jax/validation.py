@@ -86,7 +86,50 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     B, T, H, dk = q.shape
     if T < 1:
         raise ValueError("`q`, `k`, `v` must have at least one time step (T >= 1).")
+    _head_dims(("q", "k", "v"), dk, v.shape[3])
     return B, T, H, dk, v.shape[3]
+
+
+def _head_dims(names: tuple[str, str, str], dk: int, dv: int) -> None:
+    """Heads of width 0 have an empty state: every output would be 0 (or empty) whatever the inputs."""
+    q, k, v = names
+    if dk < 1:
+        raise ValueError(f"`{q}` and `{k}` must have a head dim dk >= 1; got dk = 0.")
+    if dv < 1:
+        raise ValueError(f"`{v}` must have a head dim dv >= 1; got dv = 0.")
+
+
+def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
+    """:func:`falcon_step`'s query, key and value, one token each (no time axis); returns ``(B, H, dk, dv)``."""
+    for name, x, dims in (("q_t", q_t, "B, H, dk"), ("k_t", k_t, "B, H, dk"), ("v_t", v_t, "B, H, dv")):
+        _floating(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"`{name}` must be [{dims}] (rank 3, one token); got shape {tuple(x.shape)}. For step t "
+                             f"of a sequence {name[0]} [B, T, H, ...] pass {name[0]}[:, t], without the time axis.")
+    B, H, dk = q_t.shape
+    if tuple(k_t.shape) != (B, H, dk):
+        raise ValueError(f"`k_t` must be [B, H, dk] = {[B, H, dk]}, the shape of `q_t`; got {tuple(k_t.shape)}.")
+    if tuple(v_t.shape[:2]) != (B, H):
+        raise ValueError(f"`v_t` must be [B, H, dv] with the [B, H] = {[B, H]} of `q_t`; got {tuple(v_t.shape)}.")
+    _head_dims(("q_t", "k_t", "v_t"), dk, v_t.shape[2])
+    return B, H, dk, v_t.shape[2]
+
+
+def check_hidden(owner: str, h, d_model: int, *, min_time: int = 0) -> tuple[int, int]:
+    """A layer's input ``h [B, T, D]``: a floating-point array with ``D = d_model`` and ``T >= min_time``;
+    returns ``(B, T)``.  Errors start with ``owner`` (the layer's class)."""
+    if not hasattr(h, "shape") or not hasattr(h, "dtype"):
+        raise TypeError(f"{owner}: `h` must be a floating-point array [B, T, D]; got {type(h).__name__}.")
+    if not jnp.issubdtype(h.dtype, jnp.floating):
+        raise TypeError(f"{owner}: `h` must be a floating-point array [B, T, D] of hidden states; got dtype "
+                        f"{h.dtype} (token ids go to FalconLM, which embeds them).")
+    if h.ndim != 3 or h.shape[2] != d_model:
+        hint = " (one sequence: add its batch axis, h[None])" if h.ndim == 2 and h.shape[1] == d_model else ""
+        raise ValueError(f"{owner}: `h` must be [B, T, D] with D = d_model = {d_model}; got shape "
+                         f"{tuple(h.shape)}{hint}.")
+    if h.shape[1] < min_time:
+        raise ValueError(f"{owner}: `h` must have T >= {min_time} time steps; got shape {tuple(h.shape)}.")
+    return h.shape[0], h.shape[1]
 
 
 def check_gate(name: str, x, B: int, T: int, H: int, *, dv: int | None = None, what: str = "") -> None:
@@ -244,9 +287,11 @@ def check_step_gates(beta_t, lam_t, variant: str, B: int, H: int, dv: int) -> No
 def check_segment_ids(segment_ids, B: int, T: int) -> None:
     if segment_ids is None:
         return
-    if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (B, T):
-        got = tuple(segment_ids.shape) if hasattr(segment_ids, "shape") else type(segment_ids).__name__
-        raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {got}.")
+    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+        raise TypeError(f"`segment_ids` must be an integer array [B, T] = {[B, T]} (e.g. jnp.asarray(ids, "
+                        f"jnp.int32)); got {type(segment_ids).__name__}.")
+    if tuple(segment_ids.shape) != (B, T):
+        raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {tuple(segment_ids.shape)}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"`segment_ids` must be an integer array; got dtype {segment_ids.dtype}.")
 
@@ -256,10 +301,11 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         raise TypeError(f"`{argname}` must be a FalconState (from falcon(..., return_final_state=True) "
                         f"or falcon_jax.init_state); got {type(state).__name__}.")
     expected = {
-        "S": (B, H, dk, dv), "last_key": (B, H, dk), "has_key": (B,),
-        "tail_x": (B, H, tail, dk), "tail_y": (B, H, tail, dv), "tail_valid": (B, tail),
+        "S": ("B, H, dk, dv", (B, H, dk, dv)), "last_key": ("B, H, dk", (B, H, dk)), "has_key": ("B", (B,)),
+        "tail_x": ("B, H, tail, dk", (B, H, tail, dk)), "tail_y": ("B, H, tail, dv", (B, H, tail, dv)),
+        "tail_valid": ("B, tail", (B, tail)),
     }
-    for field, shape in expected.items():
+    for field, (dims, shape) in expected.items():
         value = getattr(state, field)
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise TypeError(f"`{argname}.{field}` must be an array; got {type(value).__name__}.")
@@ -274,7 +320,8 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         if got != shape:
             hint = (" (the window tail length is window-1 for variants 3/3A and 0 otherwise: make the state "
                     "with the same variant and window)") if field.startswith("tail") else ""
-            raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need {shape}{hint}.")
+            raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need [{dims}] = "
+                             f"{list(shape)}{hint}.")
 
 
 def check_kernel_config(config, expected: type) -> None:

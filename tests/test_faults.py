@@ -233,3 +233,17 @@ def test_a_cache_of_another_model_or_batch_is_named(hybrid):
         hybrid(toks, segment_ids=jnp.zeros((1, 4), jnp.int32))
     logits, _ = hybrid(toks, cache=hybrid.init_cache(1, 8))  # its own cache is accepted
     np.testing.assert_allclose(logits, hybrid(toks), rtol=1e-5, atol=1e-5)
+
+
+def test_lm_token_shapes_are_named(hybrid):
+    """Before: no tokens ([B, 0]) failed inside the first Falcon layer naming `q`, `k`, `v`; a [B, 1] token given
+    to decode_step was reported as tokens of shape (B, 1, 1)."""
+    with pytest.raises(ValueError, match=r"^FalconLM: tokens must be \[batch, time\] ints with time >= 1; got \(1, 0\)"):
+        hybrid(jnp.zeros((1, 0), jnp.int32))
+    cache = hybrid.init_cache(2, 8)
+    with pytest.raises(ValueError, match=r"^FalconLM.decode_step: token must be \[batch\] ints, one token per row "
+                                         r"\(several tokens \[batch, time\] go through model\(tokens, cache=cache\)\); "
+                                         r"got \(2, 1\)"):
+        hybrid.decode_step(jnp.ones((2, 1), jnp.int32), cache)
+    logits, _ = hybrid.decode_step(jnp.ones((2,), jnp.int32), cache)  # one token per row is accepted
+    assert logits.shape == (2, 32)

@@ -440,3 +440,47 @@ def test_layer_config_errors():
         SoftmaxAttention(28, 4, rngs=nnx.Rngs(0))
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("mixer", ["falcon-3A", "deltanet", "transformer"])
+def test_layer_inputs_are_named(mixer, rng):
+    """A mixer's own call checks h, segment_ids and cache (FalconLM checks its own before).  Before: silent for
+    integer h, for float segment ids on the decode step, for [B, 1] segment ids broadcast over a softmax layer's
+    rows; elsewhere an unpacking, dot_general, jnp.pad or concatenation error from inside the layer."""
+    m = build(mixer, window=3)
+    owner = type(m).__name__
+    B, T = 2, 5
+    h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+    cache = m.init_cache(B, 8)
+    seg = jnp.zeros((B, T), jnp.int32)
+    cases = [
+        (TypeError, rf"^{owner}: `h` must be a floating-point array \[B, T, D\].*got dtype int32", dict(h=h.astype(jnp.int32))),
+        (ValueError, rf"^{owner}: `h` must be \[B, T, D\] with D = d_model = 32; got shape \(5, 32\) \(one sequence: "
+                     r"add its batch axis, h\[None\]\)", dict(h=h[0])),
+        (ValueError, rf"^{owner}: `h` must be \[B, T, D\] with D = d_model = 32; got shape \(2, 5, 33\)",
+         dict(h=jnp.ones((B, T, D + 1)))),
+        (ValueError, r"^`segment_ids` must have shape \[B, T\] = \[2, 5\]; got \(2, 1\)", dict(segment_ids=seg[:, :1])),
+        (ValueError, r"^`segment_ids` must have shape \[B, T\] = \[2, 1\]; got \(2, 5\)",
+         dict(h=h[:, :1], segment_ids=seg, cache=cache)),
+        (TypeError, r"^`segment_ids` must be an integer array; got dtype float32",
+         dict(h=h[:, :1], segment_ids=jnp.zeros((B, 1), jnp.float32), cache=cache)),  # the decode step
+        (TypeError, r"^`segment_ids` must be an integer array \[B, T\] = \[2, 5\].*got list",
+         dict(segment_ids=[[0] * T] * B)),
+        (TypeError, rf"^{owner}: `cache` must be a {type(cache).__name__} \(make it with this layer's init_cache",
+         dict(cache={"state": None})),
+        (ValueError, r"`cache\.(state\.S|k)` has shape \(3, .* needs? \[B, .*\] = \[2, ", dict(cache=m.init_cache(B + 1, 8))),
+    ]
+    if mixer != "transformer":
+        cases.append((ValueError, rf"^{owner}: `h` must have T >= 1 time steps; got shape \(2, 0, 32\)",
+                      dict(h=h[:, :0])))
+        short = type(cache)(state=cache.state, conv={n: c[:, :1] for n, c in cache.conv.items()})
+        cases.append((ValueError, rf"^{owner}: `cache.conv\['q'\]` has shape \(2, 1, 32\) but this layer with "
+                                  r"batch 2 needs \[B, conv_size-1, H\*d\] = \[2, 3, 32\]", dict(cache=short)))
+    for error, pattern, kw in cases:
+        kw.setdefault("h", h)
+        with pytest.raises(error, match=pattern):
+            m(kw.pop("h"), **kw)
+    # the checks do not refuse the layer's own inputs and caches
+    assert m(h, segment_ids=seg).shape == (B, T, D)
+    y, _ = m(h[:, :1], segment_ids=seg[:, :1], cache=cache)
+    assert y.shape == (B, 1, D)

@@ -1,5 +1,6 @@
 """Trainer data: the addition task (determinism, correctness, disjointness) and packing."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -202,6 +203,31 @@ def test_text_cache_is_keyed_by_the_text_field(tmp_path):
     b = _text_data(tmp_path, [f], text_key="b")  # the same file, size and mtime: another field
     assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
     assert b.tok.decode(b.splits["train"][0]).startswith("beta 0")
+
+
+def test_text_cache_is_keyed_by_the_file_contents(tmp_path, monkeypatch):
+    """A file rewritten with other text of the same size and the same mtime (e.g. within the file system's
+    mtime resolution) is tokenized again, not served from the previous text's cache."""
+    f = tmp_path / "rows.jsonl"
+    lines = lambda word: "".join(json.dumps({"text": f"{word} {i}"}) + "\n" for i in range(30))
+    f.write_text(lines("alpha"))
+    stat = os.stat(f)
+    a = _text_data(tmp_path, [f])
+    assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
+    f.write_text(lines("gamma"))  # as many bytes as "alpha"
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (os.stat(f).st_size, os.stat(f).st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    b = _text_data(tmp_path, [f])
+    assert b.tok.decode(b.splits["train"][0]).startswith("gamma 0")
+    fresh = txt.TextData(paths=(str(f),), seq_len=9, cache_dir=str(tmp_path / "fresh"))
+    for name in ("train", "val"):
+        for got, want in zip(b.splits[name], fresh.splits[name]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the first text again: its cache entry is still there and is read back without tokenizing
+    f.write_text(lines("alpha"))
+    monkeypatch.setattr(txt, "tokenize_documents", lambda *a: pytest.fail("the token cache was not reused"))
+    c = _text_data(tmp_path, [f])
+    np.testing.assert_array_equal(np.asarray(c.splits["train"][0]), np.asarray(a.splits["train"][0]))
 
 
 def test_every_path_entry_must_match_and_globbed_directories_are_read(tmp_path):

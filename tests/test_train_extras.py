@@ -78,7 +78,7 @@ def test_pretokenized_cache_is_memory_mapped_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(txt, "tokenize_documents", lambda *a: pytest.fail("the token cache was not reused"))
     d2 = txt.TextData(**kw)
     np.testing.assert_array_equal(d2.batch(3, 4)["tokens"], b["tokens"])
-    # changing a file (size / mtime) invalidates its cache entry
+    # changing a file's bytes invalidates its cache entry
     with open(corpus / "b.jsonl", "a") as f:
         f.write(json.dumps({"text": "one more document"}) + "\n")
     with pytest.raises(pytest.fail.Exception, match="not reused"):

@@ -99,6 +99,28 @@ def test_segment_ids_shape(inputs):
         call(inputs, segment_ids=jnp.zeros((B, T + 1), jnp.int32))
 
 
+def test_segment_ids_not_an_array(inputs):
+    with pytest.raises(TypeError, match=r"^`segment_ids` must be an integer array \[B, T\] = \[2, 8\] \(e\.g\. "
+                                        r"jnp\.asarray\(ids, jnp\.int32\)\); got list"):
+        call(inputs, segment_ids=[[0] * T] * B)
+
+
+def test_heads_of_width_zero_are_refused(inputs):
+    """A head dim of 0 leaves the state empty: before, falcon returned zeros whatever the inputs (dk = 0) or an
+    empty output (dv = 0), and so did the baselines and falcon_step."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    with pytest.raises(ValueError, match=r"^`q` and `k` must have a head dim dk >= 1; got dk = 0"):
+        call(inputs, q=q[..., :0], k=k[..., :0])
+    with pytest.raises(ValueError, match=r"^`v` must have a head dim dv >= 1; got dv = 0"):
+        call(inputs, v=v[..., :0])
+    with pytest.raises(ValueError, match=r"^`q` and `k` must have a head dim dk >= 1"):
+        deltanet(q[..., :0], k[..., :0], v, inputs["beta"])
+    state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float64)
+    with pytest.raises(ValueError, match=r"^`q_t` and `k_t` must have a head dim dk >= 1; got dk = 0"):
+        falcon_step(state, q[:, 0, :, :0], k[:, 0, :, :0], v[:, 0], inputs["beta"][:, 0], inputs["lam"][:, 0],
+                    variant="1")
+
+
 @pytest.mark.parametrize("what", ["heads", "dk", "dv", "batch", "tail", "no_tail"])
 def test_mismatched_initial_state(rng, inputs, what):
     dims = dict(B=B, H=H, dk=DK, dv=DV)
@@ -138,7 +160,7 @@ def test_falcon_step_validation(rng, inputs):
         falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, variant="7", window=4)
     with pytest.raises(ERRORS, match=r"\bbeta"):
         falcon_step(state, q_t, k_t, v_t, jnp.ones((B, H, DV)), lam_t, variant="3", window=4)
-    with pytest.raises(ERRORS, match=r"\bq"):
+    with pytest.raises(ERRORS, match=r"`q_t`"):
         falcon_step(state, q_t[0], k_t, v_t, beta_t, lam_t, variant="3", window=4)
 
 
@@ -165,6 +187,38 @@ def test_falcon_step_gate_shapes_name_the_step_arguments(inputs, variant, arg, s
     assert re.search(expected, msg), msg
     other = "lam" if arg == "beta_t" else "beta"
     assert f"`{other}" not in msg and f"`{arg[:-2]}`" not in msg, msg
+
+
+@pytest.mark.parametrize("arg,shape,error,expected", [
+    ("q_t", (B, 1, H, DK), ValueError, r"^`q_t` must be \[B, H, dk\] \(rank 3, one token\); got shape \(2, 1, 2, 4\)\. "
+                                       r"For step t of a sequence q \[B, T, H, \.\.\.\] pass q\[:, t\]"),
+    ("k_t", (B, 1, H, DK), ValueError, r"^`k_t` must be \[B, H, dk\] \(rank 3, one token\); got shape \(2, 1, 2, 4\)\. "
+                                       r"For step t of a sequence k .* pass k\[:, t\]"),
+    ("v_t", (B, H), ValueError, r"^`v_t` must be \[B, H, dv\] \(rank 3, one token\); got shape \(2, 2\)"),
+    ("k_t", (B, H, DK + 1), ValueError, r"^`k_t` must be \[B, H, dk\] = \[2, 2, 4\], the shape of `q_t`; got \(2, 2, 5\)"),
+    ("k_t", (B, H + 1, DK), ValueError, r"^`k_t` must be \[B, H, dk\] = \[2, 2, 4\], the shape of `q_t`; got \(2, 3, 4\)"),
+    ("v_t", (B + 1, H, DV), ValueError, r"^`v_t` must be \[B, H, dv\] with the \[B, H\] = \[2, 2\] of `q_t`; got \(3, 2, 3\)"),
+    ("q_t", "int32", TypeError, r"^`q_t` must be a floating-point array .*got dtype int32"),
+    ("v_t", "int32", TypeError, r"^`v_t` must be a floating-point array .*got dtype int32"),
+])
+def test_falcon_step_qkv_errors_name_the_step_arguments(inputs, arg, shape, error, expected):
+    """falcon_step's q_t / k_t / v_t errors name them and give the step's shapes, without a time axis."""
+    state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float64)
+    a = {n + "_t": inputs[n][:, 0] for n in ("q", "k", "v")}
+    a[arg] = a[arg].astype(shape) if isinstance(shape, str) else jnp.ones(shape, jnp.float64)
+    with pytest.raises(error, match=expected) as err:
+        falcon_step(state, a["q_t"], a["k_t"], a["v_t"], inputs["beta"][:, 0], inputs["lam"][:, 0], variant="1")
+    assert "[B, T, H" not in str(err.value).split(" For step")[0], str(err.value)
+
+
+def test_falcon_step_state_errors_name_the_state_argument(inputs):
+    state = init_state(B, H, DK, DV + 1, variant="1", dtype=jnp.float64)
+    q_t, k_t, v_t = (inputs[n][:, 0] for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=r"^`state\.S` has shape \(2, 2, 4, 4\) but these inputs need "
+                                         r"\[B, H, dk, dv\] = \[2, 2, 4, 3\]"):
+        falcon_step(state, q_t, k_t, v_t, inputs["beta"][:, 0], inputs["lam"][:, 0], variant="1")
+    with pytest.raises(TypeError, match=r"^`state` must be a FalconState"):
+        falcon_step(None, q_t, k_t, v_t, inputs["beta"][:, 0], inputs["lam"][:, 0], variant="1")
 
 
 def test_falcon_step_gate_range_names_the_step_arguments(inputs):

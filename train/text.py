@@ -239,6 +239,18 @@ def pack_windows(stream: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, se
     return {"tokens": tokens, "segment_ids": seg, "loss_mask": np.ones_like(tokens, bool)}
 
 
+def file_digest(path: str, block: int = 1 << 20) -> str:
+    """BLAKE2b of the file's bytes, read in blocks, the key of its token cache.
+
+    The contents, not size + mtime: a file rewritten at the same size within the mtime resolution would
+    reuse the old text's tokens.  The documents are read in full anyway, and hashing runs faster than parsing."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 @dataclasses.dataclass
 class TextData:
     """Packed LM data from local files, tokenized once into memory-mapped ``.npy`` arrays in
@@ -262,7 +274,7 @@ class TextData:
     def __post_init__(self):
         docs = read_documents(self.paths, self.text_key)
         files = expand_paths(self.paths)
-        key = hashlib.sha1(json.dumps([[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
+        key = hashlib.sha1(json.dumps([[f, file_digest(f)] for f in files]
                                       + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
                                       ).encode()).hexdigest()[:16]
         os.makedirs(self.cache_dir, exist_ok=True)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from falcon_jax import validation as val
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.nn.cache import RecurrentCache
 from falcon_jax.nn.config import is_pair_of_reals
@@ -117,6 +118,27 @@ class RecurrentMixer(nnx.Module):
                     "v": self.conv_v.init_state(batch, self.dtype)}
         return RecurrentCache(state=state, conv=conv)
 
+    def _check_cache(self, cache, batch: int) -> None:
+        """``cache`` must have the layout of ``self.init_cache(batch)`` (shapes only: traced caches too)."""
+        fix = "make it with this layer's init_cache(batch), or take it from this layer's previous call"
+        if not isinstance(cache, RecurrentCache):
+            raise TypeError(f"{self.owner}: `cache` must be a RecurrentCache ({fix}); got {type(cache).__name__}.")
+        val.check_state(cache.state, batch, self.n_heads, self.dk, self.dv, self.tail, argname="cache.state")
+        widths = {"q": self.n_heads * self.dk, "k": self.n_heads * self.dk, "v": self.n_heads * self.dv}
+        want = {name: (batch, self.conv_size - 1, c) for name, c in widths.items()} if self.conv_size else {}
+        if not isinstance(cache.conv, dict) or set(cache.conv) != set(want):
+            got = sorted(cache.conv) if isinstance(cache.conv, dict) else type(cache.conv).__name__
+            raise ValueError(f"{self.owner}: `cache.conv` must hold the short convolutions' states "
+                             f"{sorted(want)} (conv_size={self.conv_size}); got {got}: {fix}.")
+        for name, shape in want.items():
+            x = cache.conv[name]
+            if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(f"{self.owner}: `cache.conv[{name!r}]` must be a floating-point array; got "
+                                f"{getattr(x, 'dtype', type(x).__name__)}: {fix}.")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{self.owner}: `cache.conv[{name!r}]` has shape {tuple(x.shape)} but this layer "
+                                 f"with batch {batch} needs [B, conv_size-1, H*d] = {list(shape)}: {fix}.")
+
     # -------------------------------------------------------------- forward
     def __call__(self, h: jax.Array, *, segment_ids: jax.Array | None = None, cache: RecurrentCache | None = None):
         """h ``[B, T, D]`` -> y ``[B, T, D]`` (in ``dtype``), or ``(y, cache)`` when ``cache`` is given.
@@ -125,8 +147,11 @@ class RecurrentMixer(nnx.Module):
         convolution carries information across a change of id.  With a cache and ``T = 1`` the
         layer takes one recurrent step (the decode path).
         """
+        B, T = val.check_hidden(self.owner, h, self.d_model, min_time=1)
+        val.check_segment_ids(segment_ids, B, T)  # before the short convolutions use them
+        if cache is not None:
+            self._check_cache(cache, B)
         h = h.astype(self.dtype)
-        B, T, _ = h.shape
         H, dk, dv = self.n_heads, self.dk, self.dv
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         new_conv = {}

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from falcon_jax import validation as val
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
 from falcon_jax.kernels.flash_attention import flash_attention, flash_attention_reason
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
@@ -188,10 +189,27 @@ class SoftmaxAttention(nnx.Module):
                        v=jnp.zeros((batch, max_len, self.n_heads, self.dv), self.dtype),
                        length=jnp.zeros((), jnp.int32), seg_start=jnp.zeros((batch,), jnp.int32))
 
+    def _check_cache(self, cache, batch: int) -> None:
+        """``cache`` must be a :class:`KVCache` of this layer's heads and ``batch`` rows (any ``max_len``)."""
+        fix = "make it with this layer's init_cache(batch, max_len), or take it from this layer's previous call"
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"{self.owner}: `cache` must be a KVCache ({fix}); got {type(cache).__name__}.")
+        L = cache.k.shape[1] if getattr(cache.k, "ndim", 0) == 4 else "max_len"
+        for name, dims, shape in (("k", "B, max_len, H, dk", (batch, L, self.n_heads, self.dk)),
+                                  ("v", "B, max_len, H, dv", (batch, L, self.n_heads, self.dv)),
+                                  ("seg_start", "B", (batch,)), ("length", "", ())):
+            got = tuple(getattr(getattr(cache, name), "shape", ()))
+            if got != shape:
+                raise ValueError(f"{self.owner}: `cache.{name}` has shape {got} but this layer with batch {batch} "
+                                 f"needs [{dims}] = {list(shape)}: {fix}.")
+
     def __call__(self, h: jax.Array, *, segment_ids: jax.Array | None = None, cache: KVCache | None = None):
         """h ``[B, T, D]`` -> y ``[B, T, D]``, or ``(y, cache)`` when a cache is given."""
+        B, T = val.check_hidden(self.owner, h, self.d_model)
+        val.check_segment_ids(segment_ids, B, T)
+        if cache is not None:
+            self._check_cache(cache, B)
         h = h.astype(self.dtype)
-        B, T, _ = h.shape
         H = self.n_heads
         q = self.q_proj(h).reshape(B, T, H, self.dk)
         k = self.k_proj(h).reshape(B, T, H, self.dk)

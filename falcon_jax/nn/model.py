@@ -74,8 +74,8 @@ class FalconLM(nnx.Module):
         across a change of id.  With a cache, the tokens continue the cached sequence (its last
         segment); a one-token decode step always continues it.
         """
-        if getattr(tokens, "ndim", None) != 2:
-            raise ValueError(f"FalconLM: tokens must be [batch, time] ints; got "
+        if getattr(tokens, "ndim", None) != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"FalconLM: tokens must be [batch, time] ints with time >= 1; got "
                              f"{tuple(tokens.shape) if hasattr(tokens, 'shape') else type(tokens).__name__}.")
         check_token_ids("FalconLM", tokens, self.config.vocab_size)
         check_segment_ids(segment_ids, *tokens.shape)
@@ -139,6 +139,10 @@ class FalconLM(nnx.Module):
 
     def decode_step(self, token: jax.Array, cache: LMCache) -> tuple[jax.Array, LMCache]:
         """One token ``[B]`` -> ``(logits [B, V], cache)``."""
+        if getattr(token, "ndim", None) != 1:
+            raise ValueError(f"FalconLM.decode_step: token must be [batch] ints, one token per row (several tokens "
+                             f"[batch, time] go through model(tokens, cache=cache)); got "
+                             f"{tuple(token.shape) if hasattr(token, 'shape') else type(token).__name__}.")
         logits, cache = self(token[:, None], cache=cache)
         return logits[:, 0], cache
 
