@@ -614,3 +614,25 @@ def test_a_second_signal_stops_at_once_and_says_how_to_continue(capsys):
     assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == previous
     err = capsys.readouterr().err
     assert "without a checkpoint of the current step" in err and "--resume-or-start" in err
+
+
+def test_resume_names_the_settings_that_changed_and_whether_the_batches_do(tmp_path):
+    """A resumed run says which settings differ from its checkpoint's; a changed batch size or data setting
+    also says the batches now differ from an uninterrupted run's.  Same settings: no such line."""
+    run_dir = tmp_path / "run"
+
+    def resume(*overrides):
+        lines = []
+        cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", *overrides])
+        trainer.run(cfg, resume=True, log=lines.append)
+        return [line for line in lines if line.startswith("[resume] settings changed")]
+
+    trainer.run(build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=3"]),
+                log=lambda line: None)
+    assert resume("train.steps=3") == []
+    [line] = resume("train.steps=6", "optim.lr=0.001")
+    assert "checkpoint 3: " in line and "train.steps 3 -> 6" in line and "optim.lr 0.002 -> 0.001" in line
+    assert "batches" not in line
+    [line] = resume("train.steps=9", "train.batch_size=4", "data.seed=5")
+    assert "train.batch_size 8 -> 4" in line and "data.seed 0 -> 5" in line and "train.steps 6 -> 9" in line
+    assert line.endswith("the batches from here on differ from an uninterrupted run's")

@@ -511,6 +511,28 @@ def resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
     return out
 
 
+# what draws the batches: a change on --resume makes the batches from there on differ from an uninterrupted run's
+DATA_STREAM_KEYS = ("train.batch_size", "train.seed")
+
+
+def settings_changed(saved: dict, cfg: TrainConfig) -> tuple[list[str], bool]:
+    """The settings of ``cfg`` that differ from the run's ``saved`` config (a checkpoint's): ``"key: old -> new"``
+    for each (``train.run_dir`` aside: a moved run is the same run), and whether any of them changes the batches
+    (a ``data.*`` key or one of :data:`DATA_STREAM_KEYS`)."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+    old, new = flat(saved), flat(json.loads(json.dumps(cfg.to_dict())))  # as saved: tuples become lists
+    keys = [k for k in new if k != "train.run_dir" and k in old and old[k] != new[k]]
+    stream = any(k.startswith("data.") or k in DATA_STREAM_KEYS for k in keys)
+    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in keys], stream
+
+
 def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,
                  overrides: list[str] = ()) -> TrainConfig:
     """Assemble a config from its sources (see the module docstring) and check every value (:func:`validate`)."""

@@ -29,7 +29,7 @@ from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
 from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
-from falcon_jax.train.config import ConfigError, TrainConfig, resume_mismatch, validate
+from falcon_jax.train.config import ConfigError, TrainConfig, resume_mismatch, settings_changed, validate
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.memory import EVALUATION, GREEDY, TRAIN_STEP, VALIDATION, explain, is_out_of_memory
 from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_batch, check_sequence, host_shard,
@@ -284,6 +284,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                                       f"batches); resume with --set data.loader={saved}.")
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
+                if isinstance(meta.get("config"), dict):
+                    changed, stream = settings_changed(meta["config"], cfg)
+                    if changed:
+                        say(f"[resume] settings changed since checkpoint {step0}: {', '.join(changed)}"
+                            + ("; the batches from here on differ from an uninterrupted run's" if stream else ""))
     if is_main:  # a kill mid-write leaves the previous config.json
         write_atomic(os.path.join(run_dir, CONFIG), json.dumps(cfg.to_dict(), indent=2))
 
