@@ -99,12 +99,12 @@ def test_a_diverged_run_is_summarized_as_strict_json(tmp_path, rng, suite):
         assert row["val_loss"] == "nan" and row["val_ppl"] == "inf" and row["val_curve"] == [[2, "nan"]]
 
 
-def _plot_module():
+def _plot_module(name="plot_addition_packed"):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "plot_addition_packed.py"
-    spec = importlib.util.spec_from_file_location("plot_addition_packed", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -131,3 +131,39 @@ def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
     assert (tmp_path / "img" / "p-learning-curves.png").stat().st_size > 0
     assert (tmp_path / "img" / "p-accuracy-vs-width.png").stat().st_size > 0
     assert plot.main([str(prefix), str(path)]) == 2
+
+
+def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_path, rng, capsys):
+    record = _plot_module("record_run")
+    run = tmp_path / "run"
+    run.mkdir()
+    config = {"train": {"batch_size": 4}, "data": {"seq_len": 64, "train_min_width": 1, "train_max_width": 3}}
+    (run / "config.json").write_text(json.dumps(config))
+    exact = rng.uniform(size=3)
+    records = [{"kind": "train", "step": 1, "loss": float("nan"), "grad_norm": 1.0},
+               {"kind": "eval", "step": 2, "teacher_forced": {str(w): {"exact": float(exact[w - 1]), "digit": 0.5}
+                                                              for w in (1, 2, 3)}}]
+    logger = Logger(str(run), is_main=True)
+    for r in records:
+        logger.write(r)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # a line cut by a kill
+    shares = {"layout": "packed", "padding": 0.1, "widths": {str(w): {"problems": 0.3, "tokens": 0.3 * w / 2}
+                                                             for w in (1, 2, 3)}}
+    (run / "width_shares.json").write_text(json.dumps(shares))
+    out = tmp_path / "r.json"
+    argv = [str(run), str(out), "--what", "a test run", "--machine", "cpu", "--commit", "abc1234", "--command", "x",
+            "--date", "2026-01-02"]
+    assert record.main(argv) == 0
+    got = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert (got["what"], got["machine"], got["commit"], got["command"], got["date"]) == \
+        ("a test run", "cpu", "abc1234", "x", "2026-01-02")
+    assert got["config"] == config
+    assert got["metrics"][0]["loss"] == "nan" and got["metrics"][1:] == records[1:]
+    assert got["token_share_per_width"]["widths"] == {"1": 0.15, "2": 0.3, "3": pytest.approx(0.45)}
+    assert got["token_share_per_width"]["padding"] == 0.1
+    tokens, by_step, widths = _plot_module().load(str(out))
+    assert tokens == 256 and list(by_step) == [2] and widths == [1, 2, 3]
+    (run / "config.json").unlink()
+    assert record.main(argv) == 2
+    assert "holds no config.json" in capsys.readouterr().err
