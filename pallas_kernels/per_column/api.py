@@ -9,8 +9,9 @@ Value column c has its own write weight and decay (:mod:`.reference`)::
 Falcon-2A on a GPU (:mod:`.triton_attention`), on the weighted values ``η ⊙ y`` (formed in XLA): a state walk per
 (batch·head, piece, value block) stores every chunk's start state, then one program per chunk and value block
 forms its output; the backward recomputes the states, walks the state gradients in reverse, forms du, dg and
-each value block's share of dA per chunk and value block, and dq, dx per chunk from the summed shares.  A piece's walk is affine in its start state with a per-column slope, so when batch·heads
-leave the GPU idle the sequence is cut into pieces (exact, as ``decayed_attention``).
+each value block's share of dA per chunk and value block, and dq, dx per chunk from the summed shares.  A
+piece's walk is affine in its start state with a per-column slope, so when batch·heads leave the GPU idle the
+sequence is cut into pieces (exact, as ``decayed_attention``).
 
 Falcon-2 (:mod:`.triton`), and both rules on a TPU (:mod:`.mosaic_tpu`: grid steps over the chunks, the state in
 VMEM): one program per (batch·head, value block) walks the chunks and solves each column's own
