@@ -17,9 +17,7 @@ import json
 import os
 import sys
 
-from falcon_jax.train.rundir import CONFIG, METRICS, dumps_strict, parse_records
-
-WIDTH_SHARES = "width_shares.json"  # written by the trainer for the addition task (trainer.write_width_shares)
+from falcon_jax.train.rundir import CONFIG, METRICS, WIDTH_SHARES, dumps_strict, parse_records
 
 
 def record(run_dir: str, *, what: str, machine: str, commit: str, command: str, date: str) -> dict:

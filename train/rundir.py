@@ -25,6 +25,7 @@ import math
 import os
 
 CONFIG = "config.json"
+WIDTH_SHARES = "width_shares.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REPORT = "report.txt"

@@ -37,8 +37,9 @@ from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_bat
 from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines
-from falcon_jax.train.rundir import (CONFIG, Logger, RunDirError, check_can_start,  # noqa: F401 - re-exported
-                                     check_writable, checkpoint_steps, metric_records, read_metrics, write_atomic)
+from falcon_jax.train.rundir import (CONFIG, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
+                                     check_can_start, check_writable, checkpoint_steps, metric_records, read_metrics,
+                                     write_atomic)
 from falcon_jax.train.text import TextData
 
 
@@ -524,9 +525,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     if is_main and stopped is None:
         finish(cfg, last_eval, say)
     return summary
-
-
-WIDTH_SHARES = "width_shares.json"
 
 
 class TrainingDiverged(RuntimeError):
