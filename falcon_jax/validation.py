@@ -313,9 +313,9 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
         if flag and value.dtype != jnp.bool_:
             raise TypeError(f"`{argname}.{field}` must be a bool array; got dtype {value.dtype}.")
         if not flag and not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(f"`{argname}.{field}` must be a floating-point array (init_state makes fp32, fp64 under x64); got "
-                            f"dtype {value.dtype}. Make states with falcon_jax.init_state or take them from "
-                            f"falcon(..., return_final_state=True).")
+            raise TypeError(f"`{argname}.{field}` must be a floating-point array (init_state makes fp32, fp64 "
+                            f"under x64); got dtype {value.dtype}. Make states with falcon_jax.init_state or take "
+                            f"them from falcon(..., return_final_state=True).")
         got = tuple(value.shape)
         if got != shape:
             hint = (" (the window tail length is window-1 for variants 3/3A and 0 otherwise: make the state "
