@@ -152,12 +152,13 @@ def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_
                                                              for w in (1, 2, 3)}}
     (run / "width_shares.json").write_text(json.dumps(shares))
     out = tmp_path / "r.json"
-    argv = [str(run), str(out), "--what", "a test run", "--machine", "cpu", "--commit", "abc1234", "--command", "x",
+    argv = [str(run), str(out), "--what", "packed addition, tiny model", "--machine", "cpu", "--commit", "abc1234",
+            "--command", "falcon-train --preset addition-packed-tiny",
             "--date", "2026-01-02"]
     assert record.main(argv) == 0
     got = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert (got["what"], got["machine"], got["commit"], got["command"], got["date"]) == \
-        ("a test run", "cpu", "abc1234", "x", "2026-01-02")
+        ("packed addition, tiny model", "cpu", "abc1234", "falcon-train --preset addition-packed-tiny", "2026-01-02")
     assert got["config"] == config
     assert got["metrics"][0]["loss"] == "nan" and got["metrics"][1:] == records[1:]
     assert got["token_share_per_width"]["widths"] == {"1": 0.15, "2": 0.3, "3": pytest.approx(0.45)}
