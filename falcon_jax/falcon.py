@@ -192,7 +192,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
     ``I_t`` is the last ``window`` pairs (3/3A only), ``B_t = |I_t|``.
 
     Args:
-      q, k: ``[B, T, H, dk]``.  v: ``[B, T, H, dv]``.
+      q, k: ``[B, T, H, dk]``.  v: ``[B, T, H, dv]``.  The three of one floating dtype, the output's (the gates
+        may have another, e.g. fp32 gates with bf16 q, k, v).
       beta: gains ``[B, T, H]``; ``[B, T, H, dv]`` for the per-column variants "2"/"2A"
         (a ``[B, T, H]`` gain is shared by all columns), or a scalar (the same gain everywhere).
         Domain: β ∈ [0, 2] with ``step="normalized"``; with ``step="direct"`` it is η itself, η ≥ 0.
@@ -222,7 +223,7 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
         per-column 2/2A); None: the op's tuned values.
 
     Returns:
-      ``out [B, T, H, dv]`` in the inputs' dtype, or ``(out, FalconState)``.
+      ``out [B, T, H, dv]`` in the dtype of q, k, v, or ``(out, FalconState)``.
       Internally everything runs in fp32 (fp64 for fp64 inputs).
     """
     val.check_variant(variant)

@@ -79,6 +79,7 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
         _floating(name, x)
         if x.ndim != 4:
             raise ValueError(f"`{name}` must have rank 4 [batch, time, heads, dim]; got shape {tuple(x.shape)}.")
+    _one_dtype(("q", "k", "v"), (q, k, v))
     if q.shape != k.shape:
         raise ValueError(f"`q` and `k` must have the same shape [B, T, H, dk]; got {tuple(q.shape)} and {tuple(k.shape)}.")
     if v.shape[:3] != q.shape[:3]:
@@ -88,6 +89,17 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
         raise ValueError("`q`, `k`, `v` must have at least one time step (T >= 1).")
     _head_dims(("q", "k", "v"), dk, v.shape[3])
     return B, T, H, dk, v.shape[3]
+
+
+def _one_dtype(names: tuple[str, str, str], arrays) -> None:
+    """q, k and v in one dtype, the output's: mixed, they would be promoted silently (bf16 q and v with an fp32 k
+    give an fp32 output).  The gates have no such rule: fp32 gates with bf16 q, k, v are the layers' own calls."""
+    dtypes = [jnp.dtype(x.dtype) for x in arrays]
+    if len(set(dtypes)) > 1:
+        got = ", ".join(f"{n} {d}" for n, d in zip(names, dtypes))
+        casts = ", ".join(f"{n}.astype({names[0]}.dtype)" for n, d in zip(names[1:], dtypes[1:]) if d != dtypes[0])
+        raise TypeError(f"`{names[0]}`, `{names[1]}` and `{names[2]}` must have one dtype (the output's); got {got}. "
+                        f"Cast them to one dtype, e.g. {casts}; the gates may keep theirs (they run in fp32 or wider).")
 
 
 def _head_dims(names: tuple[str, str, str], dk: int, dv: int) -> None:
@@ -106,6 +118,7 @@ def check_step_qkv(q_t, k_t, v_t) -> tuple[int, int, int, int]:
         if x.ndim != 3:
             raise ValueError(f"`{name}` must be [{dims}] (rank 3, one token); got shape {tuple(x.shape)}. For step t "
                              f"of a sequence {name[0]} [B, T, H, ...] pass {name[0]}[:, t], without the time axis.")
+    _one_dtype(("q_t", "k_t", "v_t"), (q_t, k_t, v_t))
     B, H, dk = q_t.shape
     if tuple(k_t.shape) != (B, H, dk):
         raise ValueError(f"`k_t` must be [B, H, dk] = {[B, H, dk]}, the shape of `q_t`; got {tuple(k_t.shape)}.")

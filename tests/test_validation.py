@@ -287,3 +287,41 @@ def test_flags_of_the_steps_and_baselines(inputs):
         deltanet(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], scale=float("inf"))
     for flag in (True, False, np.bool_(True)):  # NumPy bools are bools
         jax.eval_shape(lambda: call(inputs, scale_coupled=flag, return_final_state=flag, scale=np.float32(0.5)))
+
+
+@pytest.mark.parametrize("dtypes,cast", [
+    (("bfloat16", "float32", "bfloat16"), ("k",)),   # before: an fp32 output from bf16 q and v
+    (("float32", "float32", "float64"), ("v",)),
+    (("float16", "bfloat16", "bfloat16"), ("k", "v")),
+])
+def test_qkv_of_mixed_dtypes_are_refused(inputs, dtypes, cast):
+    """q, k and v of different dtypes were promoted silently (the output took the widest); the gates keep their own
+    dtype rule (fp32 gates with bf16 q, k, v are the layers' own calls)."""
+    q, k, v = (inputs[n].astype(d) for n, d in zip(("q", "k", "v"), dtypes))
+    for names, run in (
+        (("q", "k", "v"), lambda: call(inputs, q=q, k=k, v=v)),
+        (("q", "k", "v"), lambda: deltanet(q, k, v, inputs["beta"])),
+        (("q_t", "k_t", "v_t"), lambda: falcon_step(init_state(B, H, DK, DV, variant="1", dtype=jnp.float64),
+                                                    q[:, 0], k[:, 0], v[:, 0], inputs["beta"][:, 0],
+                                                    inputs["lam"][:, 0], variant="1")),
+    ):
+        got = ", ".join(f"{n} {d}" for n, d in zip(names, dtypes))
+        casts = ", ".join(f"{n}{names[0][1:]}.astype({names[0]}.dtype)" for n in cast)
+        with pytest.raises(TypeError, match=rf"^`{names[0]}`, `{names[1]}` and `{names[2]}` must have one dtype "
+                                            rf"\(the output's\); got {got}\. Cast them to one dtype, e\.g\. "
+                                            rf"{re.escape(casts)};"):
+            jax.eval_shape(run)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_qkv_of_one_dtype_with_fp32_gates_are_accepted(inputs, dtype):
+    """The output is in q, k, v's dtype whatever the gates' (fp32 or fp64) and the state's dtype."""
+    q, k, v = (inputs[n].astype(dtype) for n in ("q", "k", "v"))
+    for gdt in ("float32", "float64"):
+        beta, lam = inputs["beta"].astype(gdt), inputs["lam"].astype(gdt)
+        assert jax.eval_shape(lambda: call(inputs, q=q, k=k, v=v, beta=beta, lam=lam)).dtype == dtype
+        assert jax.eval_shape(lambda: deltanet(q, k, v, beta, form="recurrent")).dtype == dtype
+        state = init_state(B, H, DK, DV, variant="1", dtype=jnp.float32)
+        o, _ = jax.eval_shape(lambda: falcon_step(state, q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0],
+                                                  variant="1"))
+        assert o.dtype == dtype
