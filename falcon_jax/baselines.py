@@ -39,8 +39,7 @@ def _run(name, q, k, v, inputs, *, form, chunk_size, scale, initial_state, retur
     val.check_options(form=form, alignment="same_step", timing="raw", step="direct", impl=impl, eps=0.0,
                       eps_gamma=0.5, scale=scale)
     val.check_flag("return_final_state", return_final_state)
-    if form == "chunk":
-        val.check_chunk_size(chunk_size)
+    val.check_chunk_size(chunk_size)
     B, T, H, _, _ = val.check_qkv(q, k, v)
     inputs = {arg: val.gate_array(arg, x, (B, T, H), q) for arg, x in inputs.items()}
     for arg, x in inputs.items():

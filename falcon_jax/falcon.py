@@ -207,8 +207,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
         ``initial_state``, a window longer than T is run as window T (identical outputs, the compile
         time of window T) and the final state keeps window W's layout.
       form: "recurrent" (lax.scan), "parallel" (O(T²)) or "chunk" (SSD-style, O(T·C)).
-      chunk_size: chunk length C of the chunk form, a power of two; any T works (a C longer than T runs as
-        one chunk of the next power of two >= T).
+      chunk_size: chunk length C of the chunk form, a power of two (checked with every form); any T works (a C
+        longer than T runs as one chunk of the next power of two >= T).
       alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
       timing: "raw" (read after write) or "rbw" (read before write).
       initial_state: a :class:`FalconState` to continue from (fed to the first segment).
@@ -233,8 +233,7 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
                       eps_gamma=eps_gamma, scale=scale)
     val.check_flag("scale_coupled", scale_coupled)
     val.check_flag("return_final_state", return_final_state)
-    if form == "chunk":
-        val.check_chunk_size(chunk_size)
+    val.check_chunk_size(chunk_size)
     B, T, H, dk, dv = val.check_qkv(q, k, v)
     beta, lam = (val.gate_array(name, x, (B, T, H), q) for name, x in (("beta", beta), ("lam", lam)))
     val.check_beta_for_variant(beta, variant, B, T, H, dv)

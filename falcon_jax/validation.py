@@ -30,10 +30,12 @@ def _choice(name: str, value, choices) -> None:
 
 
 def check_chunk_size(chunk_size) -> None:
+    """The chunk length of the chunk form, checked with every form: a typo is caught before a switch to it."""
     ok = (not isinstance(chunk_size, bool) and isinstance(chunk_size, (int, np.integer))
           and chunk_size >= 1 and (chunk_size & (chunk_size - 1)) == 0)
     if not ok:
-        raise ValueError(f"`chunk_size` must be a positive power of two (e.g. 64); got {chunk_size!r}.")
+        raise ValueError(f"`chunk_size` must be a positive power of two (e.g. 64), whatever the form; got "
+                         f"{chunk_size!r}.")
 
 
 def check_options(*, form, alignment, timing, step, impl, eps, eps_gamma, scale) -> None:

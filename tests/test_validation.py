@@ -76,10 +76,18 @@ def test_bad_window(inputs, window):
         call(inputs, variant="3", window=window)
 
 
-@pytest.mark.parametrize("chunk_size", [0, 3, 48, -8])
-def test_chunk_size_not_power_of_two(inputs, chunk_size):
-    with pytest.raises(ERRORS, match="chunk_size"):
-        call(inputs, form="chunk", chunk_size=chunk_size)
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+@pytest.mark.parametrize("chunk_size", [0, 3, 48, -8, 2.5, 64.0, "64", None, True])
+def test_chunk_size_not_power_of_two(inputs, form, chunk_size):
+    """Checked with every form (before: the recurrent and parallel forms ignored any value), so a typo does not
+    wait for the switch to the chunk form; the baselines take the same argument."""
+    pattern = (r"^`chunk_size` must be a positive power of two \(e\.g\. 64\), whatever the form; got "
+               rf"{re.escape(repr(chunk_size))}\.")
+    with pytest.raises(ValueError, match=pattern):
+        jax.eval_shape(lambda: call(inputs, form=form, chunk_size=chunk_size))
+    with pytest.raises(ValueError, match=pattern):
+        jax.eval_shape(lambda: deltanet(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], form=form,
+                                        chunk_size=chunk_size))
 
 
 @pytest.mark.parametrize("variant", ["1", "3", "1A", "3A"])
