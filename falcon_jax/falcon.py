@@ -275,7 +275,9 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
                        scale_coupled=bool(scale_coupled), eps=float(eps), eps_gamma=float(eps_gamma))
     cdt = compute_dtype(q_t, k_t, v_t, beta_t, lam_t)
     state = cast_state(state, cdt)
+    out_dtype = jnp.result_type(q_t.dtype, k_t.dtype, v_t.dtype)
+    if B == 0 or H == 0:  # nothing to compute, as in falcon (the step's reshapes cannot infer an empty axis)
+        return jnp.zeros((B, H, dv), out_dtype), state.replace(has_key=jnp.ones((B,), bool))
     o, new_state = recurrent_step(rule, state, q_t.astype(cdt), k_t.astype(cdt), v_t.astype(cdt),
                         {"beta": beta_t.astype(cdt), "lam": lam_t.astype(cdt)})
-    out_dtype = jnp.result_type(q_t.dtype, k_t.dtype, v_t.dtype)
     return (o * scale).astype(out_dtype), new_state

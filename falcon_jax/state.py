@@ -77,12 +77,13 @@ def init_state(batch: int, heads: int, dk: int, dv: int, *, variant: str, window
 
     Its first position is the boundary sentinel under the shifted alignment:
     there is no previous key, so nothing is written and nothing decays.
+    ``batch`` and ``heads`` may be 0 (empty arrays, which falcon and falcon_step take); ``dk``, ``dv`` >= 1.
     """
     check_variant(variant)
     check_window(window)
-    for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"init_state: `{name}` must be a positive int, got {value!r}.")
+    for name, value, low in (("batch", batch, 0), ("heads", heads, 0), ("dk", dk, 1), ("dv", dv, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"init_state: `{name}` must be an int >= {low}; got {value!r}.")
     try:
         floating = jnp.issubdtype(dtype, jnp.floating)
     except TypeError:
@@ -90,4 +91,4 @@ def init_state(batch: int, heads: int, dk: int, dv: int, *, variant: str, window
     if not floating:  # falcon and falcon_step take floating states only
         raise TypeError(f"init_state: `dtype` must be a floating dtype (jnp.float32, or jnp.float64 under x64); "
                         f"got {dtype!r}.")
-    return empty_state(batch, heads, dk, dv, tail_length_for(variant, window), dtype)
+    return empty_state(int(batch), int(heads), int(dk), int(dv), tail_length_for(variant, window), dtype)

@@ -94,14 +94,33 @@ def test_a_non_finite_key_reaches_its_own_row_only(qkv, form, variant):
 
 
 def test_empty_batch_or_heads_give_empty_results():
+    """B = 0 or H = 0 is accepted by falcon, init_state and falcon_step alike: empty outputs in the dtype of q, k, v
+    and states of the rule's layout (before: init_state refused them, and falcon_step failed with a
+    ZeroDivisionError from a reshape).  The head dims dk, dv stay >= 1 (see test_validation)."""
     for b, h in ((0, 2), (2, 0)):
         q = jnp.zeros((b, 8, h, DK))
         v = jnp.zeros((b, 8, h, DV))
+        init = init_state(b, h, DK, DV, variant="3")
+        testing.assert_state_layout(init, batch=b, heads=h, dk=DK, dv=DV, variant="3", dtype=jnp.float32)
         for form in ("chunk", "parallel", "recurrent"):
-            out, state = falcon(q, q, v, full(1.0, (b, 8, h)), full(0.1, (b, 8, h)), variant="3", form=form,
-                                return_final_state=True)
-            assert out.shape == (b, 8, h, DV)
-            testing.assert_state_layout(state, batch=b, heads=h, dk=DK, dv=DV, variant="3")
+            for initial_state in (None, init):
+                out, state = falcon(q, q, v, full(1.0, (b, 8, h)), full(0.1, (b, 8, h)), variant="3", form=form,
+                                    initial_state=initial_state, return_final_state=True)
+                assert out.shape == (b, 8, h, DV) and out.dtype == q.dtype
+                testing.assert_state_layout(state, batch=b, heads=h, dk=DK, dv=DV, variant="3")
+        o, state = falcon_step(init, q[:, 0], q[:, 0], v[:, 0], full(1.0, (b, h)), full(0.1, (b, h)), variant="3")
+        assert o.shape == (b, h, DV) and o.dtype == q.dtype
+        testing.assert_state_layout(state, batch=b, heads=h, dk=DK, dv=DV, variant="3")
+    for name, index in (("batch", 0), ("heads", 1)):
+        sizes = [B, H, DK, DV]
+        sizes[index] = -1
+        with pytest.raises(ValueError, match=rf"^init_state: `{name}` must be an int >= 0; got -1"):
+            init_state(*sizes, variant="1")
+    for name, index in (("dk", 2), ("dv", 3)):
+        sizes = [B, H, DK, DV]
+        sizes[index] = 0
+        with pytest.raises(ValueError, match=rf"^init_state: `{name}` must be an int >= 1; got 0"):
+            init_state(*sizes, variant="1")
 
 
 def test_state_fields_of_the_wrong_dtype_are_named(qkv):

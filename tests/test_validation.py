@@ -242,7 +242,8 @@ def test_falcon_step_gate_range_names_the_step_arguments(inputs):
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(variant="9"), "variant"), (dict(window=0), "window"), (dict(heads=0), "heads"),
+    (dict(variant="9"), "variant"), (dict(window=0), "window"), (dict(heads=-1), "heads"), (dict(dk=0), "dk"),
+    (dict(batch=2.0), "batch"), (dict(batch=True), "batch"),
     (dict(dtype=jnp.int32), "`dtype` must be a floating dtype"), (dict(dtype="bool"), "`dtype` must be a floating"),
 ])
 def test_init_state_validation(kw, pattern):
