@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from falcon_jax import falcon
-from falcon_jax.nn import (DeltaNetMixer, FalconAttention, FalconLM, GatedDeltaNetMixer, LMConfig, Mamba2Mixer,
-                           RetNetMixer, RMSNorm, ShortConv, SoftmaxAttention, SwiGLU, lm_loss, make_mixer,
+from falcon_jax.nn import (DeltaNetMixer, FalconAttention, FalconLM, GatedDeltaNetMixer, KVCache, LMConfig,
+                           Mamba2Mixer, RetNetMixer, RMSNorm, ShortConv, SoftmaxAttention, SwiGLU, lm_loss, make_mixer,
                            parse_mixer)
 
 D, H, DK = 32, 4, 8
@@ -484,3 +484,31 @@ def test_layer_inputs_are_named(mixer, rng):
     assert m(h, segment_ids=seg).shape == (B, T, D)
     y, _ = m(h[:, :1], segment_ids=seg[:, :1], cache=cache)
     assert y.shape == (B, 1, D)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kv_cache_of_another_dtype_is_named(dtype, rng):
+    """A KVCache holds keys and values in the layer's compute dtype and int32 positions, as init_cache makes them.
+    Before: an integer cache truncated the keys and values written into it (wrong outputs, no error), a narrower
+    float cache rounded them, a wider one kept its dtype in every later cache for nothing (attention casts the keys
+    back to the layer's dtype), and a length of another dtype failed inside dynamic_update_slice."""
+    m = build("transformer", dtype=dtype)
+    B, T = 2, 3
+    h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+    cache = m.init_cache(B, 8)
+    fields = dict(k=cache.k, v=cache.v, length=cache.length, seg_start=cache.seg_start)
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    fix = r": make it with this layer's init_cache\(batch, max_len\), or take it from this layer's previous call\."
+    for name, bad in (("k", "int32"), ("v", "int32"), ("k", other), ("v", other), ("v", "float16"),
+                      ("length", "int64"), ("length", "float32"), ("seg_start", "float32"), ("seg_start", "int64")):
+        want = f"{dtype}, the layer's compute dtype" if name in ("k", "v") else "int32, as init_cache makes it"
+        pattern = rf"^SoftmaxAttention: `cache\.{name}` must have dtype {want}; got {bad}{fix}"
+        wrong = KVCache(**{**fields, name: fields[name].astype(bad)})
+        with pytest.raises(TypeError, match=pattern):
+            m(h, cache=wrong)
+        with pytest.raises(TypeError, match=pattern):  # traced caches are checked too
+            jax.eval_shape(lambda c: m(h, cache=c), wrong)
+    # the layer's own cache is accepted and comes back in its dtypes
+    y, new = m(h, cache=cache)
+    assert y.dtype == jnp.dtype(dtype)
+    assert jax.tree_util.tree_map(lambda a: a.dtype, new) == jax.tree_util.tree_map(lambda a: a.dtype, cache)

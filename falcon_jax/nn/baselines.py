@@ -190,7 +190,9 @@ class SoftmaxAttention(nnx.Module):
                        length=jnp.zeros((), jnp.int32), seg_start=jnp.zeros((batch,), jnp.int32))
 
     def _check_cache(self, cache, batch: int) -> None:
-        """``cache`` must be a :class:`KVCache` of this layer's heads and ``batch`` rows (any ``max_len``)."""
+        """``cache`` must be a :class:`KVCache` of this layer's heads and ``batch`` rows (any ``max_len``), keys and
+        values in the compute dtype (the new ones are written in the cache's dtype: an integer cache would truncate
+        them, a narrower one round them), positions int32 (the write offsets' dtype)."""
         fix = "make it with this layer's init_cache(batch, max_len), or take it from this layer's previous call"
         if not isinstance(cache, KVCache):
             raise TypeError(f"{self.owner}: `cache` must be a KVCache ({fix}); got {type(cache).__name__}.")
@@ -202,6 +204,14 @@ class SoftmaxAttention(nnx.Module):
             if got != shape:
                 raise ValueError(f"{self.owner}: `cache.{name}` has shape {got} but this layer with batch {batch} "
                                  f"needs [{dims}] = {list(shape)}: {fix}.")
+        for name, dtype, what in (("k", self.dtype, "the layer's compute dtype"),
+                                  ("v", self.dtype, "the layer's compute dtype"),
+                                  ("length", jnp.dtype(jnp.int32), "as init_cache makes it"),
+                                  ("seg_start", jnp.dtype(jnp.int32), "as init_cache makes it")):
+            got = getattr(getattr(cache, name), "dtype", None)
+            if got != dtype:
+                raise TypeError(f"{self.owner}: `cache.{name}` must have dtype {dtype}, {what}; got "
+                                f"{got if got is not None else type(getattr(cache, name)).__name__}: {fix}.")
 
     def __call__(self, h: jax.Array, *, segment_ids: jax.Array | None = None, cache: KVCache | None = None):
         """h ``[B, T, D]`` -> y ``[B, T, D]``, or ``(y, cache)`` when a cache is given."""

@@ -37,9 +37,9 @@ class RecurrentCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """``k [B, L, H, dk]``, ``v [B, L, H, dv]`` with ``L = max_len``; ``length`` int32 ``[]``:
-    positions ``[0, length)`` are filled; ``seg_start`` int32 ``[B]``: where the packed
-    segment that decoding continues begins (earlier keys are never attended to).  Writing past
+    """``k [B, L, H, dk]``, ``v [B, L, H, dv]`` with ``L = max_len``, in the layer's compute dtype;
+    ``length`` int32 ``[]``: positions ``[0, length)`` are filled; ``seg_start`` int32 ``[B]``: where
+    the packed segment that decoding continues begins (earlier keys are never attended to).  Writing past
     ``max_len`` is an error (``ValueError`` when ``length`` is concrete, NaN outputs under ``jit``)."""
 
     k: jax.Array
