@@ -227,8 +227,8 @@ def test_prompts_of_different_lengths_continue_as_alone(hybrid):
 
 
 def test_a_cache_of_another_model_or_batch_is_named(hybrid):
-    """Before: AttributeError / IndexError / a concatenation error deep in a layer, or (a longer stack's cache)
-    accepted silently."""
+    """Without these checks: AttributeError / IndexError / a concatenation error deep in a layer, or (a longer
+    stack's cache) accepted silently."""
     cfg = hybrid.config
     toks = jnp.asarray([[1, 2, 3]], jnp.int32)
     others = {
@@ -255,8 +255,8 @@ def test_a_cache_of_another_model_or_batch_is_named(hybrid):
 
 
 def test_lm_token_shapes_are_named(hybrid):
-    """Before: no tokens ([B, 0]) failed inside the first Falcon layer naming `q`, `k`, `v`; a [B, 1] token given
-    to decode_step was reported as tokens of shape (B, 1, 1)."""
+    """Without these checks: no tokens ([B, 0]) fail inside the first Falcon layer naming `q`, `k`, `v`; a [B, 1]
+    token given to decode_step is reported as tokens of shape (B, 1, 1)."""
     with pytest.raises(ValueError, match=r"^FalconLM: tokens must be \[batch, time\] ints with time >= 1; got \(1, 0\)"):
         hybrid(jnp.zeros((1, 0), jnp.int32))
     cache = hybrid.init_cache(2, 8)

@@ -444,9 +444,10 @@ def test_layer_config_errors():
 
 @pytest.mark.parametrize("mixer", ["falcon-3A", "deltanet", "transformer"])
 def test_layer_inputs_are_named(mixer, rng):
-    """A mixer's own call checks h, segment_ids and cache (FalconLM checks its own before).  Before: silent for
-    integer h, for float segment ids on the decode step, for [B, 1] segment ids broadcast over a softmax layer's
-    rows; elsewhere an unpacking, dot_general, jnp.pad or concatenation error from inside the layer."""
+    """A mixer's own call checks h, segment_ids and cache (FalconLM checks its own before).  Without these
+    checks: silent for integer h, for float segment ids on the decode step, for [B, 1] segment ids broadcast over a
+    softmax layer's rows; elsewhere an unpacking, dot_general, jnp.pad or concatenation error from inside the
+    layer."""
     m = build(mixer, window=3)
     owner = type(m).__name__
     B, T = 2, 5
@@ -489,9 +490,9 @@ def test_layer_inputs_are_named(mixer, rng):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_kv_cache_of_another_dtype_is_named(dtype, rng):
     """A KVCache holds keys and values in the layer's compute dtype and int32 positions, as init_cache makes them.
-    Before: an integer cache truncated the keys and values written into it (wrong outputs, no error), a narrower
-    float cache rounded them, a wider one kept its dtype in every later cache for nothing (attention casts the keys
-    back to the layer's dtype), and a length of another dtype failed inside dynamic_update_slice."""
+    Without the check an integer cache truncates the keys and values written into it (wrong outputs, no error), a
+    narrower float cache rounds them, a wider one keeps its dtype in every later cache for nothing (attention casts
+    the keys back to the layer's dtype), and a length of another dtype fails inside dynamic_update_slice."""
     m = build("transformer", dtype=dtype)
     B, T = 2, 3
     h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)

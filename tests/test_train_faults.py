@@ -140,8 +140,9 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
 
 
 def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
-    """Before: a wider model quarantined every good checkpoint as "corrupt" (then --resume-or-start began a new
-    run over the old config.json), and another rule with the same parameter shapes loaded silently."""
+    """The failures this guards against: a wider model quarantining every good checkpoint as "corrupt" (then
+    --resume-or-start begins a new run over the old config.json), and another rule with the same parameter shapes
+    loading silently."""
     run_dir = tmp_path / "run"
 
     def cfg(*extra):
@@ -169,8 +170,8 @@ def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_refuses_and_changes_nothing(tmp_path):
-    """Before: the loop ran no step and the final evaluation of step 3's parameters was recorded as step 2's
-    (and config.json then said train.steps=2)."""
+    """The failure this guards against: the loop runs no step and the final evaluation of step 3's parameters is
+    recorded as step 2's (and config.json then says train.steps=2)."""
     run_dir = tmp_path / "run"
 
     def cfg(steps):
@@ -284,7 +285,7 @@ def test_failed_save_stops_the_run_at_that_step(tmp_path):
 
 
 def test_a_disk_error_writing_the_metrics_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monkeypatch):
-    """Before: the OS error alone (``[Errno 28] No space left on device: '.../metrics.jsonl'``)."""
+    """More than the OS error alone (``[Errno 28] No space left on device: '.../metrics.jsonl'``)."""
     from falcon_jax.train import rundir
 
     run_dir = tmp_path / "run"
@@ -335,8 +336,8 @@ def _poisoned_step(monkeypatch, at, value):
 
 
 def test_a_diverged_run_stops_before_saving_and_keeps_the_last_finite_checkpoint(tmp_path, monkeypatch, capsys):
-    """Before: the run went on with NaN parameters, saved them at steps 6 and 9, deleted step 3 (keep=1: the only
-    finite checkpoint) and exited 0."""
+    """The failure this guards against: the run going on with NaN parameters, saving them at steps 6 and 9,
+    deleting step 3 (keep=1: the only finite checkpoint) and exiting 0."""
     run_dir = tmp_path / "run"
     cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=9",
                                                                  "checkpoint.keep=1", "train.log_every=2"])
@@ -577,7 +578,8 @@ def test_a_cut_or_foreign_config_file_is_one_line(tmp_path, capsys, text):
 
 @pytest.mark.parametrize("widths", ["[]", "[5]"])
 def test_eval_widths_without_an_in_distribution_width_finish_the_run(tmp_path, widths):
-    """Before: the run trained, then stopped with a TypeError in the final evaluation's message."""
+    """The failure this guards against: the run trains, then stops with a TypeError in the final evaluation's
+    message."""
     cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={tmp_path / 'run'}", "train.steps=2",
                                                                  f"data.eval_widths={widths}", "checkpoint.every=0"])
     lines = []

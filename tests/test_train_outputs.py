@@ -132,7 +132,8 @@ def test_metric_records_skip_a_cut_line_and_filter_by_kind(tmp_path):
 
 
 def test_a_resumed_run_appends_after_a_cut_line_without_losing_its_first_record(tmp_path):
-    """Before: the first record of the resumed run was glued to the cut line, and both were skipped."""
+    """The failure this guards against: the first record of the resumed run glued to the cut line, and both
+    skipped."""
     first = {"kind": "train", "step": 1, "loss": 2.0}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(first) + "\n" + '{"kind": "train", "st')
     logger = Logger(str(tmp_path), is_main=True)
