@@ -219,6 +219,40 @@ def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
     assert float(jnp.max(jnp.abs(y_leak[:, 6:] - y[:, 6:]))) > 1e-4
 
 
+def test_short_conv_segment_id_reused_after_a_change_is_a_new_segment(rng):
+    """Ids [0, 0, 1, 0, 0]: the second run of 0 is a segment of its own (the rules reset at every change of id),
+    with and without a carried state; before, the taps and the carried state joined the two runs of 0."""
+    conv = ShortConv(6, 4, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((1, 5, 6)))
+    state = jnp.asarray(rng.standard_normal((1, 3, 6)))
+    reused, numbered = jnp.asarray([[0, 0, 1, 0, 0]]), jnp.asarray([[0, 0, 1, 2, 2]])
+    w = np.asarray(conv.kernel[...])
+    for s in (None, state):
+        y, new_state = conv(x, s, reused)
+        y_num, new_state_num = conv(x, s, numbered)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y_num))
+        np.testing.assert_array_equal(np.asarray(new_state), np.asarray(new_state_num))
+        np.testing.assert_allclose(np.asarray(y[:, 3:]), _conv(np.asarray(x[:, 3:]), w), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(new_state[:, 0]), 0.0)  # position 2 is another segment
+
+
+@pytest.mark.parametrize("mixer", ["falcon-1A", "transformer"])
+def test_mixer_segment_id_reused_after_a_change_is_a_new_segment(mixer, rng):
+    """Ids [3, 3, 3, 8, 8, 3, 3, 3]: every mixer (the short convolutions and softmax attention too, not only the
+    rule) treats the last run of 3 as a new segment, the same as ids [0, 0, 0, 1, 1, 2, 2, 2]; so does a call
+    with a cache (the cached softmax path)."""
+    m = build(mixer, dtype="float64", form="recurrent")
+    f = Jitted(m)
+    h = jnp.asarray(rng.standard_normal((1, 8, D)))
+    reused = jnp.asarray([[3, 3, 3, 8, 8, 3, 3, 3]], jnp.int32)
+    numbered = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2]], jnp.int32)
+    y = f(h, reused)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(f(h, numbered)), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.asarray(y[:, 5:]), np.asarray(f(h[:, 5:], None)), rtol=1e-9, atol=1e-12)
+    y_cached, _ = m(h, segment_ids=reused, cache=m.init_cache(1, 8))
+    np.testing.assert_allclose(np.asarray(y_cached), np.asarray(y), rtol=1e-9, atol=1e-12)
+
+
 def test_softmax_attention_flash_kernel_equals_the_masked_layer_on_packed_rows(rng):
     """``attn_impl="triton"`` (the Pallas flash attention, interpreted here) in fp32 against the XLA masked layer
     in float64 with the same parameters: outputs and the gradients w.r.t. the input and every parameter, odd T

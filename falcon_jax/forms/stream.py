@@ -48,6 +48,15 @@ def segment_starts(segment_ids, B: int, T: int) -> jax.Array:
     return jnp.concatenate([jnp.zeros((B, 1), bool), change], axis=1)
 
 
+def segment_runs(segment_ids) -> jax.Array:
+    """``[B, T]`` int32: the number of segment starts before or at each position (0 for the first run of
+    every row).  Two positions share a run exactly when no change of id lies between them: ids that come
+    back after a change (``[0, 1, 0]``) are a new segment, as for the rules, which reset at every change.
+    Softmax attention's masks compare these (the short convolutions compare adjacent ids over each tap)."""
+    B, T = segment_ids.shape
+    return jnp.cumsum(segment_starts(segment_ids, B, T), axis=1, dtype=jnp.int32)
+
+
 def per_position(a, time_axis: int = 2):
     """A ``[B, T, ...]`` array shaped to broadcast against token arrays: ``[B, 1, T, ...]`` for
     ``[B, H, T, ...]`` (``time_axis=2``), ``[B, T, 1, ...]`` for ``[B, T, H, ...]`` (``time_axis=1``)."""

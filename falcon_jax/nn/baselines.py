@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from falcon_jax import validation as val
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
+from falcon_jax.forms.stream import segment_runs
 from falcon_jax.kernels.flash_attention import flash_attention, flash_attention_reason
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
@@ -100,7 +101,7 @@ class SoftmaxAttention(nnx.Module):
     """Causal multi-head softmax attention with RoPE, no bias (the paper's Transformer mixer)::
 
         q, k = RoPE(W_q h), RoPE(W_k h)      [B, T, H, dk];   v = W_v h   [B, T, H, dv]
-        o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s
+        o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s    (seg: the run of equal ids)
         y    = W_o o                         [B, T, D]
 
     ``attn_impl`` picks the attention (training and scoring calls; a call with a cache runs XLA):
@@ -219,6 +220,8 @@ class SoftmaxAttention(nnx.Module):
         val.check_segment_ids(segment_ids, B, T)
         if cache is not None:
             self._check_cache(cache, B)
+        if segment_ids is not None:  # the masks compare ids for equality: equal ids split by a change must differ
+            segment_ids = segment_runs(segment_ids)
         h = h.astype(self.dtype)
         H = self.n_heads
         q = self.q_proj(h).reshape(B, T, H, self.dk)

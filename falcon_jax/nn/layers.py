@@ -82,8 +82,9 @@ class ShortConv(nnx.Module):
 
     x ``[B, T, C]`` -> y ``[B, T, C]``.  ``state [B, K-1, C]`` holds the last K-1 inputs of the
     previous call (zeros for a fresh sequence), so a long input cut in pieces gives the same
-    output.  Positions of another packed segment (``segment_ids [B, T]``) never contribute; the
-    state counts as part of the first segment of ``x``.
+    output.  Positions of another packed segment (``segment_ids [B, T]``; a segment is a run of equal ids, so an
+    id that comes back after a change starts a new one) never contribute; the state counts as part of the first
+    segment of ``x``.
     Init: ``w ~ U(±1/√K)`` (the usual fan-in bound of a depthwise conv).
     """
 
@@ -110,26 +111,36 @@ class ShortConv(nnx.Module):
             # a sequence split over devices (context parallelism): each device its slice, the K-1 inputs before it
             # from the previous device; before position 0 the (zero) state, whose taps add nothing
             y = context_parallel.halo_map(
-                lambda ext, seg_ext, w: _taps(ext, w, None if seg_ext is None else
-                                              lambda i, L: seg_ext[:, i:i + L] == seg_ext[:, K - 1:]),
+                lambda ext, seg_ext, w: _taps(ext, w, None if seg_ext is None else _unbroken(seg_ext, K)),
                 (x, segment_ids), (w,), halo=K - 1)
             state = self.init_state(B, x.dtype)
         ext = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         if segment_ids is not None:
-            # the state's positions count as the first segment's: a tap reaching back before position 0 is kept
-            # where position t is in the segment of position 0
-            seg_ext = jnp.pad(segment_ids, ((0, 0), (K - 1, 0)))
-            in_first = segment_ids == segment_ids[:, :1]
-            before = jnp.arange(K - 1 + T) < K - 1
+            # the state's positions count as the first segment's: they carry the first id, so a tap reaching back
+            # before position 0 is kept where no id changes between position 0 and t
+            seg_ext = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
         if y is None:
-            same = None if segment_ids is None else (
-                lambda i, L: jnp.where(before[i:i + L], in_first, seg_ext[:, i:i + L] == segment_ids))
-            y = _taps(ext, w, same)
+            y = _taps(ext, w, None if segment_ids is None else _unbroken(seg_ext, K))
         new_state = ext[:, T:]  # the last K-1 inputs
-        if segment_ids is not None:  # only the last segment's inputs carry over
-            last = jnp.where(before[T:], segment_ids[:, :1], seg_ext[:, T:])
-            new_state = jnp.where((last == segment_ids[:, -1:])[..., None], new_state, 0)
+        if segment_ids is not None:  # only the last segment's inputs carry over: no change of id after them
+            tail = seg_ext[:, T:]
+            keep = [jnp.ones((B,), bool)]
+            for j in range(K - 3, -1, -1):
+                keep.insert(0, keep[0] & (tail[:, j] == tail[:, j + 1]))
+            new_state = jnp.where(jnp.stack(keep, axis=1)[..., None], new_state, 0)
         return y, new_state
+
+
+def _unbroken(seg_ext, K: int):
+    """``same(i, L)`` for :func:`_taps` from the ids ``seg_ext [B, K-1+L]`` of the extended input: tap i of output t
+    (extended positions t+i .. t+K-1) is kept where no id changes between them.  Adjacent ids are compared, not the
+    tap's id with t's: an id that comes back after a change is another segment (as for the rules)."""
+    L = seg_ext.shape[1] - K + 1
+    step = seg_ext[:, 1:] == seg_ext[:, :-1]  # [B, K-2+L]: no change from extended position m to m+1
+    kept = [jnp.ones((seg_ext.shape[0], L), bool)]  # tap K-1 is position t itself
+    for i in range(K - 2, -1, -1):
+        kept.insert(0, kept[0] & step[:, i:i + L])
+    return lambda i, _: kept[i]
 
 
 def _taps(ext, w, same=None):
