@@ -159,6 +159,45 @@ def test_lm_loss_masks_segment_boundaries(rng):
     assert abs(unmasked - expect) > 1e-4
 
 
+def test_loss_targets_and_masks_are_checked(rng):
+    """cross_entropy and lm_loss: a target id outside [0, V) (e.g. the -100 of an "ignore" convention) raises
+    when concrete and gives NaN when traced; before, a negative id wrapped around to id V + id and a mask of
+    another shape broadcast (a [T] mask against [B, T] targets halved the count: twice the loss)."""
+    B, T, V = 2, 5, 8
+    logits = jnp.asarray(rng.standard_normal((B, T, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+    want = -np.mean(np.take_along_axis(logp, np.asarray(targets)[..., None], -1))
+    np.testing.assert_allclose(float(cross_entropy(logits, targets)), want, rtol=1e-6)
+    for bad, got in ((-100, "from -100 to"), (V, f"from \\d+ to {V}")):
+        with pytest.raises(ValueError, match=rf"^cross_entropy: target ids must be in \[0, vocab_size={V}\); got "
+                                             rf"ids {got}.*leave positions out with `mask`\."):
+            cross_entropy(logits, targets.at[0, 2].set(bad))
+        traced = jax.jit(cross_entropy)(logits, targets.at[0, 2].set(bad))
+        assert bool(jnp.isnan(traced)), bad
+    with pytest.raises(ValueError, match=r"^cross_entropy: `mask` must have the shape of `targets` \(2, 5\); got "
+                                         r"\(5,\)"):
+        cross_entropy(logits, targets, jnp.ones((T,), bool))
+    with pytest.raises(ValueError, match=r"^cross_entropy: `targets` must be `logits` \[\.\.\., V\] without its last "
+                                         r"axis, \(2, 5\); got \(2, 4\)"):
+        cross_entropy(logits, targets[:, :4])
+    with pytest.raises(TypeError, match=r"^cross_entropy: `targets` must be integer token ids; got dtype float32"):
+        cross_entropy(logits, targets.astype(jnp.float32))
+
+    model = FalconLM(LMConfig.preset("transformer-tiny", n_layers=1, vocab_size=32), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(rng.integers(0, 32, (B, 9)), jnp.int32)
+    for bad in (-1, 32):  # the last column is only a target: the model's own check never sees it
+        with pytest.raises(ValueError, match=r"^lm_loss: target ids must be in \[0, vocab_size=32\)"):
+            lm_loss(model, tokens.at[1, -1].set(bad))
+        assert bool(jnp.isnan(nnx.jit(lambda m, t: lm_loss(m, t))(model, tokens.at[1, -1].set(bad))))
+    with pytest.raises(ValueError, match=r"^lm_loss: `loss_mask` must have the shape of `tokens` \(2, 9\); got "
+                                         r"\(2, 8\)"):
+        lm_loss(model, tokens, loss_mask=jnp.ones((B, 8), bool))
+    with pytest.raises(ValueError, match=r"^lm_loss: `tokens` must be \[B, T\] with T >= 2 \(position t predicts "
+                                         r"t \+ 1\); got shape \(2, 1\)"):
+        lm_loss(model, tokens[:, :1])
+
+
 def test_remat_gives_the_same_gradients_and_stores_fewer_activations(rng):
     """fp64, regression, windowed and attention layers with packed segments: the gradients with and without
     remat agree to rounding, and the backward pass keeps far fewer bytes of forward values with it."""

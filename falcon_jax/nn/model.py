@@ -203,10 +203,10 @@ class FalconLM(nnx.Module):
                          max_new_tokens=max_new_tokens, greedy=bool(greedy), pad_id=int(pad_id))
 
 
-def check_token_ids(owner: str, tokens, vocab_size: int) -> None:
+def check_token_ids(owner: str, tokens, vocab_size: int, *, what: str = "token", fix: str = "") -> None:
     """``tokens`` must be an integer array; concrete ids must lie in ``[0, vocab_size)`` (TypeError /
-    ValueError naming the values found).  Traced ids cannot be read: :meth:`FalconLM.embed` makes an
-    out-of-range one NaN."""
+    ValueError naming the values found; ``what`` names the ids, ``fix`` ends the message).  Traced ids cannot
+    be read: :meth:`FalconLM.embed` and :func:`cross_entropy` make an out-of-range one NaN."""
     dtype = getattr(tokens, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{owner}: tokens must be integer token ids (int32); got "
@@ -221,7 +221,8 @@ def check_token_ids(owner: str, tokens, vocab_size: int) -> None:
         with jax.ensure_compile_time_eval():
             lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
     if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"{owner}: token ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to {hi}.")
+        raise ValueError(f"{owner}: {what} ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to "
+                         f"{hi}.{fix}")
 
 
 def _check_lengths(lengths, B: int, P: int) -> jax.Array:
@@ -283,9 +284,30 @@ def _generate(graphdef, state, tokens, lengths, rng, temperature, *, max_new_tok
 # ---------------------------------------------------------------------- loss
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Mean token cross-entropy (nats) of ``logits [..., V]`` against ``targets [...]`` over
-    the positions where ``mask`` (same shape as targets) is true; computed in fp32 or wider."""
+    the positions where ``mask`` (same shape as targets) is true; computed in fp32 or wider.
+
+    Target ids must lie in ``[0, V)`` (positions to leave out go in ``mask``): concrete ones are checked;
+    a traced one outside makes the loss NaN (a negative id would otherwise index from the end)."""
+    return _cross_entropy("cross_entropy", logits, targets, mask, "mask")
+
+
+def _cross_entropy(owner: str, logits, targets, mask, mask_name: str):
+    if not hasattr(targets, "dtype") or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"{owner}: `targets` must be integer token ids; got "
+                        f"{'dtype ' + str(targets.dtype) if hasattr(targets, 'dtype') else type(targets).__name__}.")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{owner}: `targets` must be `logits` [..., V] without its last axis, "
+                         f"{tuple(logits.shape[:-1])}; got {tuple(targets.shape)}.")
+    if mask is not None and tuple(getattr(mask, "shape", ())) != tuple(targets.shape):
+        raise ValueError(f"{owner}: `{mask_name}` must have the shape of `targets` {tuple(targets.shape)}; got "
+                         f"{tuple(getattr(mask, 'shape', ()))}.")
+    V = logits.shape[-1]
+    check_token_ids(owner, targets, V, what="target",
+                    fix=f" Every target must be a token id; leave positions out with `{mask_name}`.")
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+    # "fill": an id outside [0, V) reads NaN (negative ids are moved past the end first, not wrapped)
+    idx = jnp.where(targets < 0, V, targets)[..., None]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), idx, axis=-1, mode="fill")[..., 0]
     if mask is None:
         return jnp.mean(nll)
     mask = mask.astype(nll.dtype)
@@ -293,15 +315,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
 
 
 def lm_loss(model: FalconLM, tokens: jax.Array, *, segment_ids=None, loss_mask=None) -> jax.Array:
-    """Next-token loss of ``tokens [B, T]``: position t predicts t+1; pairs that cross a
-    segment boundary and pairs whose *target* has ``loss_mask`` false are left out."""
+    """Next-token loss of ``tokens [B, T]`` (``T >= 2``): position t predicts t+1; pairs that cross a
+    segment boundary and pairs whose *target* has ``loss_mask`` (``[B, T]``) false are left out.  The ids
+    are checked as :func:`cross_entropy`'s targets (the last column is only a target)."""
+    if getattr(tokens, "ndim", None) != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"lm_loss: `tokens` must be [B, T] with T >= 2 (position t predicts t + 1); got "
+                         f"{'shape ' + str(tuple(tokens.shape)) if hasattr(tokens, 'shape') else type(tokens).__name__}.")
+    if loss_mask is not None and tuple(getattr(loss_mask, "shape", ())) != tuple(tokens.shape):
+        raise ValueError(f"lm_loss: `loss_mask` must have the shape of `tokens` {tuple(tokens.shape)}; got "
+                         f"{tuple(getattr(loss_mask, 'shape', ()))}.")
+    check_token_ids("lm_loss", tokens, model.config.vocab_size, what="target",
+                    fix=" Every target must be a token id; leave positions out with `loss_mask`.")
     logits = model(tokens[:, :-1], segment_ids=None if segment_ids is None else segment_ids[:, :-1])
     mask = jnp.ones(tokens[:, 1:].shape, bool)
     if segment_ids is not None:
         mask &= segment_ids[:, 1:] == segment_ids[:, :-1]
     if loss_mask is not None:
         mask &= loss_mask[:, 1:].astype(bool)
-    return cross_entropy(logits, tokens[:, 1:], mask)
+    return _cross_entropy("lm_loss", logits, tokens[:, 1:], mask, "loss_mask")
 
 
 # ---------------------------------------------------------------------- parameter counts
