@@ -472,8 +472,28 @@ def test_layer_config_errors():
         DeltaNetMixer(32, 4, chunk_size=48, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"head_dim=7 must be even"):
         SoftmaxAttention(28, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"v_head_dim=6 must equal head_dim=8 in softmax attention"):
+        SoftmaxAttention(32, 4, v_head_dim=6, rngs=nnx.Rngs(0))  # before: an error inside the attention call
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("cls", [FalconAttention, SoftmaxAttention, RetNetMixer])
+def test_layer_sizes_must_be_positive_ints(cls, rng):
+    """d_model, n_heads, head_dim and v_head_dim of a layer built directly (LMConfig checks its own).  Before,
+    n_heads=0 with a head_dim built a layer whose every output was 0; head_dim=0 or a float failed inside a
+    projection or an attention call, and n_heads=0 without a head_dim with a ZeroDivisionError."""
+    for kw, field in ((dict(n_heads=0, head_dim=8), "n_heads=0"), (dict(n_heads=0), "n_heads=0"),
+                      (dict(d_model=0, head_dim=8), "d_model=0"), (dict(head_dim=0), "head_dim=0"),
+                      (dict(head_dim=-2), "head_dim=-2"), (dict(head_dim=8.0), "head_dim=8.0"),
+                      (dict(v_head_dim=0), "v_head_dim=0"), (dict(n_heads=True), "n_heads=True")):
+        args = dict(d_model=D, n_heads=H) | kw
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: {field} must be an int >= 1"):
+            cls(args.pop("d_model"), args.pop("n_heads"), rngs=nnx.Rngs(0), **args)
+    dv = 8 if cls is SoftmaxAttention else 6
+    m = cls(D, H, head_dim=np.int64(8), v_head_dim=dv, rngs=nnx.Rngs(0))  # NumPy ints are ints
+    assert (m.dk, m.dv) == (8, dv)
+    assert m(jnp.asarray(rng.standard_normal((1, 3, D)), jnp.float32)).shape == (1, 3, D)
 
 
 @pytest.mark.parametrize("mixer", ["falcon-3A", "deltanet", "transformer"])

@@ -42,7 +42,17 @@ def _err(owner: str, field: str, value, fix: str) -> ValueError:
 
 
 def resolve_head_dims(owner: str, d_model: int, n_heads: int, head_dim, v_head_dim) -> tuple[int, int]:
-    """``(dk, dv)``: ``head_dim`` defaults to ``d_model // n_heads`` (which must divide)."""
+    """``(dk, dv)``: ``head_dim`` defaults to ``d_model // n_heads`` (which must divide).  Every size is an
+    int >= 1: with ``n_heads=0`` a layer would output 0 whatever its input."""
+    for field, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
+                         ("v_head_dim", v_head_dim)):
+        if value is None and field in ("head_dim", "v_head_dim"):
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise _err(owner, field, value, "must be an int >= 1.")
+    d_model, n_heads = int(d_model), int(n_heads)
+    head_dim = None if head_dim is None else int(head_dim)
+    v_head_dim = None if v_head_dim is None else int(v_head_dim)
     if head_dim is None:
         if d_model % n_heads:
             raise _err(owner, "n_heads", n_heads, f"does not divide d_model={d_model}: pick n_heads dividing "

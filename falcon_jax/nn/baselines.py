@@ -134,6 +134,8 @@ class SoftmaxAttention(nnx.Module):
         dk, dv = resolve_head_dims(self.owner, d_model, n_heads, head_dim, v_head_dim)
         if dk % 2:
             raise _err(self.owner, "head_dim", dk, "must be even for RoPE.")
+        if dv != dk:  # jax.nn.dot_product_attention (every path, the decode step too) takes one head dim
+            raise _err(self.owner, "v_head_dim", dv, f"must equal head_dim={dk} in softmax attention; leave it None.")
         if attn_impl not in ATTN_IMPLS:
             raise _err(self.owner, "attn_impl", attn_impl, "must be 'auto', 'triton' (Pallas flash attention, "
                        "packed segments in the kernel), 'cudnn' or 'xla'.")
