@@ -48,7 +48,7 @@ class DataConfig:
     eval_widths: list = dataclasses.field(default_factory=lambda: list(range(1, 13)))
     eval_examples: int = 256
     greedy_widths: list | None = None  # widths for free-running greedy eval (None = all eval widths)
-    greedy_examples: int = 64
+    greedy_examples: int = 64  # <= eval_examples: the greedy prompts are the eval set's first rows
     heldout_frac: float = 0.05
     split_seed: int = 1234
     pack: bool = False  # many problems per row of seq_len tokens, one segment each (else one problem a row)
@@ -457,6 +457,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                   f"must be <= {widest}, the widest of data.eval_widths and data.train_max_width; add the wider "
                   f"widths to data.eval_widths.")
     _int_at_least("data.greedy_examples", d.greedy_examples, 1)
+    if d.kind == "addition" and _is_int(d.eval_examples):
+        # the greedy prompts are the first rows of each width's eval set: more than it holds would run fewer
+        _need(d.greedy_examples <= d.eval_examples, "data.greedy_examples", d.greedy_examples,
+              f"must be <= data.eval_examples={d.eval_examples} (the greedy prompts come from the eval set); raise "
+              f"data.eval_examples or lower data.greedy_examples.")
     _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
           "must be in (0, 1) (the share of problems held out for evaluation).")
     _seed("data.split_seed", d.split_seed)
