@@ -40,6 +40,20 @@ def test_bad_override_value_type(capsys):
     assert rc == 2 and "falcon-9" in err  # LMConfig's own message for an unknown mixer
 
 
+def test_string_fields_keep_the_override_text(capsys):
+    """A string-valued key (a path, a name) takes the text after '=' as it is, even all digits; other keys parse it."""
+    rc, out, err = _run_cli(["--preset", "lm-tiny", "--run-dir", "5", "--set", "data.cache_dir=007",
+                             "--set", "data.paths=123", "--set", "data.text_key=0", "--set", "train.steps=12",
+                             "--print-config"], capsys)
+    assert rc == 0, err
+    cfg = json.loads(out)
+    assert cfg["train"]["run_dir"] == "5" and cfg["data"]["cache_dir"] == "007"
+    assert cfg["data"]["paths"] == ["123"] and cfg["data"]["text_key"] == "0"
+    assert cfg["train"]["steps"] == 12  # a number key still parses
+    cfg = build_config(preset="lm-tiny", overrides=['train.run_dir="runs/x"', 'data.paths=["1", "b"]'])
+    assert cfg.train.run_dir == "runs/x" and cfg.data.paths == ["1", "b"]  # JSON strings and lists as before
+
+
 def test_print_config_applies_sources_in_order(tmp_path, capsys):
     toml = tmp_path / "run.toml"
     toml.write_text('[optim]\nlr = 5e-4\n[model]\nd_model = 96\n[train]\nsteps = 7\n')

@@ -7,7 +7,8 @@ A config is a :class:`TrainConfig` of six sections (``model``, ``data``, ``optim
     preset (--preset NAME)  <  config file (--config run.toml | run.json)  <  --model NAME  <  --set key=value
 
 ``--set`` keys are dotted (``optim.lr=3e-4``, ``model.d_model=128``, ``data.eval_widths=[9,10]``);
-values are parsed as JSON when they parse (numbers, booleans, lists, null), else taken as strings.
+values are parsed as JSON when they parse (numbers, booleans, lists, null), else taken as strings; a
+string-valued key (``train.run_dir=5``, ``data.cache_dir=007``) keeps the text as it is.
 An unknown section or key is an error that names it and suggests the nearest valid key; every value
 is then checked (:func:`validate`), so a bad one stops the command line at once with exit code 2.
 ``data.paths`` given as one string is one path.
@@ -225,16 +226,29 @@ def apply_dict(cfg: TrainConfig, d: dict, prefix: str = "") -> None:
             set_key(cfg, f"{prefix}{k}", v)
 
 
+def _is_text_field(key: str) -> bool:
+    """Whether ``key`` names a string-valued field (a path, a name), ``data.paths`` (a list of them) included."""
+    section, _, name = key.partition(".")
+    cls = LMConfig if section == "model" else SECTIONS.get(section)
+    types = {f.name: f.type for f in dataclasses.fields(cls)} if cls is not None else {}
+    return key == "data.paths" or types.get(name) in (str, "str")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"optim.lr=3e-4"`` -> ``("optim.lr", 0.0003)``; values parse as JSON if they can."""
+    """``"optim.lr=3e-4"`` -> ``("optim.lr", 0.0003)``; values parse as JSON if they can.  A string-valued key keeps
+    the text as it is (``train.run_dir=5`` is the directory ``"5"``) unless it is a JSON string (or, for
+    ``data.paths``, a JSON list)."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key=value (e.g. --set optim.lr=3e-4).")
     key, raw = text.split("=", 1)
+    key = key.strip()
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
-    return key.strip(), value
+    if _is_text_field(key) and not isinstance(value, list if key == "data.paths" else str):
+        value = raw
+    return key, value
 
 
 def load_file(path: str) -> dict:
