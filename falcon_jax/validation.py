@@ -309,6 +309,19 @@ def check_segment_ids(segment_ids, B: int, T: int) -> None:
         raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {tuple(segment_ids.shape)}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"`segment_ids` must be an integer array; got dtype {segment_ids.dtype}.")
+    if np.dtype(segment_ids.dtype).itemsize == 8 and segment_ids.size and is_concrete(segment_ids):
+        # 64-bit ids become int32 (without x64, and in the layers that compare ids as int32): ids that differ by a
+        # multiple of 2**32 would merge into one segment.  Traced ids cannot be read here and are not checked.
+        if isinstance(segment_ids, np.ndarray):
+            lo, hi = int(np.min(segment_ids)), int(np.max(segment_ids))
+        else:
+            with jax.ensure_compile_time_eval():
+                lo, hi = (int(v) for v in np.asarray(jnp.stack([jnp.min(segment_ids), jnp.max(segment_ids)])))
+        if lo < -2**31 or hi > 2**31 - 1:
+            raise ValueError(f"`segment_ids` of dtype {segment_ids.dtype} must hold values in the int32 range "
+                             f"[-2**31, 2**31 - 1] (they are used as int32, where ids 2**32 apart are one segment); "
+                             f"got values in [{lo}, {hi}]. Renumber the segments of each row, e.g. "
+                             f"np.unique(row, return_inverse=True)[1], and pass them as int32.")
 
 
 def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: str = "initial_state") -> None:

@@ -521,6 +521,8 @@ def test_layer_inputs_are_named(mixer, rng):
          dict(h=h[:, :1], segment_ids=jnp.zeros((B, 1), jnp.float32), cache=cache)),  # the decode step
         (TypeError, r"^`segment_ids` must be an integer array \[B, T\] = \[2, 5\].*got list",
          dict(segment_ids=[[0] * T] * B)),
+        (ValueError, r"^`segment_ids` of dtype int64 must hold values in the int32 range .* got values in "
+                     r"\[0, 4294967296\]", dict(segment_ids=np.asarray([[0, 0, 0, 2**32, 2**32]] * B))),
         (TypeError, rf"^{owner}: `cache` must be a {type(cache).__name__} \(make it with this layer's init_cache",
          dict(cache={"state": None})),
         (ValueError, r"`cache\.(state\.S|k)` has shape \(3, .* needs? \[B, .*\] = \[2, ", dict(cache=m.init_cache(B + 1, 8))),

@@ -159,6 +159,27 @@ def test_lm_loss_masks_segment_boundaries(rng):
     assert abs(unmasked - expect) > 1e-4
 
 
+def test_lm_segment_ids_of_64_bits_must_fit_int32(rng):
+    """FalconLM and lm_loss refuse concrete 64-bit segment ids outside the int32 range (as int32, ids 0 and 2**32
+    are one segment), the last column of lm_loss's ids included."""
+    model = FalconLM(LMConfig.preset("falcon-1A-tiny", n_layers=1, vocab_size=32), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 9)), jnp.int32)
+    ids = np.zeros((2, 9), np.int64)
+    ids[:, 4:] = 2**32
+    pattern = r"^`segment_ids` of dtype int64 must hold values in the int32 range .* Renumber the segments"
+    with pytest.raises(ValueError, match=pattern):
+        model(tokens, segment_ids=ids)
+    with pytest.raises(ValueError, match=pattern):
+        lm_loss(model, tokens, segment_ids=ids)
+    last = np.zeros((2, 9), np.int64)
+    last[1, -1] = 2**32
+    with pytest.raises(ValueError, match=pattern):
+        lm_loss(model, tokens, segment_ids=last)
+    ok = (ids > 0).astype(np.int64)
+    np.testing.assert_allclose(float(lm_loss(model, tokens, segment_ids=ok)),
+                               float(lm_loss(model, tokens, segment_ids=ok.astype(np.int32))), rtol=1e-6)
+
+
 def test_loss_targets_and_masks_are_checked(rng):
     """cross_entropy and lm_loss: a target id outside [0, V) (e.g. the -100 of an "ignore" convention) raises
     when concrete and gives NaN when traced; before, a negative id wrapped around to id V + id and a mask of

@@ -113,6 +113,26 @@ def test_segment_ids_not_an_array(inputs):
         call(inputs, segment_ids=[[0] * T] * B)
 
 
+def test_segment_ids_of_64_bits_must_fit_int32(inputs):
+    """64-bit ids are used as int32, where ids 2**32 apart are one segment: concrete ids outside the int32 range are
+    refused; in-range int64 ids give the int32 result, and traced ids are not read."""
+    ids = np.zeros((B, T), np.int64)
+    ids[:, 5:] = 2**32  # two segments
+    with jax.enable_x64(False):
+        assert np.all(np.asarray(jnp.asarray(ids)) == 0)  # one segment once cast: what the check prevents
+    fns = {"falcon": lambda s: call(inputs, segment_ids=s),
+           "deltanet": lambda s: deltanet(inputs["q"], inputs["k"], inputs["v"], inputs["beta"], segment_ids=s)}
+    for name, fn in fns.items():
+        for bad in (ids, ids.astype(np.uint64), jnp.asarray(ids), -ids):
+            with pytest.raises(ValueError, match=r"^`segment_ids` of dtype u?int64 must hold values in the int32 "
+                                                 r"range .* got values in \[-?\d+, \d+\]\. Renumber the segments"):
+                fn(bad)
+        renumbered = np.where(ids == 0, 0, 1)
+        np.testing.assert_array_equal(np.asarray(fn(renumbered)), np.asarray(fn(renumbered.astype(np.int32))))
+        assert not np.allclose(np.asarray(fn(renumbered)), np.asarray(fn(np.zeros((B, T), np.int32)))), name
+        jax.eval_shape(fn, jax.ShapeDtypeStruct((B, T), jnp.int64))  # traced: not inspected
+
+
 def test_heads_of_width_zero_are_refused(inputs):
     """A head dim of 0 leaves the state empty: before, falcon returned zeros whatever the inputs (dk = 0) or an
     empty output (dv = 0), and so did the baselines and falcon_step."""

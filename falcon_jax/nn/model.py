@@ -326,6 +326,7 @@ def lm_loss(model: FalconLM, tokens: jax.Array, *, segment_ids=None, loss_mask=N
                          f"{tuple(getattr(loss_mask, 'shape', ()))}.")
     check_token_ids("lm_loss", tokens, model.config.vocab_size, what="target",
                     fix=" Every target must be a token id; leave positions out with `loss_mask`.")
+    check_segment_ids(segment_ids, *tokens.shape)  # all of them: the last column only decides the last pair
     logits = model(tokens[:, :-1], segment_ids=None if segment_ids is None else segment_ids[:, :-1])
     mask = jnp.ones(tokens[:, 1:].shape, bool)
     if segment_ids is not None:
