@@ -474,6 +474,14 @@ def test_layer_config_errors():
         SoftmaxAttention(28, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"v_head_dim=6 must equal head_dim=8 in softmax attention"):
         SoftmaxAttention(32, 4, v_head_dim=6, rngs=nnx.Rngs(0))  # before: an error inside the attention call
+    # a bool is not a size (True would be window 1 or chunk 1, False no short convolution)
+    for make, field, value in ((lambda **kw: FalconAttention(32, 4, variant="3", **kw, rngs=nnx.Rngs(0)), "window", True),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "chunk_size", True),
+                               (lambda **kw: DeltaNetMixer(32, 4, **kw, rngs=nnx.Rngs(0)), "chunk_size", True),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "conv_size", False),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "window", np.True_)):
+        with pytest.raises(ValueError, match=rf"^\w+: {field}={value!r} must be"):
+            make(**{field: value})
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
 

@@ -81,6 +81,8 @@ def test_config_errors_name_the_field_and_the_fix():
         LMConfig(n_layers=3, layer_mixers=("falcon-1", "transformer"))
     with pytest.raises(ValueError, match=r"LMConfig\.chunk_size=24.*power of two"):
         LMConfig(chunk_size=24)
+    with pytest.raises(ValueError, match=r"LMConfig\.chunk_size=True .*power of two"):
+        LMConfig(chunk_size=True)  # a bool is not a size (True == 1)
     with pytest.raises(ValueError, match=r"LMConfig\.gain='beta'"):
         LMConfig(gain="beta")
     with pytest.raises(ValueError, match=r"LMConfig\.lam_init"):

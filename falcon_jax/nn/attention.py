@@ -83,7 +83,7 @@ class RecurrentMixer(nnx.Module):
                  init_std: float = 0.02, out_std: float | None = None, norm_eps: float = 1e-6,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         dk, dv = resolve_head_dims(self.owner, d_model, n_heads, head_dim, v_head_dim)
-        if not isinstance(conv_size, int) or conv_size < 0 or conv_size == 1:
+        if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 0 or conv_size == 1:
             raise _err(self.owner, "conv_size", conv_size, "must be 0 (no short convolution) or an int >= 2 "
                        "(the paper uses 4).")
         self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
@@ -261,11 +261,12 @@ class FalconAttention(RecurrentMixer):
         if per_column_gains and variant not in PER_COLUMN_VARIANTS:
             raise _err(o, "per_column_gains", per_column_gains, f"but variant {variant!r} takes one gain per "
                        "head; use variant '2' or '2A' for per-column gains, or per_column_gains=None.")
-        if not (isinstance(window, int) and window >= 1):
+        if isinstance(window, bool) or not (isinstance(window, int) and window >= 1):
             raise _err(o, "window", window, "must be an int >= 1.")
         if form not in ("recurrent", "parallel", "chunk"):
             raise _err(o, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
-        if not (isinstance(chunk_size, int) and chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0):
+        if isinstance(chunk_size, bool) or not (isinstance(chunk_size, int) and chunk_size >= 1
+                                                and chunk_size & (chunk_size - 1) == 0):
             raise _err(o, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
         if not is_pair_of_reals(lam_init):
             raise _err(o, "lam_init", lam_init, "must be a pair (low, high) of numbers, e.g. (1e-3, 1e-1).")

@@ -296,7 +296,8 @@ class _RuleOptions:
     def _set_rule_options(self, form, chunk_size, impl):
         if form not in ("recurrent", "parallel", "chunk"):
             raise _err(self.owner, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
-        if not (isinstance(chunk_size, int) and chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0):
+        if isinstance(chunk_size, bool) or not (isinstance(chunk_size, int) and chunk_size >= 1
+                                                and chunk_size & (chunk_size - 1) == 0):
             raise _err(self.owner, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
         self.form, self.chunk_size, self.impl = form, chunk_size, impl
 

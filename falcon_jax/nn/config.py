@@ -194,7 +194,7 @@ class LMConfig:
         _pos_int("attn_every", self.attn_every, zero_ok=True)
         _pos_int("conv_size", self.conv_size, zero_ok=True)
         _pos_int("window", self.window)
-        if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1
+        if isinstance(self.chunk_size, bool) or not (isinstance(self.chunk_size, int) and self.chunk_size >= 1
                 and self.chunk_size & (self.chunk_size - 1) == 0):
             raise ValueError(f"LMConfig.chunk_size={self.chunk_size!r} must be a power of two (e.g. 64).")
         _choice("qk_norm", self.qk_norm, QK_NORMS)
