@@ -135,6 +135,24 @@ def test_generate_sampling_is_seeded_and_compiled_once(rng):
     assert int(a.min()) >= 0 and int(a.max()) < 50
 
 
+def test_generate_traced_out_of_range_prompt_emits_minus_one(rng):
+    """Prompt ids are checked when concrete; under a caller's jax.jit they cannot be read, and an id outside
+    [0, vocab_size) embeds as NaN: that row's logits are NaN and every token it generates is -1 (argmax of NaN
+    logits would be token 0). The other rows are unchanged."""
+    model = lm("falcon-1A", n_layers=2, attn_every=2, dtype="float32", param_dtype="float32")
+    prompt = jnp.asarray(rng.integers(0, 50, (2, 5)), jnp.int32)
+    bad = prompt.at[1, 2].set(50)
+    with pytest.raises(ValueError, match=r"^generate: token ids must be in \[0, vocab_size=50\)"):
+        model.generate(bad, 4, greedy=True)
+    for kw in (dict(greedy=True), dict(rng=jax.random.key(3))):
+        want = model.generate(prompt, 4, **kw)
+        got = jax.jit(lambda t: model.generate(t, 4, **kw))(bad)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1, :5]), np.asarray(bad[1]))
+        np.testing.assert_array_equal(np.asarray(got[1, 5:]), -1)
+        assert int(want.min()) >= 0  # valid prompts never emit -1
+
+
 def test_generate_errors():
     model = lm("falcon-1A")
     prompt = jnp.zeros((1, 3), jnp.int32)

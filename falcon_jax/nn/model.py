@@ -160,7 +160,9 @@ class FalconLM(nnx.Module):
         ``pad_id`` up to ``P + max_new_tokens``.
 
         ``greedy=True`` takes the argmax; otherwise samples ``softmax(logits / temperature)``
-        (``temperature`` finite and > 0) with ``rng`` (a ``jax.random.key``).  Token ids must be ints in ``[0, vocab_size)``.
+        (``temperature`` finite and > 0) with ``rng`` (a ``jax.random.key``).  Token ids must be ints in ``[0, vocab_size)``:
+        concrete prompts are checked, but under a caller's ``jax.jit`` the ids cannot be read, and an id outside
+        the range gives NaN logits; a row whose logits are NaN generates -1 at every step (not a token id).
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0; got {max_new_tokens!r}.")
@@ -242,9 +244,13 @@ def _check_lengths(lengths, B: int, P: int) -> jax.Array:
 
 
 def _sample(logits, key, temperature, greedy):
+    """One token per row of ``logits [B, V]``; -1 for a row with a NaN logit (argmax and categorical would give a
+    valid-looking id, 0)."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        tok = jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tok)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "pad_id"))
