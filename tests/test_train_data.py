@@ -72,9 +72,63 @@ def test_eval_sets_are_fixed_and_heldout_at_every_width():
     for n in (1, 4, 9):
         e1, e2 = d.eval_set(n), d.eval_set(n)
         np.testing.assert_array_equal(e1["tokens"], e2["tokens"])
-        assert e1["tokens"].shape == (32, d.eval_seq_len)
+        assert e1["tokens"].shape == (32 if n > 1 else 10, d.eval_seq_len)  # width 1: 10 held-out problems
         assert ad.is_heldout(e1["a"], e1["b"], d.split_seed, d.heldout_frac).all()
         assert ad.is_heldout(e1["b"], e1["a"], d.split_seed, d.heldout_frac).all()
+
+
+def _every_heldout(n, split_seed, heldout_frac):
+    grid = np.indices((10,) * (2 * n)).reshape(2 * n, -1).T  # every (a, b) digit string
+    keep = ad.is_heldout(grid[:, :n], grid[:, n:], split_seed, heldout_frac)
+    return {(_num(r[:n]), _num(r[n:])) for r in grid[keep]}
+
+
+def test_eval_sets_hold_distinct_problems_or_every_heldout_one():
+    """Width n has 100**n problems (ordered pairs), about heldout_frac of them held out: 10 at width 1 and 501 at
+    width 2 with split seed 1234.  An eval set holds eval_examples distinct held-out problems, or every held-out
+    problem of a width that has fewer, each once."""
+    every = {n: _every_heldout(n, 1234, 0.05) for n in (1, 2)}
+    assert (len(every[1]), len(every[2])) == (10, 501)
+    for examples in (300, 600):
+        d = ad.AdditionData(seed=0, train_max_width=4, eval_widths=(1, 2, 3, 9), eval_examples=examples)
+        for n in (1, 2, 3, 9):
+            ev = d.eval_set(n)
+            got = [(_num(x), _num(y)) for x, y in zip(ev["a"], ev["b"])]
+            assert len(set(got)) == len(got) == len(ev["tokens"]), (examples, n)  # no problem twice
+            assert ad.is_heldout(ev["a"], ev["b"], d.split_seed, d.heldout_frac).all()
+            if n in every and len(every[n]) <= examples:
+                assert set(got) == every[n]
+            else:
+                assert len(got) == examples and (n not in every or set(got) <= every[n])
+            for row, (a, b) in zip(ev["tokens"], got):  # the rows are the listed problems
+                lhs = ad.decode_addition(row)[len("<bos>"):].split("=")[0]
+                assert lhs == f"{a:0{n}d}+{b:0{n}d}"
+    empty = next(s for s in range(100) if not _every_heldout(1, s, 0.02))
+    with pytest.raises(ValueError, match=rf"^data.eval_widths: width 1 has no held-out problem with "
+                                         rf"data.split_seed={empty}, data.heldout_frac=0.02"):
+        ad.AdditionData(eval_widths=(1,), heldout_frac=0.02, split_seed=empty).eval_set(1)
+
+
+def test_teacher_forced_accuracy_counts_each_problem_once(monkeypatch):
+    """A width with fewer held-out problems than eval_examples is padded to one shape (one compiled program) but
+    scored on its own rows; the record says how many there were."""
+    from falcon_jax.train import evaluate as ev_mod
+    d = ad.AdditionData(seed=0, train_max_width=4, eval_widths=(1, 2, 5), eval_examples=64)
+    shapes = []
+
+    def first_row_right(graphdef, state, tokens):  # teacher-forced oracle on row 0 only; wrong digits elsewhere
+        tokens = np.asarray(tokens)
+        shapes.append(tokens.shape)
+        pred = np.full(tokens[:, 1:].shape, ad.PLUS)
+        pred[0] = tokens[0, 1:]
+        return pred
+
+    monkeypatch.setattr(ev_mod, "_predict", first_row_right)
+    acc = ev_mod.addition_accuracy(None, None, d, [1, 2, 5])
+    assert set(shapes) == {(64, d.eval_seq_len)}
+    assert {n: acc[n]["problems"] for n in acc} == {1: 10, 2: 64, 5: 64}
+    for n, k in ((1, 10), (2, 64), (5, 64)):
+        assert acc[n]["exact"] == acc[n]["digit"] == 1 / k
 
 
 def test_pack_windows_segments_follow_documents():

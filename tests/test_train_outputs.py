@@ -121,6 +121,21 @@ def test_finish_saves_the_table_and_lists_the_files(tmp_path, monkeypatch, rng):
     assert listing[-1].endswith("steps 750, 1500")
 
 
+def test_the_table_names_widths_evaluated_on_fewer_problems():
+    """The header gives eval_examples distinct problems per width and lists the widths that had fewer (all their
+    held-out problems); a record without counts gets the plain header."""
+    cfg = build_config(preset="addition-tiny")
+    E = cfg.data.eval_examples
+    tf = {"1": {"exact": 1.0, "digit": 1.0, "problems": 10}, "2": {"exact": 0.5, "digit": 0.75, "problems": E},
+          "3": {"exact": 0.0, "digit": 0.25, "problems": E}}
+    rec = {"step": 8, "teacher_forced": tf}
+    assert report.summary_lines(cfg, rec)[0].endswith(
+        f"held-out problems; {E} distinct per width; all of them at widths with fewer: 1 (10))")
+    old = {k: {m: v[m] for m in ("exact", "digit")} for k, v in tf.items()}
+    assert report.summary_lines(cfg, {"step": 8, "teacher_forced": old})[0].endswith(
+        f"held-out problems; {E} distinct per width)")
+
+
 def test_metric_records_skip_a_cut_line_and_filter_by_kind(tmp_path):
     recs = [{"kind": "train", "step": 1, "loss": 2.0}, {"kind": "first_step", "step": 1, "seconds": 3.5},
             {"kind": "train", "step": 2, "loss": 1.5}, {"kind": "speed", "step": 2, "tokens_per_s": 10.0}]

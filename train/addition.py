@@ -127,6 +127,28 @@ def sample_problems(rng: np.random.Generator, n: int, count: int, *, split_seed:
                        f"problems of width {n} (heldout_frac={heldout_frac}).")
 
 
+LISTED_WIDTH = 3  # widths up to this one have few enough problems (10**(2n)) to list every held-out one
+
+
+def heldout_problems(n: int, split_seed: int, heldout_frac: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every held-out problem of width ``n <= LISTED_WIDTH``: digit arrays ``a, b [M, n]`` (ordered pairs: a+b and
+    b+a are two rows), in numeric order of ``(a, b)``."""
+    if not 1 <= n <= LISTED_WIDTH:
+        raise ValueError(f"heldout_problems: width {n} has too many problems to list (widths 1-{LISTED_WIDTH}).")
+    i = np.arange(100 ** n, dtype=np.int64)
+    place = 10 ** np.arange(n - 1, -1, -1, dtype=np.int64)
+    a, b = (i // 10 ** n)[:, None] // place % 10, (i % 10 ** n)[:, None] // place % 10
+    keep = is_heldout(a, b, split_seed, heldout_frac)
+    return a[keep], b[keep]
+
+
+def _first_occurrences(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``a, b [N, n]`` without repeats of a problem, the first of each kept, in order."""
+    _, first = np.unique(np.concatenate([a, b], axis=1), axis=0, return_index=True)
+    keep = np.sort(first)
+    return a[keep], b[keep]
+
+
 def encode_addition(a: np.ndarray, b: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     """Problems ``a, b [N, n]`` -> a right-padded batch of ``seq_len`` columns.
 
@@ -248,7 +270,8 @@ class AdditionData:
       ``[train_min_width, cap(g)]`` with ``cap(g) = curriculum_start_width + ⌊(train_max_width −
       curriculum_start_width + 1) · g / curriculum_rows⌋`` (at most ``train_max_width``): the widest width
       grows by equal steps over the first ``curriculum_rows`` rows, then stays at ``train_max_width``;
-    * evaluation: ``eval_examples`` held-out problems per width in ``eval_widths``, all padded
+    * evaluation: ``eval_examples`` distinct held-out problems per width in ``eval_widths`` (every held-out
+      problem of a width that has fewer, e.g. width 1's handful of its 100), all padded
       to one length (one compiled program for every width).  Eval problems come from the
       held-out bucket of the hash split at *every* width, so they are disjoint from training
       even where the eval widths overlap the training widths.
@@ -447,9 +470,10 @@ class AdditionData:
         return out
 
     def eval_set(self, width: int) -> dict[str, np.ndarray]:
-        """The fixed held-out set of ``width``: ``eval_examples`` rows of ``eval_seq_len``, plus
-        ``a``/``b`` digit arrays (for checks).  Independent of the training seed's stream; drawn once
-        per width and kept (every evaluation of a run reads the same set)."""
+        """The fixed held-out set of ``width``: ``k = min(eval_examples, held-out problems of the width)`` distinct
+        problems as rows of ``eval_seq_len``, plus ``a``/``b`` digit arrays ``[k, width]`` (for checks).
+        Independent of the training seed's stream; drawn once per width and kept (every evaluation of a run reads
+        the same set)."""
         cache = self.__dict__.setdefault("_eval_sets", {})
         if width not in cache:
             cache[width] = self._draw_eval_set(width)
@@ -457,8 +481,31 @@ class AdditionData:
 
     def _draw_eval_set(self, width: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, 0xE7A1, int(width)])
-        a, b = sample_problems(rng, width, self.eval_examples, split_seed=self.split_seed,
-                               heldout_frac=self.heldout_frac, heldout=True)
+        want, draw = self.eval_examples, dict(split_seed=self.split_seed, heldout_frac=self.heldout_frac, heldout=True)
+        pool = heldout_problems(width, self.split_seed, self.heldout_frac) if width <= LISTED_WIDTH else None
+        if pool is not None and len(pool[0]) == 0:
+            raise ValueError(f"data.eval_widths: width {width} has no held-out problem with "
+                             f"data.split_seed={self.split_seed}, data.heldout_frac={self.heldout_frac}; drop the "
+                             f"width or change the split.")
+        if pool is not None and len(pool[0]) <= want:
+            return self._encode_eval_set(*pool)  # all of them
+        # drawn with replacement, repeats dropped, then topped up from the same stream
+        a, b = _first_occurrences(*sample_problems(rng, width, want, **draw))
+        if pool is not None and len(a) < want:  # from the problems not yet taken, in a random order
+            place = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+            code = lambda x, y: (x @ place) * 10 ** width + y @ place  # noqa: E731
+            rest = np.flatnonzero(~np.isin(code(*pool), code(a, b)))
+            pick = rest[rng.permutation(len(rest))[:want - len(a)]]
+            a, b = np.concatenate([a, pool[0][pick]]), np.concatenate([b, pool[1][pick]])
+        for _ in range(1000):
+            if len(a) >= want:
+                return self._encode_eval_set(a, b)
+            more_a, more_b = sample_problems(rng, width, want - len(a), **draw)
+            a, b = _first_occurrences(np.concatenate([a, more_a]), np.concatenate([b, more_b]))
+        raise RuntimeError(f"could not find {want} distinct held-out problems of width {width} "
+                           f"(heldout_frac={self.heldout_frac}).")
+
+    def _encode_eval_set(self, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
         out = encode_addition(a, b, self.eval_seq_len)
         out["a"], out["b"] = a, b
         return out

@@ -58,21 +58,25 @@ def to_host(x) -> np.ndarray:
 
 
 def addition_accuracy(graphdef, state, data: AdditionData, widths, *, put=lambda x: x) -> dict[int, dict]:
-    """Teacher-forced accuracy per width: ``{n: {"exact": f, "digit": f}}``.
+    """Teacher-forced accuracy per width: ``{n: {"exact": f, "digit": f, "problems": k}}``.
 
     ``exact``: fraction of problems whose whole (n+1)-digit target is predicted correctly when
-    every earlier target digit is given; ``digit``: fraction of target digits correct.  All
-    widths share one padded length, so one compiled program serves every width."""
+    every earlier target digit is given; ``digit``: fraction of target digits correct; ``problems``: how many
+    distinct problems the width's eval set holds (``eval_examples``, or all of a width's held-out problems where
+    it has fewer).  All widths share one padded shape (rows repeated up to ``eval_examples``, not counted), so
+    one compiled program serves every width."""
     out = {}
     for n in widths:
         ev = data.eval_set(n)
-        pred = to_host(_predict(graphdef, state, put(ev["tokens"])))
+        k = len(ev["tokens"])
+        rows = np.concatenate([ev["tokens"], np.repeat(ev["tokens"][:1], data.eval_examples - k, axis=0)])
+        pred = to_host(_predict(graphdef, state, put(rows)))[:k]
         sl = target_slice(n)
         # the token at column j is predicted by the logits at column j - 1
         got = pred[:, sl.start - 1:sl.stop - 1]
         want = ev["tokens"][:, sl]
         ok = got == want
-        out[int(n)] = {"exact": float(ok.all(axis=1).mean()), "digit": float(ok.mean())}
+        out[int(n)] = {"exact": float(ok.all(axis=1).mean()), "digit": float(ok.mean()), "problems": k}
     return out
 
 

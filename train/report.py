@@ -62,8 +62,11 @@ def summary_lines(cfg, rec: dict | None) -> list[str]:
         return []
     if cfg.data.kind == "addition":
         tf, gr = rec.get("teacher_forced", {}), rec.get("greedy", {})
+        few = [f"{k} ({tf[k]['problems']})" for k in sorted(tf, key=int)
+               if tf[k].get("problems", cfg.data.eval_examples) < cfg.data.eval_examples]
         out = [f"Addition accuracy at step {rec['step']} (trained widths {cfg.data.train_min_width}-"
-               f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} per width)",
+               f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} distinct per width"
+               + (f"; all of them at widths with fewer: {', '.join(few)}" if few else "") + ")",
                f"{'width':>5} | {'split':<12} | {'exact (TF)':>10} | {'digit (TF)':>10} | {'greedy exact':>12}",
                "-" * 62]
         for k in sorted(tf, key=int):

@@ -357,6 +357,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
                 f"so far: " + (f"step {best['step']}" if best else "n/a (no eval width <= data.train_max_width)"))
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
+            few = [f"{k} ({v['problems']})" for k, v in acc.items() if v["problems"] < cfg.data.eval_examples]
+            if few:
+                say(f"  widths with fewer than data.eval_examples={cfg.data.eval_examples} held-out problems, evaluated "
+                    f"on all of them: {', '.join(few)}")
             if final:  # the teacher-forced record first: a command cut during decoding keeps it
                 logger.write(rec)
                 running["program"] = GREEDY
