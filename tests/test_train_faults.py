@@ -54,7 +54,7 @@ def _cli(argv, capsys):
     (["--set", "data.train_min_width=6"], "data.train_max_width=4: must be an integer >= 6"),
     (["--set", "data.eval_widths=[0, 2]"], "data.eval_widths=[0, 2]: must be a list of integers >= 1"),
     (["--set", "data.greedy_widths=[2, 40]"], "data.greedy_widths=[2, 40]: must be <= 8, the widest of data.eval_widths"),
-    # the greedy prompts are the first rows of each width's eval set: before, 300 ran (and reported) 256
+    # the greedy prompts are the first rows of each width's eval set: 300 would run (and report) 256
     (["--set", "data.greedy_examples=300"], "data.greedy_examples=300: must be <= data.eval_examples=256"),
     (["--set", "mesh.data=0"], "mesh.data=0: must be a positive integer or -1"),
     (["--set", "model.n_heads=5"], "model: "),

@@ -471,7 +471,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                   f"must be <= {widest}, the widest of data.eval_widths and data.train_max_width; add the wider "
                   f"widths to data.eval_widths.")
     _int_at_least("data.greedy_examples", d.greedy_examples, 1)
-    if d.kind == "addition" and _is_int(d.eval_examples):
+    if d.kind == "addition" and _is_int(d.eval_examples) and d.greedy_widths:
         # the greedy prompts are the first rows of each width's eval set: more than it holds would run fewer
         _need(d.greedy_examples <= d.eval_examples, "data.greedy_examples", d.greedy_examples,
               f"must be <= data.eval_examples={d.eval_examples} (the greedy prompts come from the eval set); raise "
