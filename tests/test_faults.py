@@ -57,7 +57,7 @@ def test_baseline_gates_outside_the_domain_raise(qkv):
 @pytest.mark.parametrize("variant", ["1", "3A"])
 def test_traced_gates_are_clamped_into_the_domain(variant):
     """Under jit the values cannot be read: β = 10 runs as β = 2, λ = −0.99 as λ = 0, β = −3 as β = 0
-    (before: overflow to inf, then NaN, on long sequences), and the edge β = 2 is the float64 reference's."""
+    (unclamped they overflow to inf, then NaN, on long sequences), and the edge β = 2 is the float64 reference's."""
     T_ = 96
     q, k, v, _, _ = testing.random_inputs(jax.random.key(1), batch=1, time=T_, heads=1, dk=4, dv=2)
     run = jax.jit(lambda b, l_: falcon(q, k, v, b, l_, variant=variant, form="recurrent"))
@@ -95,8 +95,8 @@ def test_a_non_finite_key_reaches_its_own_row_only(qkv, form, variant):
 
 def test_empty_batch_or_heads_give_empty_results():
     """B = 0 or H = 0 is accepted by falcon, init_state and falcon_step alike: empty outputs in the dtype of q, k, v
-    and states of the rule's layout (before: init_state refused them, and falcon_step failed with a
-    ZeroDivisionError from a reshape).  The head dims dk, dv stay >= 1 (see test_validation)."""
+    and states of the rule's layout (the case init_state must not refuse and falcon_step must not reshape into a
+    ZeroDivisionError).  The head dims dk, dv stay >= 1 (see test_validation)."""
     for b, h in ((0, 2), (2, 0)):
         q = jnp.zeros((b, 8, h, DK))
         v = jnp.zeros((b, 8, h, DV))
@@ -134,7 +134,7 @@ def test_state_fields_of_the_wrong_dtype_are_named(qkv):
 
 
 def test_window_far_above_t_is_capped_at_t(qkv):
-    """W = 1000 at T = 12 is the program of W = 12 (before, at T = 16: still compiling after 10 minutes): the
+    """W = 1000 at T = 12 is the program of W = 12 (uncapped, at T = 16, still compiling after 10 minutes): the
     same outputs, the lowered chunk form the same size, a final state with W − 1 tail slots that continues
     exactly like the float64 reference with window 1000."""
     T = 12  # (a window of at most 8 takes the Jacobi eigensolver, slower to compile)

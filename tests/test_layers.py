@@ -221,7 +221,7 @@ def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
 
 def test_short_conv_segment_id_reused_after_a_change_is_a_new_segment(rng):
     """Ids [0, 0, 1, 0, 0]: the second run of 0 is a segment of its own (the rules reset at every change of id),
-    with and without a carried state; before, the taps and the carried state joined the two runs of 0."""
+    with and without a carried state: neither the taps nor the carried state join the two runs of 0."""
     conv = ShortConv(6, 4, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((1, 5, 6)))
     state = jnp.asarray(rng.standard_normal((1, 3, 6)))
@@ -473,7 +473,7 @@ def test_layer_config_errors():
     with pytest.raises(ValueError, match=r"head_dim=7 must be even"):
         SoftmaxAttention(28, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"v_head_dim=6 must equal head_dim=8 in softmax attention"):
-        SoftmaxAttention(32, 4, v_head_dim=6, rngs=nnx.Rngs(0))  # before: an error inside the attention call
+        SoftmaxAttention(32, 4, v_head_dim=6, rngs=nnx.Rngs(0))  # refused when built, not inside the attention call
     # a bool is not a size (True would be window 1 or chunk 1, False no short convolution)
     for make, field, value in ((lambda **kw: FalconAttention(32, 4, variant="3", **kw, rngs=nnx.Rngs(0)), "window", True),
                                (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "chunk_size", True),

@@ -101,17 +101,17 @@ def test_config_errors_name_the_field_and_the_fix():
 
 
 @pytest.mark.parametrize("field,value,named", [
-    # accepted before, then: an error at the first forward naming falcon()'s argument, not the config field
+    # refused by the config, not at the first forward naming falcon()'s argument
     ("eps", -1.0, r"LMConfig\.eps=-1\.0 must be a finite number >= 0"),
     ("eps_gamma", 2.0, r"LMConfig\.eps_gamma=2\.0 must be a finite number in \[0\.0, 1\.0\)"),
     ("lam_max", float("inf"), r"LMConfig\.lam_max=inf must be a finite number > 0"),
-    # accepted before: NaN parameters or logits (an error blaming `beta` outside jit, NaN losses inside)
+    # refused by the config; unchecked: NaN parameters or logits (an error blaming `beta` outside jit, NaN inside)
     ("norm_eps", -1.0, r"LMConfig\.norm_eps=-1\.0 must be a finite number >= 0"),
     ("init_std", float("nan"), r"LMConfig\.init_std=nan must be a finite number > 0"),
     ("init_std", 0, r"LMConfig\.init_std=0 must be a finite number > 0"),
     ("rope_theta", 0.0, r"LMConfig\.rope_theta=0\.0 must be a finite number > 0"),
     ("rope_theta", "1e4", r"LMConfig\.rope_theta='1e4' must be a finite number"),
-    # accepted before: a stack without any attention layer
+    # refused by the config; unchecked: a stack without any attention layer
     ("attn_every", 3, r"LMConfig\.attn_every=3 > n_layers=2 would make no layer 'transformer'"),
 ])
 def test_config_numbers_out_of_range_name_the_field(field, value, named):
@@ -184,8 +184,9 @@ def test_lm_segment_ids_of_64_bits_must_fit_int32(rng):
 
 def test_loss_targets_and_masks_are_checked(rng):
     """cross_entropy and lm_loss: a target id outside [0, V) (e.g. the -100 of an "ignore" convention) raises
-    when concrete and gives NaN when traced; before, a negative id wrapped around to id V + id and a mask of
-    another shape broadcast (a [T] mask against [B, T] targets halved the count: twice the loss)."""
+    when concrete and gives NaN when traced, where a gather would wrap a negative id around to id V + id; a mask
+    of another shape is refused, where broadcasting a [T] mask against [B, T] targets would halve the count
+    (twice the loss)."""
     B, T, V = 2, 5, 8
     logits = jnp.asarray(rng.standard_normal((B, T, V)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)

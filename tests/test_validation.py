@@ -79,7 +79,7 @@ def test_bad_window(inputs, window):
 @pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
 @pytest.mark.parametrize("chunk_size", [0, 3, 48, -8, 2.5, 64.0, "64", None, True])
 def test_chunk_size_not_power_of_two(inputs, form, chunk_size):
-    """Checked with every form (before: the recurrent and parallel forms ignored any value), so a typo does not
+    """Checked with every form (the recurrent and parallel forms do not use it), so a typo does not
     wait for the switch to the chunk form; the baselines take the same argument."""
     pattern = (r"^`chunk_size` must be a positive power of two \(e\.g\. 64\), whatever the form; got "
                rf"{re.escape(repr(chunk_size))}\.")
@@ -134,8 +134,8 @@ def test_segment_ids_of_64_bits_must_fit_int32(inputs):
 
 
 def test_heads_of_width_zero_are_refused(inputs):
-    """A head dim of 0 leaves the state empty: before, falcon returned zeros whatever the inputs (dk = 0) or an
-    empty output (dv = 0), and so did the baselines and falcon_step."""
+    """A head dim of 0 leaves the state empty: unchecked, falcon, the baselines and falcon_step would return
+    zeros whatever the inputs (dk = 0) or an empty output (dv = 0)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     with pytest.raises(ValueError, match=r"^`q` and `k` must have a head dim dk >= 1; got dk = 0"):
         call(inputs, q=q[..., :0], k=k[..., :0])
@@ -319,7 +319,7 @@ def test_flags_of_the_steps_and_baselines(inputs):
 
 
 @pytest.mark.parametrize("dtypes,cast", [
-    (("bfloat16", "float32", "bfloat16"), ("k",)),   # before: an fp32 output from bf16 q and v
+    (("bfloat16", "float32", "bfloat16"), ("k",)),   # promoted, the output would be fp32 from bf16 q and v
     (("float32", "float32", "float64"), ("v",)),
     (("float16", "bfloat16", "bfloat16"), ("k", "v")),
 ])
