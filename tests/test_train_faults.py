@@ -199,8 +199,8 @@ def test_resume_mismatch_ignores_the_implementation_and_the_training_schedule():
 
 
 def test_disk_full_at_the_checksum_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """keep=1: before, orbax deleted step 3 when step 6 was renamed into place, and the failed checksum write
-    then removed step 6: no checkpoint left."""
+    """keep=1: the failure this guards against is orbax deleting step 3 when step 6 is renamed into place, and
+    the failed checksum write then removing step 6: no checkpoint left."""
     ck = Checkpointer(str(tmp_path), every=1, keep=1, log=lambda line: None)
     assert ck.save(3, {"w": jnp.arange(4.0)}, {"data": {"step": 3}})
     real = checkpoint.write_checksums
@@ -283,7 +283,8 @@ def test_failed_save_stops_the_run_at_that_step(tmp_path):
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr and "ERROR:absl" not in res.stderr
     assert os.listdir(run_dir / "checkpoints") == []  # no temporary folder, no half step
     assert max(read_metrics(str(run_dir))[0]) == 3  # stopped at the step whose save failed
-    assert "File too large" in (run_dir / "checkpoint-3-error.log").read_text()
+    # the failure is the log's first line: the log is written under the same limit and may be cut short
+    assert "File too large" in (run_dir / "checkpoint-3-error.log").read_text().splitlines()[0]
 
 
 def test_a_disk_error_writing_the_metrics_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monkeypatch):

@@ -119,6 +119,7 @@ def verify_checksums(step_dir: str) -> str | None:
 class _Captured:
     data = b""
     divert_to: str | None = None  # set inside the block: afterwards fd 2 goes to this log, not back
+    header = b""  # with divert_to: the log's first line (the failure), written before the captured report
     terminal = None  # then: a stream to the old stderr
 
     def text(self) -> str:
@@ -134,7 +135,8 @@ class _Captured:
 @contextlib.contextmanager
 def _stderr_captured():
     """File descriptor 2 (Python's and native threads' output alike) into a temporary file; on leaving, back
-    to where it was, or (``divert_to`` set) on to that log file, which then starts with what was captured."""
+    to where it was, or (``divert_to`` set) on to that log file, which then starts with ``header`` and what was
+    captured (the header first: on a full disk the log may be cut short)."""
     sys.stderr.flush()
     captured = _Captured()
     with tempfile.TemporaryFile() as tmp:
@@ -152,7 +154,7 @@ def _stderr_captured():
             else:
                 try:
                     with open(captured.divert_to, "wb") as f:
-                        f.write(captured.data)
+                        f.write(captured.header + captured.data)
                 except OSError:
                     pass  # a full disk
                 os.dup2(saved, 2)  # _divert_stderr starts from the terminal: no gap in between
@@ -211,6 +213,7 @@ class Checkpointer:
                 failure = e
                 if self.standalone:
                     captured.divert_to = self._error_log(step)
+                    captured.header = f"{type(e).__name__}: {e}\n\n".encode(errors="replace")
         if failure is not None:
             self._failed(step, failure, captured.text(), terminal=captured.terminal)
         captured.replay()
@@ -282,7 +285,7 @@ class Checkpointer:
             try:
                 if terminal is None:  # else the capture has written it there already
                     with open(log, "w") as f:
-                        f.write(report)
+                        f.write(f"{type(error).__name__}: {error}\n\n{report}")  # the failure first
                 if os.path.getsize(log):
                     log_note = f" (the checkpointer's own report is in {log})"
             except OSError:
