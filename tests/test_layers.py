@@ -482,6 +482,17 @@ def test_layer_config_errors():
                                (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "window", np.True_)):
         with pytest.raises(ValueError, match=rf"^\w+: {field}={value!r} must be"):
             make(**{field: value})
+    # real options: a negative norm epsilon or a RoPE base of 0 would give NaN outputs, not an error
+    for make, field, value in ((lambda **kw: SoftmaxAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "rope_theta", 0.0),
+                               (lambda **kw: SoftmaxAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "rope_theta", -1e4),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "norm_eps", -1.0),
+                               (lambda **kw: DeltaNetMixer(32, 4, **kw, rngs=nnx.Rngs(0)), "norm_eps", float("nan")),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps", -1e-6),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps_gamma", 1.0),
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps_gamma", True),
+                               (lambda **kw: RMSNorm(32, **kw, rngs=nnx.Rngs(0)), "eps", -1e-6)):
+        with pytest.raises(ValueError, match=rf"^\w+: {field}={value!r} must be a finite number"):
+            make(**{field: value})
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
 

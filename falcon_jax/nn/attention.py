@@ -32,7 +32,7 @@ from falcon_jax import validation as val
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.nn.cache import RecurrentCache
 from falcon_jax.nn.config import is_pair_of_reals
-from falcon_jax.nn.layers import ShortConv, dense, l2_normalize, make_param, rms_normalize
+from falcon_jax.nn.layers import ShortConv, check_real, dense, l2_normalize, make_param, rms_normalize
 from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
 from falcon_jax.state import empty_state
 
@@ -87,7 +87,8 @@ class RecurrentMixer(nnx.Module):
             raise _err(self.owner, "conv_size", conv_size, "must be 0 (no short convolution) or an int >= 2 "
                        "(the paper uses 4).")
         self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
-        self.conv_size, self.norm_eps = conv_size, norm_eps
+        self.conv_size = conv_size
+        self.norm_eps = check_real(self.owner, "norm_eps", norm_eps, 0.0, meaning=" (the q/k norm's epsilon)")
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.tail = 0
         out_std = init_std if out_std is None else out_std
@@ -244,6 +245,8 @@ class FalconAttention(RecurrentMixer):
                  eps: float = 1e-6, eps_gamma: float = 1e-6, init_std: float = 0.02, out_std: float | None = None,
                  norm_eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         o = self.owner
+        check_real(o, "eps", eps, 0.0, meaning=" (added to the step's denominator)")
+        check_real(o, "eps_gamma", eps_gamma, 0.0, 1.0, low_ok=False, meaning=" (the smallest decay γ)")
         if not isinstance(variant, str) or variant.upper() not in VARIANTS:
             raise _err(o, "variant", variant, f"is not a Falcon rule; use one of {', '.join(VARIANTS)}.")
         variant = variant.upper()

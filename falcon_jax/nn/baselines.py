@@ -38,7 +38,7 @@ from falcon_jax.forms.stream import segment_runs
 from falcon_jax.kernels.flash_attention import flash_attention, flash_attention_reason
 from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
-from falcon_jax.nn.layers import dense, l2_normalize, make_param
+from falcon_jax.nn.layers import check_real, dense, l2_normalize, make_param
 from falcon_jax.sharding import current, shard_map_nonempty
 from falcon_jax.validation import is_concrete
 
@@ -140,7 +140,9 @@ class SoftmaxAttention(nnx.Module):
             raise _err(self.owner, "attn_impl", attn_impl, "must be 'auto', 'triton' (Pallas flash attention, "
                        "packed segments in the kernel), 'cudnn' or 'xla'.")
         self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
-        self.rope_theta, self.attn_impl = float(rope_theta), attn_impl
+        self.rope_theta = check_real(self.owner, "rope_theta", rope_theta, 0.0, low_ok=False,
+                                     meaning=" (the RoPE base)")
+        self.attn_impl = attn_impl
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         out_std = init_std if out_std is None else out_std
         kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)

@@ -48,6 +48,18 @@ def dense(d_in: int, d_out: int, axes: tuple, *, std: float, rngs: nnx.Rngs, dty
                       kernel_init=partitioned(normal_init(std), axes), rngs=rngs)
 
 
+def check_real(owner: str, field: str, value, low: float, high: float | None = None, *, low_ok: bool = True,
+               meaning: str = "") -> float:
+    """``value`` as a float if it is a finite real number in ``[low, high)`` (``(low, …)`` when not ``low_ok``),
+    else a ValueError naming ``owner.field`` (a negative norm epsilon or a RoPE base of 0 gives NaN outputs)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value >= low if low_ok else value > low) and (high is None or value < high))
+    if not ok:
+        where = f"in [{low}, {high})" if high is not None else f"{'>=' if low_ok else '>'} {low}"
+        raise ValueError(f"{owner}: {field}={value!r} must be a finite number {where}{meaning}.")
+    return float(value)
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """``x / sqrt(mean(x², -1) + eps)`` computed in fp32 (or wider), returned in ``x.dtype``."""
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -67,7 +79,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.eps = eps
+        self.eps = check_real("RMSNorm", "eps", eps, 0.0)
         self.dtype = dtype
         self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
 
