@@ -178,6 +178,18 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
+def concrete_int_range(x) -> tuple[int, int] | None:
+    """``(min, max)`` of an integer array whose values can be read here, None when it is traced or empty.  NumPy
+    input is read in NumPy: jnp would wrap int64 values to int32 first (2**40 -> 0)."""
+    if not is_concrete(x) or x.size == 0:
+        return None
+    if isinstance(x, np.ndarray):
+        return int(np.min(x)), int(np.max(x))
+    with jax.ensure_compile_time_eval():  # computed now even when a trace (of other inputs) is under way
+        lo, hi = np.asarray(jnp.stack([jnp.min(x), jnp.max(x)]))
+    return int(lo), int(hi)
+
+
 def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
@@ -309,14 +321,11 @@ def check_segment_ids(segment_ids, B: int, T: int) -> None:
         raise ValueError(f"`segment_ids` must have shape [B, T] = {[B, T]}; got {tuple(segment_ids.shape)}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"`segment_ids` must be an integer array; got dtype {segment_ids.dtype}.")
-    if np.dtype(segment_ids.dtype).itemsize == 8 and segment_ids.size and is_concrete(segment_ids):
-        # 64-bit ids become int32 (without x64, and in the layers that compare ids as int32): ids that differ by a
-        # multiple of 2**32 would merge into one segment.  Traced ids cannot be read here and are not checked.
-        if isinstance(segment_ids, np.ndarray):
-            lo, hi = int(np.min(segment_ids)), int(np.max(segment_ids))
-        else:
-            with jax.ensure_compile_time_eval():
-                lo, hi = (int(v) for v in np.asarray(jnp.stack([jnp.min(segment_ids), jnp.max(segment_ids)])))
+    # 64-bit ids become int32 (without x64, and in the layers that compare ids as int32): ids that differ by a
+    # multiple of 2**32 would merge into one segment.  Traced ids cannot be read here and are not checked.
+    found = concrete_int_range(segment_ids) if np.dtype(segment_ids.dtype).itemsize == 8 else None
+    if found is not None:
+        lo, hi = found
         if lo < -2**31 or hi > 2**31 - 1:
             raise ValueError(f"`segment_ids` of dtype {segment_ids.dtype} must hold values in the int32 range "
                              f"[-2**31, 2**31 - 1] (they are used as int32, where ids 2**32 apart are one segment); "

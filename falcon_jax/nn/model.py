@@ -28,7 +28,7 @@ from falcon_jax.nn.cache import KVCache, LMCache
 from falcon_jax.nn.config import LMConfig, expected_param_count
 from falcon_jax.nn.layers import RMSNorm, make_param, normal_init
 from falcon_jax.sharding import constrain_batch
-from falcon_jax.validation import check_segment_ids, is_concrete
+from falcon_jax.validation import check_segment_ids, concrete_int_range, is_concrete
 
 
 class FalconLM(nnx.Module):
@@ -215,13 +215,10 @@ def check_token_ids(owner: str, tokens, vocab_size: int, *, what: str = "token",
                         f"{'dtype ' + str(dtype) if dtype is not None else type(tokens).__name__}"
                         + (" (ids stored as floats: cast them with .astype(jnp.int32))"
                            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "") + ".")
-    if not is_concrete(tokens) or tokens.size == 0:
+    found = concrete_int_range(tokens)
+    if found is None:  # traced or empty
         return
-    if isinstance(tokens, np.ndarray):  # read in numpy: jnp would wrap int64 ids to int32 first (2**40 -> 0)
-        lo, hi = int(tokens.min()), int(tokens.max())
-    else:
-        with jax.ensure_compile_time_eval():
-            lo, hi = (int(x) for x in np.asarray(jnp.stack([jnp.min(tokens), jnp.max(tokens)])))
+    lo, hi = found
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{owner}: {what} ids must be in [0, vocab_size={vocab_size}); got ids from {lo} to "
                          f"{hi}.{fix}")
