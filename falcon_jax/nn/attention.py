@@ -41,6 +41,15 @@ def _err(owner: str, field: str, value, fix: str) -> ValueError:
     return ValueError(f"{owner}: {field}={value!r} {fix}")
 
 
+def check_form(owner: str, form, chunk_size) -> None:
+    """A recurrent mixer's ``form`` and ``chunk_size`` (a power of two, not a bool)."""
+    if form not in ("recurrent", "parallel", "chunk"):
+        raise _err(owner, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
+    if isinstance(chunk_size, bool) or not (isinstance(chunk_size, int) and chunk_size >= 1
+                                            and chunk_size & (chunk_size - 1) == 0):
+        raise _err(owner, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
+
+
 def resolve_head_dims(owner: str, d_model: int, n_heads: int, head_dim, v_head_dim) -> tuple[int, int]:
     """``(dk, dv)``: ``head_dim`` defaults to ``d_model // n_heads`` (which must divide).  Every size is an
     int >= 1: with ``n_heads=0`` a layer would output 0 whatever its input."""
@@ -266,11 +275,7 @@ class FalconAttention(RecurrentMixer):
                        "head; use variant '2' or '2A' for per-column gains, or per_column_gains=None.")
         if isinstance(window, bool) or not (isinstance(window, int) and window >= 1):
             raise _err(o, "window", window, "must be an int >= 1.")
-        if form not in ("recurrent", "parallel", "chunk"):
-            raise _err(o, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
-        if isinstance(chunk_size, bool) or not (isinstance(chunk_size, int) and chunk_size >= 1
-                                                and chunk_size & (chunk_size - 1) == 0):
-            raise _err(o, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
+        check_form(o, form, chunk_size)
         if not is_pair_of_reals(lam_init):
             raise _err(o, "lam_init", lam_init, "must be a pair (low, high) of numbers, e.g. (1e-3, 1e-1).")
         lo, hi = lam_init

@@ -36,7 +36,7 @@ from falcon_jax import validation as val
 from falcon_jax.baselines import decayed_linear_attention, deltanet, gated_deltanet
 from falcon_jax.forms.stream import segment_runs
 from falcon_jax.kernels.flash_attention import flash_attention, flash_attention_reason
-from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, resolve_head_dims
+from falcon_jax.nn.attention import RecurrentMixer, _err, _float_dtype, check_form, resolve_head_dims
 from falcon_jax.nn.cache import KVCache
 from falcon_jax.nn.layers import check_real, dense, l2_normalize, make_param
 from falcon_jax.sharding import current, shard_map_nonempty
@@ -296,11 +296,7 @@ class _RuleOptions:
     impl: str
 
     def _set_rule_options(self, form, chunk_size, impl):
-        if form not in ("recurrent", "parallel", "chunk"):
-            raise _err(self.owner, "form", form, "must be 'recurrent', 'parallel' or 'chunk'.")
-        if isinstance(chunk_size, bool) or not (isinstance(chunk_size, int) and chunk_size >= 1
-                                                and chunk_size & (chunk_size - 1) == 0):
-            raise _err(self.owner, "chunk_size", chunk_size, "must be a power of two (e.g. 64).")
+        check_form(self.owner, form, chunk_size)
         self.form, self.chunk_size, self.impl = form, chunk_size, impl
 
     def _call_kwargs(self, step, initial_state, segment_ids):
