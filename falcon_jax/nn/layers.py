@@ -134,12 +134,10 @@ class ShortConv(nnx.Module):
         if y is None:
             y = _taps(ext, w, None if segment_ids is None else _unbroken(seg_ext, K))
         new_state = ext[:, T:]  # the last K-1 inputs
-        if segment_ids is not None:  # only the last segment's inputs carry over: no change of id after them
-            tail = seg_ext[:, T:]
-            keep = [jnp.ones((B,), bool)]
-            for j in range(K - 3, -1, -1):
-                keep.insert(0, keep[0] & (tail[:, j] == tail[:, j + 1]))
-            new_state = jnp.where(jnp.stack(keep, axis=1)[..., None], new_state, 0)
+        if segment_ids is not None:  # only the last segment's inputs carry over: the last output's taps 1..K-1
+            last = _unbroken(seg_ext[:, -K:], K)
+            keep = jnp.stack([last(i, 1)[:, 0] for i in range(1, K)], axis=1)
+            new_state = jnp.where(keep[..., None], new_state, 0)
         return y, new_state
 
 
