@@ -220,8 +220,8 @@ def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
 
 
 def test_short_conv_segment_id_reused_after_a_change_is_a_new_segment(rng):
-    """Ids [0, 0, 1, 0, 0]: the second run of 0 is a segment of its own (the rules reset at every change of id),
-    with and without a carried state: neither the taps nor the carried state join the two runs of 0."""
+    """Ids [0, 0, 1, 0, 0]: the second stretch of 0s is a segment of its own (the rules reset at every change of
+    id), with and without a carried state: neither the taps nor the carried state join the two stretches of 0s."""
     conv = ShortConv(6, 4, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((1, 5, 6)))
     state = jnp.asarray(rng.standard_normal((1, 3, 6)))
@@ -239,7 +239,7 @@ def test_short_conv_segment_id_reused_after_a_change_is_a_new_segment(rng):
 @pytest.mark.parametrize("mixer", ["falcon-1A", "transformer"])
 def test_mixer_segment_id_reused_after_a_change_is_a_new_segment(mixer, rng):
     """Ids [3, 3, 3, 8, 8, 3, 3, 3]: every mixer (the short convolutions and softmax attention too, not only the
-    rule) treats the last run of 3 as a new segment, the same as ids [0, 0, 0, 1, 1, 2, 2, 2]; so does a call
+    rule) treats the last stretch of 3s as a new segment, the same as ids [0, 0, 0, 1, 1, 2, 2, 2]; so does a call
     with a cache (the cached softmax path)."""
     m = build(mixer, dtype="float64", form="recurrent")
     f = Jitted(m)

@@ -49,8 +49,8 @@ def segment_starts(segment_ids, B: int, T: int) -> jax.Array:
 
 
 def segment_runs(segment_ids) -> jax.Array:
-    """``[B, T]`` int32: the number of segment starts before or at each position (0 for the first run of
-    every row).  Two positions share a run exactly when no change of id lies between them: ids that come
+    """``[B, T]`` int32: the number of segment starts before or at each position (0 up to the first change of
+    id in every row).  Two positions share a count exactly when no change of id lies between them: ids that come
     back after a change (``[0, 1, 0]``) are a new segment, as for the rules, which reset at every change.
     Softmax attention's masks compare these (the short convolutions compare adjacent ids over each tap)."""
     B, T = segment_ids.shape

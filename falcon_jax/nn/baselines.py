@@ -101,7 +101,7 @@ class SoftmaxAttention(nnx.Module):
     """Causal multi-head softmax attention with RoPE, no bias (the paper's Transformer mixer)::
 
         q, k = RoPE(W_q h), RoPE(W_k h)      [B, T, H, dk];   v = W_v h   [B, T, H, dv]
-        o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s    (seg: the run of equal ids)
+        o_t  = Σ_{s ≤ t, seg(s)=seg(t)} softmax_s(q_t·k_s / √dk) v_s    (seg: a stretch of equal ids)
         y    = W_o o                         [B, T, D]
 
     ``attn_impl`` picks the attention (training and scoring calls; a call with a cache runs XLA):

@@ -94,7 +94,7 @@ class ShortConv(nnx.Module):
 
     x ``[B, T, C]`` -> y ``[B, T, C]``.  ``state [B, K-1, C]`` holds the last K-1 inputs of the
     previous call (zeros for a fresh sequence), so a long input cut in pieces gives the same
-    output.  Positions of another packed segment (``segment_ids [B, T]``; a segment is a run of equal ids, so an
+    output.  Positions of another packed segment (``segment_ids [B, T]``; a segment is a stretch of equal ids, so an
     id that comes back after a change starts a new one) never contribute; the state counts as part of the first
     segment of ``x``.
     Init: ``w ~ U(±1/√K)`` (the usual fan-in bound of a depthwise conv).
