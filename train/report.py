@@ -56,14 +56,20 @@ def start_lines(cfg) -> list[str]:
     return lines + (["  " + NO_MATPLOTLIB] if missing else [])
 
 
+def widths_with_fewer_problems(accuracy: dict, eval_examples: int) -> list[str]:
+    """``"width (problems)"`` for each width of a teacher-forced ``{width: {"problems": k, ...}}`` evaluated on
+    fewer than ``eval_examples`` problems (records without a count: none)."""
+    return [f"{w} ({accuracy[w]['problems']})" for w in sorted(accuracy, key=int)
+            if accuracy[w].get("problems", eval_examples) < eval_examples]
+
+
 def summary_lines(cfg, rec: dict | None) -> list[str]:
     """The end-of-run table of the last evaluation ``rec`` (none without one)."""
     if not rec:
         return []
     if cfg.data.kind == "addition":
         tf, gr = rec.get("teacher_forced", {}), rec.get("greedy", {})
-        few = [f"{k} ({tf[k]['problems']})" for k in sorted(tf, key=int)
-               if tf[k].get("problems", cfg.data.eval_examples) < cfg.data.eval_examples]
+        few = widths_with_fewer_problems(tf, cfg.data.eval_examples)
         out = [f"Addition accuracy at step {rec['step']} (trained widths {cfg.data.train_min_width}-"
                f"{cfg.data.train_max_width}; held-out problems; {cfg.data.eval_examples} distinct per width"
                + (f"; all of them at widths with fewer: {', '.join(few)}" if few else "") + ")",

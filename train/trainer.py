@@ -36,7 +36,7 @@ from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_bat
                                    make_mesh, maybe_initialize_distributed, put_batch, replicate)
 from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
-from falcon_jax.train.report import finish, percent, start_lines
+from falcon_jax.train.report import finish, percent, start_lines, widths_with_fewer_problems
 from falcon_jax.train.rundir import (CONFIG, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
                                      check_can_start, check_writable, checkpoint_steps, metric_records, read_metrics,
                                      write_atomic)
@@ -357,7 +357,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
                 f"so far: " + (f"step {best['step']}" if best else "n/a (no eval width <= data.train_max_width)"))
             say("  exact by width: " + " ".join(f"{k}:{100 * v['exact']:.0f}" for k, v in acc.items()))
-            few = [f"{k} ({v['problems']})" for k, v in acc.items() if v["problems"] < cfg.data.eval_examples]
+            few = widths_with_fewer_problems(acc, cfg.data.eval_examples)
             if few:
                 say(f"  widths with fewer than data.eval_examples={cfg.data.eval_examples} held-out problems, evaluated "
                     f"on all of them: {', '.join(few)}")
