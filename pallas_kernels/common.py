@@ -27,6 +27,30 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def unit_lower_inverse(N, precision=None):
+    """``(I + N)⁻¹`` for strictly lower-triangular ``N [..., C, C]``, by merging diagonal blocks of doubling
+    size, ``[[A, 0], [B, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]``: log₂ C levels of batched matmuls.
+
+    The XLA forms use it instead of ``lax.linalg.triangular_solve``: on the CPU (jaxlib 0.10) that is a batched
+    LAPACK call which waits on XLA's own thread pool, and two of them running at once (a gradient's solves)
+    can deadlock the pool."""
+    C = N.shape[-1]
+    size = next_pow2(C)
+    N = jnp.pad(N, [(0, 0)] * (N.ndim - 2) + [(0, size - C), (0, size - C)])
+    blocks = jnp.ones((*N.shape[:-2], size, 1, 1), N.dtype)  # the 1 × 1 diagonal blocks of I + N
+    s = 1
+    while s < size:
+        j = jnp.arange(size // (2 * s))[:, None, None]
+        a = jnp.arange(s)
+        B = N[..., 2 * s * j + s + a[:, None], 2 * s * j + a[None, :]]  # [..., size / 2s, s, s]
+        first, second = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        low = -jnp.einsum("...ij,...jk,...kl->...il", second, B, first, precision=precision)
+        blocks = jnp.concatenate([jnp.concatenate([first, jnp.zeros_like(first)], axis=-1),
+                                  jnp.concatenate([low, second], axis=-1)], axis=-2)
+        s *= 2
+    return blocks[..., 0, :C, :C]
+
+
 LAYOUTS = ("BHTD", "BTHD")  # the ops' token layouts: [B, H, T, d] or the model's [B, T, H, d]
 
 

@@ -122,10 +122,11 @@ def _largest_value(jaxpr) -> int:
 
 def test_a_chunk_longer_than_the_sequence_costs_one_sequence_chunk(rng):
     """chunk_size 2**16 on T = 13 runs as one chunk of 16: the same values as the reference, and no value
-    of the program grows with chunk_size (a [.., 2**16, 2**16] block would need terabytes)."""
+    of the program grows with chunk_size (a [.., 2**16, 2**16] block would need terabytes; the largest is the
+    chunk's 16 · 3 = 48-row system padded to 64 rows for its inverse)."""
     q, k, v, beta, lam = make_inputs(rng, variant="3", B=1, T=13, H=1, dk=4, dv=3)
     fn = lambda *a: falcon(*a, variant="3", window=3, form="chunk", chunk_size=2**16, impl="xla")  # noqa: E731
-    assert _largest_value(jax.make_jaxpr(fn)(*as_jnp(q, k, v, beta, lam)).jaxpr) < 16 * 16 * 16
+    assert _largest_value(jax.make_jaxpr(fn)(*as_jnp(q, k, v, beta, lam)).jaxpr) <= 64 * 64
     for variant in ("1", "3A"):
         run_case(rng, variant, "chunk", chunk_size=2**16, T=13, segments=True, initial_state=True, window=3)
 

@@ -150,3 +150,30 @@ def test_jit_vmap_grad_compose(rng, variant):
         for gb, gn in zip(g_batched, g_n):
             assert np.max(np.abs(np.asarray(gn))) > 0
             assert rel_err(gb[n], gn) <= 1e-10
+
+
+@pytest.mark.parametrize("C", [1, 5, 16, 48, 64])
+def test_unit_lower_inverse_matches_float64(rng, C):
+    """The XLA forms' triangular inverse: ``(I + N)⁻¹`` for strictly lower N (a batch of 3, entries of size 1,
+    so the inverse has entries far from 0 and 1; sizes not powers of two padded inside) equals numpy's in fp64."""
+    from falcon_jax.kernels.common import unit_lower_inverse
+
+    N = np.tril(rng.normal(size=(3, C, C)) / np.sqrt(C), -1)
+    want = np.linalg.inv(np.eye(C) + N)
+    got = np.asarray(unit_lower_inverse(jnp.asarray(N)))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["1", "3"])
+def test_xla_chunk_gradient_makes_no_lapack_call(variant):
+    """The XLA chunk form's gradient solves its triangular systems by matmuls: a batched LAPACK solve on the CPU
+    waits on XLA's thread pool, and two of a gradient's solves running at once can hang a 2-core machine (jaxlib 0.10)."""
+    z, g = jnp.zeros((1, 2, 40, 8)), jnp.full((1, 2, 40), 0.5)
+
+    def loss(q):
+        return falcon(q, z, z, g, g, variant=variant, window=3, form="chunk", chunk_size=16, impl="xla").sum()
+
+    text = jax.jit(jax.grad(loss)).lower(z).as_text()
+    assert "stablehlo.dot_general" in text
+    assert "lapack" not in text

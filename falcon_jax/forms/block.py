@@ -33,7 +33,8 @@ pair of steps in different segments (``run``).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
+
+from falcon_jax.kernels.common import unit_lower_inverse
 
 
 def _band(decay, w):
@@ -53,14 +54,14 @@ def _band(decay, w):
 def unit_lower_solve(A, rhs, block_size: int = 64):
     """Solve ``(I + A) X = rhs`` for strictly lower-triangular ``A [..., N, N]``, rhs ``[..., N, M]``.
 
-    Blocked forward substitution: diagonal blocks by triangular solves, the
-    rest by matmuls.  (XLA's CPU triangular solve slows down sharply for
-    N > 64; blocks keep it fast and match what a kernel does.)
+    Blocked forward substitution: diagonal blocks by their inverses
+    (:func:`unit_lower_inverse`, matmuls only), the rest by matmuls, as a
+    kernel does.
     """
     N = A.shape[-1]
 
     def solve(a, b):
-        return lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+        return unit_lower_inverse(a) @ b
 
     if N <= block_size:
         return solve(A, rhs)
