@@ -8,7 +8,8 @@ step t becomes ``Wp = next_pow2(W)`` rows ``(t, i)`` with pair ``(x_{t+i}, y_{t+
 (rows ``i ≥ W`` zero), all sharing step t's write decay ``g_t`` and residual decay ``g_{t-1}``; the triangular
 system couples a row only to rows of *earlier steps* (``group = Wp``), so the rows of one step see the same
 state.  A window's pairs recur in W steps' rows (the C+W−1 overlap, materialised).  ``chunk_size`` counts rows:
-``chunk_size / Wp`` steps per chunk.
+``chunk_size / Wp`` steps per chunk.  ``implementation="xla"`` runs the compact chunk form (:mod:`.compact`) on
+chunks of as many steps, each solved on its C + W − 1 distinct pairs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason as delt
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.tuned import tuned_config
-from falcon_jax.kernels.windowed_delta_rule.reference import windowed_delta_rule_reference
+from falcon_jax.kernels.windowed_delta_rule.compact import windowed_delta_rule_compact
 
 MAX_SLOTS = 16  # virtual writes per step: one step's rows must fit a 16-row block of the triangular inverse
 
@@ -58,7 +59,8 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     name = impl.select("windowed_delta_rule", implementation,
                        lambda n: unsupported_reason(n, W, q, y, chunk_size, interpret))
     if name == "xla":
-        o, final = windowed_delta_rule_reference(q, x, y, w, log_gamma, run, initial_state)
+        steps = max(1, chunk_size // next_pow2(W))
+        o, final = windowed_delta_rule_compact(q, x, y, w, log_gamma, run, initial_state, chunk_size=steps)
         return o.astype(y.dtype), final
     interpret = impl.interpret_mode(name, interpret)
     B, H, T, dk = q.shape

@@ -17,6 +17,7 @@ import pytest
 from falcon_jax.kernels.decayed_delta_rule import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
 from falcon_jax.kernels.windowed_delta_rule import windowed_delta_rule
+from falcon_jax.kernels.windowed_delta_rule.compact import windowed_delta_rule_compact
 from falcon_jax.kernels.windowed_delta_rule.reference import windowed_delta_rule_reference
 from tests.kernels.helpers import (S, check_op, clamped_decays, custom_call_lines, lowered_text, nearly_parallel,
                                    on_backend, run_index)
@@ -100,6 +101,25 @@ class TritonWindowedDeltaRule(WindowedDeltaRuleChecks):
 
 class TestTritonWindowedDeltaRuleInterpret(TritonWindowedDeltaRule):
     INTERPRET = True
+
+
+class TestXLAWindowedDeltaRule(WindowedDeltaRuleChecks):
+    """The compact chunk form (:mod:`.compact`): window residuals carried by W × W recurrences, one fresh read
+    per step solved on the chunk's distinct pairs."""
+
+    IMPLEMENTATION = "xla"
+
+    @pytest.mark.parametrize("W,T,steps", [(1, 33, 8), (2, 40, 16), (5, 70, 12), (4, 64, 64)])
+    def test_compact_form_matches_float64(self, rng, W, T, steps):
+        """Chunks of 8, 12 (padded to 16 for the triangular inverse), 16 and 64 steps; W = 1 (Falcon-1), 2, 5
+        (a window wider than half the 8-step chunk reaches back into the previous chunk), segments: values and
+        every gradient."""
+        args, run = window_inputs(rng, W, T=T, dv=8)
+
+        def op(q, x, y, w, log_gamma, s0):
+            return windowed_delta_rule_compact(q, x, y, w, log_gamma, run, s0, chunk_size=steps)
+
+        check_op(rng, op, reference(run), args, NAMES)
 
 
 class MosaicTPUWindowedDeltaRule(WindowedDeltaRuleChecks):
