@@ -176,15 +176,17 @@ def test_resume_with_fewer_steps_than_the_checkpoint_refuses_and_changes_nothing
     recorded as step 2's (and config.json then says train.steps=2)."""
     run_dir = tmp_path / "run"
 
-    def cfg(steps):
-        return build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", f"train.steps={steps}"])
+    def cfg(steps, *extra):
+        return build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", f"train.steps={steps}",
+                                                                      *extra])
 
     trainer.run(cfg(3), log=lambda line: None)
     files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    for resume in ("resume", "resume_or_start"):
+    # another data setting too: the refused command must not rewrite the run's width_shares.json with its own
+    for resume, extra in (("resume", []), ("resume_or_start", []), ("resume", ["data.train_max_width=4"])):
         with pytest.raises(RunDirError, match=rf"--resume: the latest checkpoint in {run_dir / 'checkpoints'} is step "
                                               r"3, past train.steps=2.*--set train.steps=3"):
-            trainer.run(cfg(2), **{resume: True}, log=lambda line: None)
+            trainer.run(cfg(2, *extra), **{resume: True}, log=lambda line: None)
         assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
         assert checkpoint_steps(str(run_dir)) == [3]
 

@@ -199,8 +199,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     windows = [model_fields.window for spec in model_fields.layer_specs() if spec.variant in ("3", "3A")]
     check_sequence(mesh, cfg.data.seq_len if cfg.data.kind == "text" else None, max(windows, default=1))
     data = build_data(cfg)
-    if cfg.data.kind == "addition" and is_main:
-        write_width_shares(data, run_dir, say, run_rows=cfg.train.steps * cfg.train.batch_size)
     shard = host_shard(mesh, cfg.train.batch_size, cfg.train.grad_accum) if cfg.data.loader == "grain" else (0, 1)
     loader = make_loader(cfg.data.loader, data, cfg.train.batch_size, shard=shard,
                          threads=cfg.data.grain_threads, prefetch=cfg.data.grain_prefetch)
@@ -290,8 +288,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                     if changed:
                         say(f"[resume] settings changed since checkpoint {step0}: {', '.join(changed)}"
                             + ("; the batches from here on differ from an uninterrupted run's" if stream else ""))
+    # the run's files change only once the run is accepted: a refused --resume leaves the run as it was
     if is_main:  # a kill mid-write leaves the previous config.json
         write_atomic(os.path.join(run_dir, CONFIG), json.dumps(cfg.to_dict(), indent=2))
+        if cfg.data.kind == "addition":
+            write_width_shares(data, run_dir, say, run_rows=cfg.train.steps * cfg.train.batch_size)
 
     counts = param_counts(abstract)
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
@@ -619,6 +620,5 @@ def write_width_shares(data: AdditionData, run_dir: str, say, run_rows: int | No
     say(f"[data] {layout}; token share per width (padding {100 * pad:.1f}%): "
         + " ".join(f"{n}:{100 * v['tokens']:.1f}%" for n, v in shares.items()))
     out = {"layout": layout, "padding": pad, "widths": {str(n): v for n, v in shares.items()}}
-    with open(os.path.join(run_dir, WIDTH_SHARES), "w") as f:
-        json.dump(out, f, indent=1)
+    write_atomic(os.path.join(run_dir, WIDTH_SHARES), json.dumps(out, indent=1))  # a kill leaves the previous file
     return out
