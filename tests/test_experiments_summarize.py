@@ -168,3 +168,44 @@ def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_
     (run / "config.json").unlink()
     assert record.main(argv) == 2
     assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_path, capsys):
+    """One line and exit code 2 for each fault, the files as they were: an existing OUT (replaced only with
+    --overwrite), an OUT that is one of the run's own files (never), a missing output folder, a cut config.json,
+    a width_shares.json without its fields, a metrics.jsonl without records, a date not YYYY-MM-DD."""
+    record = _plot_module("record_run")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {"batch_size": 4}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.5}) + "\n")
+    meta = ["--what", "w", "--machine", "cpu", "--commit", "abc1234", "--command", "falcon-train"]
+
+    def refused(out, *extra, named):
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        try:
+            rc = record.main([str(run), str(out), *meta, *extra])
+        except SystemExit as e:  # argparse
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2, (rc, err)
+        assert named in err and "Traceback" not in err, err
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    out = tmp_path / "r.json"
+    out.write_text("an earlier result")
+    refused(out, named=f"{out} already exists; pass --overwrite to replace it")
+    assert record.main([str(run), str(out), *meta, "--overwrite"]) == 0
+    assert json.loads(out.read_text())["metrics"] == [{"kind": "train", "step": 1, "loss": 2.5}]
+    for name in ("metrics.jsonl", "config.json"):
+        refused(run / name, "--overwrite", named=f"is the run's own {name}")
+    refused(tmp_path / "missing" / "r.json", named=f"the folder {tmp_path / 'missing'} of the output does not exist")
+    refused(tmp_path / "r2.json", "--date", "yesterday", named="--date 'yesterday': expected YYYY-MM-DD")
+    (run / "width_shares.json").write_text("{}")
+    refused(tmp_path / "r2.json", named=f"{run / 'width_shares.json'} is not a width shares file")
+    (run / "width_shares.json").unlink()
+    (run / "config.json").write_text('{"train": {"batch')
+    refused(tmp_path / "r2.json", named=f"{run / 'config.json'} is not JSON")
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    refused(tmp_path / "r2.json", named=f"{run / 'metrics.jsonl'} holds no records")
