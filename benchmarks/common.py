@@ -48,6 +48,19 @@ def worker_scratch(prefix: str) -> tuple[str, str]:
     return scratch, harness
 
 
+def replacing(out: str, suite: str) -> str | None:
+    """The line that says a run of ``suite`` replaces an earlier results file in ``out`` (None when there is none)."""
+    path = os.path.join(out, f"{suite}.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            date = json.load(f).get("date")
+    except (OSError, ValueError, AttributeError):
+        date = None
+    return f"replacing {path} (the results of {date or 'an earlier run'}): keep it with another --out"
+
+
 class Log:
     """Prints, and keeps the same lines in ``path``."""
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 from benchmarks import source_tree, trace_scopes
-from benchmarks.common import ROOT, Log, Worker, note, select_names, table, worker_scratch
+from benchmarks.common import ROOT, Log, Worker, note, replacing, select_names, table, worker_scratch
 
 # the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
 # that a run cut short has the rows that matter most
@@ -120,7 +120,10 @@ def run(args, argv) -> int:
     :func:`prepare_deadline` (the budget less ``LM_MEASURE_RESERVE`` s per configuration of the wave), those cut
     there reported as timed out and the others measured, each for at most :func:`measure_deadline`."""
     os.makedirs(args.out, exist_ok=True)
+    earlier = replacing(args.out, "lm")
     log = Log(os.path.join(args.out, "lm.log"))
+    if earlier:
+        log(earlier)
     started = time.monotonic()
     scratch, harness = worker_scratch("falcon-bench-")
     tree = source_tree.describe(ROOT)

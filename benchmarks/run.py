@@ -77,7 +77,7 @@ import sys
 import time
 
 from benchmarks import lm_suite, ops, source_tree
-from benchmarks.common import ROOT, Log, Worker, note, table, worker_scratch
+from benchmarks.common import ROOT, Log, Worker, note, replacing, table, worker_scratch
 
 SUITES = ("bench", "memory", "profile", "compare", "lm")
 STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
@@ -157,6 +157,12 @@ def parse_args(argv):
     p.add_argument("--cold-compiles", action="store_true", help="lm: no autotuning results shared between the "
                    "configurations (each compile tunes every GEMM itself)")
     args = p.parse_args(argv)
+    if args.budget is not None and not 0 < args.budget < float("inf"):  # NaN compares False: no limit at all
+        p.error(f"--budget {args.budget:g}: give a number of seconds > 0 (steps past it are skipped)")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1 (compare measures each tree that many times per rule)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: a file, not a folder; give the folder the results go into")
     lm_only = [f"--{k.replace('_', '-')}" for k in ("mixers", "lengths", "jobs", "packed", "cold_compiles")
                if getattr(args, k) not in (None, False)]
     if args.suite == "lm":
@@ -187,6 +193,9 @@ def parse_args(argv):
             name, sep, path = item.partition("=")
             if not sep or not name or not os.path.isdir(path) or name in trees:
                 p.error(f"--tree {item!r}: expected a new NAME=PATH with PATH a source tree folder")
+            if not os.path.isfile(os.path.join(path, "falcon_jax", "validation.py")):
+                p.error(f"--tree {item!r}: {path} holds no falcon_jax/validation.py: not a falcon-jax source tree "
+                        f"(a checkout of this repository, or an extracted git archive of one)")
             trees[name] = path
         args.trees = trees
     elif args.tree:
@@ -309,7 +318,10 @@ def main(argv=None) -> int:
     if args.suite == "lm":
         return lm_suite.run(args, argv)
     os.makedirs(args.out, exist_ok=True)
+    earlier = replacing(args.out, args.suite)
     log = Log(os.path.join(args.out, f"{args.suite}.log"))
+    if earlier:
+        log(earlier)
     started = time.monotonic()
     scratch, harness = worker_scratch("falcon-bench-")
     trees, workers = {}, {}

@@ -54,6 +54,44 @@ def test_rules_or_mixers_naming_nothing_are_a_usage_error(capsys, argv, named):
     assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, named", [
+    # a compare of no rounds measures nothing and writes a results file of no rows
+    (["--suite", "compare", "--tree", "a=.", "--tree", "b=.", "--rounds", "0"], "--rounds 0: give at least 1"),
+    # past a budget <= 0 every step is skipped (exit code 0); a NaN budget is never reached: no limit at all
+    (["--suite", "bench", "--budget", "0"], "--budget 0: give a number of seconds > 0"),
+    (["--suite", "bench", "--budget", "-5"], "--budget -5: give a number of seconds > 0"),
+    (["--suite", "bench", "--budget", "nan"], "--budget nan: give a number of seconds > 0"),
+    (["--suite", "lm", "--budget", "inf"], "--budget inf: give a number of seconds > 0"),
+    (["--suite", "compare", "--tree", "a=.", "--tree", "b=docs"], "--tree 'b=docs': docs holds no falcon_jax/"),
+])
+def test_rounds_budgets_and_trees_that_measure_nothing_are_a_usage_error(capsys, monkeypatch, argv, named):
+    from benchmarks.run import parse_args
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--smoke"])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_a_usage_error_and_an_earlier_result_is_named(tmp_path, capsys, monkeypatch):
+    """--out names a folder; a results file already there is replaced, and the log's first line says so."""
+    from benchmarks import run
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    for suite in ("bench", "lm"):
+        with pytest.raises(SystemExit) as e:
+            run.parse_args(["--suite", suite, "--smoke", "--out", str(blocker)])
+        assert e.value.code == 2 and f"--out {blocker}: a file, not a folder" in capsys.readouterr().err
+    assert blocker.read_text() == "kept"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.json").write_text('{"date": "2026-01-02T03:04:05+00:00"}')
+    assert run.replacing(str(out), "bench") == (f"replacing {out / 'bench.json'} (the results of "
+                                                f"2026-01-02T03:04:05+00:00): keep it with another --out")
+    assert run.replacing(str(out), "lm") is None
+
+
 def test_bench_smoke_writes_every_row_and_the_metadata(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "bench", "--smoke", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
