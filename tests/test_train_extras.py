@@ -194,3 +194,38 @@ def test_text_run_through_grain_with_bpe_and_plots(tmp_path):
     assert (run_dir / "report.txt").read_text().startswith("Validation at step 6: loss ")
     listing = lines[lines.index(f"Files in {run_dir}:") + 1:]
     assert [ln.split()[0] for ln in listing] == ["report.txt", "loss.png", "metrics.jsonl", "config.json"]
+
+
+def test_resume_refuses_a_bpe_tokenizer_other_than_the_checkpoints(tmp_path):
+    """The BPE tokenizer is trained on data.paths: a corpus that changed since the checkpoint gives another one,
+    whose ids stand for other tokens than the ones the model learned.  --resume refuses and moves nothing; with
+    the run's corpus it continues, the tokenizer trained again (another cache_dir) being the same."""
+    pytest.importorskip("tokenizers")
+    from falcon_jax.train.config import build_config
+    from falcon_jax.train.rundir import RunDirError, checkpoint_steps, read_metrics
+    from falcon_jax.train.trainer import run
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(TEXTS))
+    run_dir = tmp_path / "run"
+
+    def cfg(steps, cache):
+        return build_config(preset="lm-tiny", overrides=[
+            f'data.paths=["{corpus}"]', "data.tokenizer=bpe", "data.bpe_vocab_size=300", "data.seq_len=16",
+            f"data.cache_dir={tmp_path / cache}", "data.val_frac=0.2", "data.val_batches=1", "model.d_model=32",
+            "model.n_layers=1", "model.n_heads=2", "model.mlp_hidden=64", "model.chunk_size=8", f"train.steps={steps}",
+            "train.batch_size=4", "train.eval_every=0", "train.plots=false", f"train.run_dir={run_dir}",
+            "checkpoint.every=2"])
+
+    run(cfg(2, "cache"), log=lambda line: None)
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    corpus.write_text("\n\n".join(TEXTS + [f"another corpus: river {i}, bridge {i * 3}, castle." for i in range(40)]))
+    with pytest.raises(RunDirError, match=r"--resume: checkpoint 2 in .* was trained with another tokenizer than "
+                                          r"data.paths gives now \(BPE .* in the run, BPE .* here\).*Nothing was "
+                                          r"moved"):
+        run(cfg(4, "cache"), resume=True, log=lambda line: None)
+    assert checkpoint_steps(str(run_dir)) == [2] and not (run_dir / "checkpoints_corrupt").exists()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+    corpus.write_text("\n\n".join(TEXTS))
+    run(cfg(4, "another-cache"), resume=True, log=lambda line: None)
+    assert checkpoint_steps(str(run_dir)) == [2, 4] and sorted(read_metrics(str(run_dir))[0]) == [1, 2, 3, 4]

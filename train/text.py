@@ -38,6 +38,11 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    @property
+    def fingerprint(self) -> str:
+        """What the ids mean, in a few words: equal fingerprints, the same token for every id."""
+        return "byte"
+
 
 class BPETokenizer:
     """A byte-level BPE trained locally with HF ``tokenizers`` (no download); special tokens
@@ -81,6 +86,13 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def fingerprint(self) -> str:
+        """``"BPE <vocab size> sha256:<16 hex>"`` of the serialized tokenizer: training is deterministic, so the
+        same corpus gives the same fingerprint; another corpus, in general another one (other tokens per id)."""
+        digest = hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
+        return f"BPE {self.vocab_size} sha256:{digest}"
 
 
 # ----------------------------------------------------------------------------- text corpora

@@ -266,6 +266,15 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
                     raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was saved from another model than "
                                       f"this command's ({'; '.join(differences)}). Resume with the run's model, or "
                                       f"train the new model in another --run-dir. Nothing was moved.")
+                saved_tok, tok = meta.get("tokenizer"), getattr(getattr(data, "tok", None), "fingerprint", None)
+                if saved_tok is not None and saved_tok != tok:  # a BPE trained on a corpus that changed since
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was trained with another tokenizer "
+                                      f"than data.paths gives now ({saved_tok} in the run, {tok} here): the corpus "
+                                      f"changed since, and the same token ids would stand for other tokens. Resume "
+                                      f"with the run's files as they were, or train on the new corpus in another "
+                                      f"--run-dir. Nothing was moved.")
                 if start > cfg.train.steps:  # no step would run, and the final evaluation would be mislabelled
                     ckpt.close()
                     loader.close()
@@ -332,7 +341,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
 
     def meta(step):
         # the loader has handed out exactly `step` batches: its state is the one to resume from
-        return {"data": {"step": step, "loader": loader.kind, "state": loader.get_state()}, "config": cfg.to_dict()}
+        out = {"data": {"step": step, "loader": loader.kind, "state": loader.get_state()}, "config": cfg.to_dict()}
+        if cfg.data.kind == "text":
+            out["tokenizer"] = data.tok.fingerprint
+        return out
 
     earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
     best = best_in_dist(earlier_evals)  # the checkpoint choice so far, kept up to date by do_eval
