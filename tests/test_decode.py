@@ -160,9 +160,13 @@ def test_generate_errors():
         model.generate(prompt, 2)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(prompt, 2, temperature=0.0, rng=jax.random.key(0))
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        model.generate(prompt, -1, greedy=True)
+    for bad in (-1, 2.0, True, np.int64(-1)):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+            model.generate(prompt, bad, greedy=True)
     assert model.generate(prompt, 0, greedy=True).shape == (1, 3)
+    # a NumPy int (a length computed with NumPy) is an int, as init_cache takes it
+    np.testing.assert_array_equal(np.asarray(model.generate(prompt, np.int64(2), greedy=True)),
+                                  np.asarray(model.generate(prompt, 2, greedy=True)))
 
 
 def test_init_cache_and_generate_reject_bad_sizes_and_keys():

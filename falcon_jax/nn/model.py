@@ -164,8 +164,10 @@ class FalconLM(nnx.Module):
         concrete prompts are checked, but under a caller's ``jax.jit`` the ids cannot be read, and an id outside
         the range gives NaN logits; a row whose logits are NaN generates -1 at every step (not a token id).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0; got {max_new_tokens!r}.")
+        max_new_tokens = int(max_new_tokens)  # a jit-static argument: one compile for 2 and np.int64(2)
         if not hasattr(tokens, "dtype"):
             tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[1] < 1:
