@@ -89,6 +89,12 @@ def test_unwritable_run_directory_is_one_line(tmp_path, capsys):
                         capsys)
     assert rc == 2 and err.startswith(f"falcon-train: error: cannot write to the run directory {blocker / 'run'}")
     assert err.count("\n") == 1 and "--run-dir" in err
+    # the run directory itself a file: said so (not "File exists"), and the file kept
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(blocker), *sum((["--set", o] for o in TINY), [])],
+                        capsys)
+    assert rc == 2 and err == (f"falcon-train: error: the run directory {blocker} is a file, not a folder; choose "
+                               f"another one with --run-dir DIR (train.run_dir).\n")
+    assert blocker.read_text() == "not a directory"
 
 
 def test_resume_without_a_checkpoint_refuses_before_any_work(tmp_path, capsys, monkeypatch):

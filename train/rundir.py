@@ -69,6 +69,9 @@ def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> Non
 def check_writable(run_dir: str) -> None:
     """Create ``run_dir`` and write a file in it, or RunDirError with the reason in one line."""
     probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise RunDirError(f"the run directory {run_dir} is a file, not a folder; choose another one with --run-dir DIR "
+                          f"(train.run_dir).")
     try:
         os.makedirs(run_dir, exist_ok=True)
         with open(probe, "w") as f:
