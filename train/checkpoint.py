@@ -3,8 +3,8 @@
 Layout: ``<run_dir>/checkpoints/<step>/{state,meta,checksums.json}``; ``state`` (orbax StandardSave) holds
 the params, optimizer state, step and RNG key data; ``meta`` (JSON) the data-iterator state, the full
 config and, for text, the tokenizer's fingerprint; ``checksums.json`` the size and SHA-256 of every other file
-of the step.  Orbax writes each step into a temporary directory and renames it when complete (atomic), so a process killed mid-save leaves the
-previous checkpoints intact.  Keep-N deletes old steps only once a newer one is finalised *and* checksummed
+of the step.  Orbax writes each step into a temporary directory and renames it when complete (atomic), so a
+process killed mid-save leaves the previous checkpoints intact.  Keep-N deletes old steps only once a newer one is finalised *and* checksummed
 (here, not by orbax, which would delete them at the rename): a save that fails before its checksums are
 written, a full disk among other causes, leaves the previous checkpoints as they were.
 
