@@ -36,16 +36,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from falcon_jax.kernels.common import unit_lower_inverse
+from falcon_jax.kernels.common import chunk_local, flatten_pad, next_pow2, unit_lower_inverse
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _chunk_matrices(x, q, w, a, seg):
+def _chunk_matrices(x, q, w, a, g, seg):
     """The ``dv``-independent matrices of one chunk (leading axes batched).
 
-    x ``[..., P, dk]`` (the chunk's pairs), q ``[..., C, dk]``, w ``[..., C, W]``, a ``[..., C]`` log decays,
-    seg ``[..., C]`` chunk-local segment index (0: the segment of the start state).
+    x ``[..., P, dk]`` (the chunk's pairs), q ``[..., C, dk]``, w ``[..., C, W]``, a ``[..., C]`` log decays and g
+    their chunk-local cumulative sum, seg ``[..., C]`` chunk-local segment index (0: the segment of the start
+    state).
     Returns ``(O [..., C, 2P], A [..., P, 2P], e [..., C])``: columns ``[:P]`` act on Y, ``[P:]`` on Z.
     """
     C, W = w.shape[-2], w.shape[-1]
@@ -53,7 +54,6 @@ def _chunk_matrices(x, q, w, a, seg):
     f32 = jnp.promote_types(x.dtype, jnp.float32)
     G = jnp.einsum("...pk,...rk->...pr", x, x, precision=_HI)  # [P, P]
     QX = jnp.einsum("...tk,...pk->...tp", q, x, precision=_HI)  # [C, P]
-    g = jnp.cumsum(a, axis=-1)
     g_hat = g - a  # log decay S_{-1} -> Ŝ_t (within the first segment)
     t = jnp.arange(C)
     same = seg[..., :, None] == seg[..., None, :]
@@ -99,7 +99,8 @@ def _chunk_matrices(x, q, w, a, seg):
     pair = t[:, None] + i[None, :]  # [C, W]: pair of slot i of step t
     ww = w.reshape(*batch, C * W)
     # the fresh reads' system: K [C, C·W] = D̂_{ts} w_{s,i} (x_{t+W-1}·x_{s+i})
-    K = (D_hat[..., :, :, None] * G[..., (t + W - 1)[:, None, None], pair[None]]).reshape(*batch, C, C * W) * ww[..., None, :]
+    K = (D_hat[..., :, :, None] * G[..., (t + W - 1)[:, None, None], pair[None]]).reshape(*batch, C, C * W)
+    K = K * ww[..., None, :]
     Kc = jnp.einsum("...tn,...nb->...tb", K, coef, precision=_HI)  # [C, nb]
     rhs = basis[C + W - 1 + t, C:] - e_hat[..., :, None] * basis[C + P + W - 1 + t, C:] - Kc[..., C:]  # [C, 2P]
     fresh = unit_lower_inverse(Kc[..., :C], precision=_HI) @ rhs
@@ -122,38 +123,32 @@ def windowed_delta_rule_compact(q, x, y, w, log_gamma, run, initial_state, *, ch
     f32 = jnp.promote_types(jnp.float32, q.dtype)
     B, H, T, dk = q.shape
     W = w.shape[-1]
-    C = min(chunk_size, 1 << max(0, (T - 1).bit_length()))
+    C = min(chunk_size, next_pow2(T))
     n = -(-T // C)
-    pad = n * C - T
-    P = C + W - 1
-
-    def pad_time(a, mode="constant"):
-        return jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3), mode=mode)
-
+    BH, L, P = B * H, n * C, C + W - 1
     # identity steps at the end: no writes, no decay, the last segment continued
-    q, w, a = pad_time(q.astype(f32)), pad_time(w.astype(f32)), pad_time(log_gamma.astype(f32))
-    run = pad_time(run, mode="edge")
-    x, y = pad_time(x.astype(f32)), pad_time(y.astype(f32))
+    q, w, a = (flatten_pad(v.astype(f32), L) for v in (q, w, log_gamma))
+    x, y = (flatten_pad(v.astype(f32), L + W - 1) for v in (x, y))
+    g, seg = chunk_local(a, flatten_pad(run, L, "edge"), C)
     idx = jnp.arange(n)[:, None] * C + jnp.arange(P)[None, :]
-    xc, yc = x[:, :, idx], y[:, :, idx]  # [B, H, n, P, d]
-    run = run.reshape(B, H, n, C)
-    before = jnp.concatenate([jnp.zeros_like(run[..., :1, -1]), run[..., :-1, -1]], axis=-1)
-    seg = run - before[..., None]  # chunk-local segment index
-    O, A, e = _chunk_matrices(xc, q.reshape(B, H, n, C, dk), w.reshape(B, H, n, C, W), a.reshape(B, H, n, C), seg)
+    xc, yc = x[:, idx], y[:, idx]  # [BH, n, P, d]
+    q = q.reshape(BH, n, C, dk)
+    O, A, e = _chunk_matrices(xc, q, w.reshape(BH, n, C, W), *(v.reshape(BH, n, C) for v in (a, g, seg)))
     Oy, Oz, Ay, Az = O[..., :P], O[..., P:], A[..., :P], A[..., P:]
-    writes_y = jnp.einsum("...pr,...rd->...pd", Ay, yc, precision=_HI)  # [B, H, n, P, dv]: state-free part
+    writes_y = jnp.einsum("...pr,...rd->...pd", Ay, yc, precision=_HI)  # [BH, n, P, dv]: state-free part
     out_y = jnp.einsum("...tp,...pd->...td", Oy, yc, precision=_HI)
 
-    def walk(S, c):  # one chunk: S [B, H, dk, dv]
+    def walk(S, c):  # one chunk: S [BH, dk, dv]
         xs, qs, Az_c, Oz_c, wy, oy, e_c = c
-        Z = jnp.einsum("bhpk,bhkd->bhpd", xs, S, precision=_HI)
-        o = (e_c[..., None] * jnp.einsum("bhtk,bhkd->bhtd", qs, S, precision=_HI) + oy
-             + jnp.einsum("bhtp,bhpd->bhtd", Oz_c, Z, precision=_HI))
+        Z = jnp.einsum("bpk,bkd->bpd", xs, S, precision=_HI)
+        o = (e_c[..., None] * jnp.einsum("btk,bkd->btd", qs, S, precision=_HI) + oy
+             + jnp.einsum("btp,bpd->btd", Oz_c, Z, precision=_HI))
         S = e_c[..., -1, None, None] * S + jnp.einsum(
-            "bhpk,bhpd->bhkd", xs, wy + jnp.einsum("bhpr,bhrd->bhpd", Az_c, Z, precision=_HI), precision=_HI)
+            "bpk,bpd->bkd", xs, wy + jnp.einsum("bpr,brd->bpd", Az_c, Z, precision=_HI), precision=_HI)
         return S, o
 
-    chunks = (xc, q.reshape(B, H, n, C, dk), Az, Oz, writes_y, out_y, e)
-    final, o = jax.lax.scan(walk, initial_state.astype(f32), tuple(jnp.moveaxis(c, 2, 0) for c in chunks))
-    o = jnp.moveaxis(o, 0, 2).reshape(B, H, n * C, -1)[:, :, :T]
-    return o, final
+    chunks = (xc, q, Az, Oz, writes_y, out_y, e)
+    s0 = initial_state.astype(f32).reshape(BH, dk, -1)
+    final, o = jax.lax.scan(walk, s0, tuple(jnp.moveaxis(c, 1, 0) for c in chunks))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, H, L, -1)[:, :, :T]
+    return o, final.reshape(initial_state.shape)
