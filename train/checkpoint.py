@@ -4,9 +4,10 @@ Layout: ``<run_dir>/checkpoints/<step>/{state,meta,checksums.json}``; ``state`` 
 the params, optimizer state, step and RNG key data; ``meta`` (JSON) the data-iterator state, the full
 config and, for text, the tokenizer's fingerprint; ``checksums.json`` the size and SHA-256 of every other file
 of the step.  Orbax writes each step into a temporary directory and renames it when complete (atomic), so a
-process killed mid-save leaves the previous checkpoints intact.  Keep-N deletes old steps only once a newer one is finalised *and* checksummed
-(here, not by orbax, which would delete them at the rename): a save that fails before its checksums are
-written, a full disk among other causes, leaves the previous checkpoints as they were.
+process killed mid-save leaves the previous checkpoints intact.  Keep-N deletes old steps only once a newer
+one is finalised *and* checksummed (here, not by orbax, which would delete them at the rename): a save that
+fails before its checksums are written, a full disk among other causes, leaves the previous checkpoints as
+they were.
 
 Integrity: the checksums are written once the step is complete and verified before it is restored, so
 truncated files *and* flipped bits are caught.  A checkpoint that fails to verify or to restore is
@@ -132,6 +133,11 @@ class _Captured:
             sys.stderr.flush()
 
 
+def _headline(error: BaseException) -> str:
+    """The first line of a failed save's error log: the exception itself, before the checkpointer's report."""
+    return f"{type(error).__name__}: {error}\n\n"
+
+
 @contextlib.contextmanager
 def _stderr_captured():
     """File descriptor 2 (Python's and native threads' output alike) into a temporary file; on leaving, back
@@ -213,7 +219,7 @@ class Checkpointer:
                 failure = e
                 if self.standalone:
                     captured.divert_to = self._error_log(step)
-                    captured.header = f"{type(e).__name__}: {e}\n\n".encode(errors="replace")
+                    captured.header = _headline(e).encode(errors="replace")
         if failure is not None:
             self._failed(step, failure, captured.text(), terminal=captured.terminal)
         captured.replay()
@@ -285,7 +291,7 @@ class Checkpointer:
             try:
                 if terminal is None:  # else the capture has written it there already
                     with open(log, "w") as f:
-                        f.write(f"{type(error).__name__}: {error}\n\n{report}")  # the failure first
+                        f.write(_headline(error) + report)  # the failure first
                 if os.path.getsize(log):
                     log_note = f" (the checkpointer's own report is in {log})"
             except OSError:
