@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from falcon_jax import validation as val
 from falcon_jax.kernels import implementation
 from falcon_jax.forms.chunk import chunk
-from falcon_jax.forms.chunk_pallas import KERNEL_CONFIGS, chunk_pallas, kernel_op_name, time_major_served
+from falcon_jax.forms.chunk_pallas import (KERNEL_CONFIGS, chunk_pallas, compact_served, kernel_op_name,
+                                           time_major_served)
 from falcon_jax.forms.chunk_pallas import supports as pallas_unsupported
 from falcon_jax.forms.parallel import parallel
 from falcon_jax.forms.recurrent import recurrent
@@ -145,6 +146,9 @@ def _forward(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, f
         o, final = parallel(rule, qh, kh, vh, inputs_h, resets, state)
     elif kernel != "xla":
         o, final = kernels(time_major=False)(qh, kh, vh, inputs_h, resets, state)
+    elif compact_served(rule, inputs):  # Falcon-3 in XLA: each chunk on its C + W − 1 distinct pairs
+        o, final = chunk_pallas(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size,
+                                implementation="xla")
     else:
         o, final = chunk(rule, qh, kh, vh, inputs_h, resets, state, chunk_size=chunk_size)
     return jnp.moveaxis(o, 1, 2), final
@@ -208,7 +212,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
         time of window T) and the final state keeps window W's layout.
       form: "recurrent" (lax.scan), "parallel" (O(T²)) or "chunk" (SSD-style, O(T·C)).
       chunk_size: chunk length C of the chunk form, a power of two (checked with every form); any T works (a C
-        longer than T runs as one chunk of the next power of two >= T).
+        longer than T runs as one chunk of the next power of two >= T).  Falcon-3 (kernels and XLA alike)
+        counts C in rows, ``next_pow2(window)`` per step: C / next_pow2(window) steps per chunk.
       alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
       timing: "raw" (read after write) or "rbw" (read before write).
       initial_state: a :class:`FalconState` to continue from (fed to the first segment).

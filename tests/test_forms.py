@@ -6,6 +6,8 @@ sequence length, so lengths shorter than a chunk, multiples of the chunk and rag
 all covered without multiplying the number of compilations.  Combinations of options are
 spread over the variant x form grid instead of being crossed with it.
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,11 +124,11 @@ def _largest_value(jaxpr) -> int:
 
 def test_a_chunk_longer_than_the_sequence_costs_one_sequence_chunk(rng):
     """chunk_size 2**16 on T = 13 runs as one chunk of 16: the same values as the reference, and no value
-    of the program grows with chunk_size (a [.., 2**16, 2**16] block would need terabytes; the largest is the
-    chunk's 16 · 3 = 48-row system padded to 64 rows for its inverse)."""
+    of the program grows with chunk_size (a [.., 2**16, 2**16] block would need terabytes; Falcon-3's
+    largest, in its compact form, is under 3,000 elements)."""
     q, k, v, beta, lam = make_inputs(rng, variant="3", B=1, T=13, H=1, dk=4, dv=3)
     fn = lambda *a: falcon(*a, variant="3", window=3, form="chunk", chunk_size=2**16, impl="xla")  # noqa: E731
-    assert _largest_value(jax.make_jaxpr(fn)(*as_jnp(q, k, v, beta, lam)).jaxpr) <= 64 * 64
+    assert _largest_value(jax.make_jaxpr(fn)(*as_jnp(q, k, v, beta, lam)).jaxpr) < 3000
     for variant in ("1", "3A"):
         run_case(rng, variant, "chunk", chunk_size=2**16, T=13, segments=True, initial_state=True, window=3)
 
@@ -141,6 +143,23 @@ def test_per_column_variant_accepts_per_head_beta(rng, variant):
 def test_impl_xla(rng, variant):
     """``impl="xla"`` named: the XLA chunk form (the other tests take "auto", which is XLA on a CPU too)."""
     run_case(rng, variant, "chunk", impl="xla", segments=True)
+
+
+def test_falcon3_xla_chunk_form_is_the_compact_form(rng, monkeypatch):
+    """Falcon-3's XLA chunk form runs the windowed op's compact form (each chunk on its C + W − 1 distinct
+    pairs), not :mod:`falcon_jax.forms.chunk`'s system on C·W lifted rows, which Falcon-3A keeps; both
+    traced afresh (make_jaxpr), the values are :func:`test_impl_xla`'s."""
+    falcon_module = importlib.import_module("falcon_jax.falcon")  # the package's ``falcon`` is the function
+    calls = []
+    for name in ("chunk", "chunk_pallas"):
+        real = getattr(falcon_module, name)
+        monkeypatch.setattr(falcon_module, name, lambda rule, *a, _n=name, _f=real, **kw:
+                            calls.append((rule.name, _n)) or _f(rule, *a, **kw))
+    for variant in ("3", "3A"):
+        q, k, v, beta, lam = make_inputs(rng, variant=variant, B=1, T=19, H=1, dk=4, dv=3)
+        jax.make_jaxpr(lambda *a: falcon(*a, variant=variant, form="chunk", impl="xla"))(
+            *as_jnp(q, k, v, beta, lam))
+    assert [n for _, n in calls] == ["chunk_pallas", "chunk"], calls
 
 
 def test_eager_call_defaults_and_plain_return(rng):

@@ -111,6 +111,13 @@ def supports(rule: Rule, inputs: dict, implementation: str, dv: int, dk: int, dt
     return None if reason is None else f"{rule.name}: {reason}"
 
 
+def compact_served(rule: Rule, inputs: dict) -> bool:
+    """Whether the XLA chunk form runs this rule as the windowed op's compact form (``implementation="xla"``:
+    each chunk solved on its C + W − 1 distinct pairs) rather than :mod:`falcon_jax.forms.chunk`'s system on
+    C·W lifted rows: the windowed regression rule (Falcon-3) with scalar gates."""
+    return rule.regression and rule.window > 1 and not _per_column(inputs) and not rule.decay_before_residual
+
+
 def time_major_served(rule: Rule, inputs: dict) -> bool:
     """Whether :func:`chunk_pallas` takes this call in the model's ``[B, T, H, ...]`` layout (the GPU kernels
     read it in place): every rule with scalar gates except the windowed regression rule (Falcon-3's virtual rows
@@ -146,7 +153,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
                  implementation: str, kernel_config=None, kernel_dtype=None, time_major: bool = False):
     """Same arguments and result as :func:`falcon_jax.forms.chunk.chunk`.
 
-    ``implementation``: "mosaic_gpu", "triton" or "mosaic_tpu" (the caller checked :func:`supports`).
+    ``implementation``: "mosaic_gpu", "triton" or "mosaic_tpu" (the caller checked :func:`supports`), or "xla"
+    where :func:`compact_served`.
     ``kernel_config``: the op's ``KernelConfig`` (:func:`kernel_op_name`; None: tuned).  ``kernel_dtype``:
     dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients and
     states stay fp32.  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
