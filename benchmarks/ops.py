@@ -33,6 +33,8 @@ class Op:
     description: str
     needs: str | None = None  # "jla", "fla" or "gpu" (cuDNN): skipped where that is missing
     slow: bool = False  # measured at the first shape only unless asked for
+    variant: str | None = None  # our Falcon ops: the variant, when the name is not "falcon-<variant>"
+    impl: str | None = None  # our ops: this implementation whatever the suite passes (e.g. "xla")
 
     @property
     def torch(self) -> bool:
@@ -45,6 +47,8 @@ OPS = [
     Op("falcon-3A", "falcon", FALCON_ARGS, "falcon(variant='3A', window=4)"),
     Op("falcon-1", "falcon", FALCON_ARGS, "falcon(variant='1')"),
     Op("falcon-3", "falcon", FALCON_ARGS, "falcon(variant='3', window=4)"),
+    Op("falcon-3-xla", "falcon", FALCON_ARGS, "falcon(variant='3', window=4, impl='xla'): the compact chunk form in XLA",
+       slow=True, variant="3", impl="xla"),
     Op("falcon-2", "falcon", ("q", "k", "v", "beta_col", "lam"), "falcon(variant='2'), per-column gains", slow=True),
     Op("falcon-2A", "falcon", ("q", "k", "v", "beta_col", "lam"), "falcon(variant='2A'), per-column gains",
        slow=True),
@@ -113,8 +117,10 @@ def jax_fn(name: str, impl):
     if name.startswith("falcon-"):
         from falcon_jax import falcon
 
-        variant = name.split("-", 1)[1]
+        op = BY_NAME[name]
+        variant = op.variant or name.split("-", 1)[1]
         kw = {"window": WINDOW} if variant in ("3", "3A") else {}
+        impl = op.impl or impl
         return lambda q, k, v, beta, lam: falcon(q, k, v, beta, lam, variant=variant, impl=impl, **kw)
     if name == "linear-attention":
         from falcon_jax import decayed_linear_attention

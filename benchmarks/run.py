@@ -10,15 +10,16 @@ overruns is reported and skipped; results are written as they come):
 
 ``bench``    median ms of the forward and the forward+backward at the standard shapes — bf16 q, k, v, fp32 gates,
              H = 16, d = 128, (B, T) = (8, 2048), (2, 8192), (1, 32768) — of ``falcon(...)`` for Falcon-1A, 3A
-             (W = 4), 1, 3 (W = 4), 2 and 2A (per-column gains; these two slow rules at the first shape only
-             unless ``--rules`` names them), of the library's baselines (decayed linear attention, DeltaNet, Gated
+             (W = 4), 1, 3 (W = 4), 2 and 2A (per-column gains), of Falcon-3 through its XLA compact chunk form
+             (``falcon-3-xla``; it and the two per-column rules at the first shape only unless ``--rules`` names
+             them), of the library's baselines (decayed linear attention, DeltaNet, Gated
              DeltaNet), and of the peers that import in the same process: jax-linear-attention 0.1.0
              (``simple_gla`` ≈ Falcon-1A's recurrence, ``gated_deltanet`` ≈ Falcon-1, ``deltanet``), fla 0.6.0
              (``chunk_simple_gla``, ``chunk_gated_delta_rule`` — its backward refuses Triton < 3.7.1: recorded as
              refused —, ``chunk_delta_rule``) and cuDNN causal softmax attention.  ``benchmarks/ops.py`` says how
              each is called.
 ``memory``   compiled peak bytes (temporaries + outputs, ``compiled.memory_analysis()``) of the forward+backward
-             of Falcon-1A, Falcon-1 and the jla peers at 1×32768 and 1×131072 (compiled, not run).
+             of every JAX op of ``bench`` at 1×32768 and 1×131072 (compiled, not run).
 ``profile``  GPU time per kernel of one forward+backward (CUPTI through ``torch.profiler``), one table per rule,
              at 8×2048.
 ``lm``       the train step of the 130M language model (the ``lm-130m`` preset's shape: D = 768, 12 layers, 12 heads
@@ -88,7 +89,7 @@ TIMING = {"calls": 20, "repeats": 7, "warmup": 2}
 SMOKE_TIMING = {"calls": 2, "repeats": 2, "warmup": 1}
 FALCON = [op.name for op in ops.OPS if op.family == "falcon"]
 DEFAULT_RULES = {"bench": [op.name for op in ops.OPS], "profile": FALCON,
-                 "memory": ["falcon-1A", "falcon-1", "jla:simple_gla", "jla:gated_deltanet", "jla:deltanet"],
+                 "memory": [op.name for op in ops.OPS if not op.torch],
                  "compare": ["falcon-1A", "falcon-3A", "falcon-1", "falcon-3"]}
 ALLOWED = {"bench": lambda op: True, "profile": lambda op: True, "memory": lambda op: not op.torch,
            "compare": lambda op: op.family == "falcon"}

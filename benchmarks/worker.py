@@ -140,6 +140,8 @@ def _impl_label(name, shape):
     op = ops.BY_NAME[name]
     if op.family == "peer":
         return {"jla": "mosaic_gpu", "fla": "triton (torch)", "gpu": "cudnn"}[op.needs]
+    if op.impl:
+        return op.impl
     if not STATE["candidates"]:
         return STATE["impl"]
     return ops.served_by(name, _inputs(shape, abstract=True), STATE["candidates"])  # traced, nothing allocated
