@@ -7,8 +7,8 @@ and its training stream's token share per width, with what was run, on which mac
 ``RUN_DIR`` is a ``falcon-train`` run folder (``config.json``, ``metrics.jsonl``, ``width_shares.json`` for the
 addition task) or a copy of those files.  The result is strict JSON (a non-finite loss is the string "nan", as
 in ``metrics.jsonl``); ``experiments/plot_addition_packed.py`` plots such files.  An existing ``OUT.json`` is
-replaced only with ``--overwrite``, and never when it is one of the run's own files; the file is written whole or
-not at all.
+replaced only with ``--overwrite``, and never when it is one of the run's own files; OUT is checked before the run
+folder is read, and the file is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def record(run_dir: str, *, what: str, machine: str, commit: str, command: str, 
 
 def check_out(out: str, run_dir: str, overwrite: bool) -> None:
     """``out`` may be written: its folder exists, it is not one of the run's files, and it is new (or
-    ``overwrite``).  RecordError otherwise."""
+    ``overwrite``).  RecordError otherwise.  It looks at paths only, so :func:`main` runs it before the run
+    folder is read: a wrong OUT is reported at once, not after a long ``metrics.jsonl`` has been parsed, and
+    not hidden behind a fault of the run folder."""
     own = {os.path.realpath(os.path.join(run_dir, name)): name for name in (CONFIG, METRICS, WIDTH_SHARES)}
     if os.path.realpath(out) in own:
         raise RecordError(f"{out} is the run's own {own[os.path.realpath(out)]}; write the result elsewhere, e.g. "
@@ -97,10 +99,10 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = p.parse_args(argv)
     try:
+        check_out(args.out, args.run_dir, args.overwrite)  # first: a wrong OUT is reported before any reading
+        replaced = os.path.exists(args.out)
         result = record(args.run_dir, what=args.what, machine=args.machine, commit=args.commit,
                         command=args.command, date=args.date)
-        check_out(args.out, args.run_dir, args.overwrite)
-        replaced = os.path.exists(args.out)
         write_atomic(args.out, dumps_strict(result))
     except (FileNotFoundError, RecordError) as e:
         print(f"record_run: error: {e}", file=sys.stderr)

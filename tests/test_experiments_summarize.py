@@ -166,8 +166,10 @@ def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_
     tokens, by_step, widths = _plot_module().load(str(out))
     assert tokens == 256 and list(by_step) == [2] and widths == [1, 2, 3]
     (run / "config.json").unlink()
-    assert record.main(argv) == 2
+    written = out.read_bytes()
+    assert record.main([*argv, "--overwrite"]) == 2  # OUT may be replaced: the run folder's fault is reported
     assert "holds no config.json" in capsys.readouterr().err
+    assert out.read_bytes() == written
 
 
 def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_path, capsys):
@@ -209,3 +211,33 @@ def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_pat
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
     refused(tmp_path / "r2.json", named=f"{run / 'metrics.jsonl'} holds no records")
+
+
+def test_record_run_reports_a_wrong_out_before_reading_the_run_folder(tmp_path, capsys):
+    """OUT is checked on its path alone, before the run folder is read: with a run folder that cannot be
+    recorded (its metrics.jsonl holds no record, its config.json is cut, or it is missing), an existing OUT
+    without --overwrite and an OUT in a missing folder are the errors reported, and nothing is written."""
+    record = _plot_module("record_run")
+    meta = ["--what", "w", "--machine", "cpu", "--commit", "abc1234", "--command", "falcon-train"]
+    corrupt_metrics = tmp_path / "corrupt-metrics"
+    corrupt_metrics.mkdir()
+    (corrupt_metrics / "config.json").write_text(json.dumps({"train": {"batch_size": 4}}))
+    (corrupt_metrics / "metrics.jsonl").write_text('{"kind": "train", "st\nnot json\n')
+    cut_config = tmp_path / "cut-config"
+    cut_config.mkdir()
+    (cut_config / "config.json").write_text('{"train": {"batch')
+    (cut_config / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.5}) + "\n")
+    existing = tmp_path / "r.json"
+    existing.write_text("an earlier result")
+    missing_folder = tmp_path / "missing" / "r.json"
+    for run in (corrupt_metrics, cut_config, tmp_path / "no-such-run"):
+        for out, named in ((existing, f"{existing} already exists; pass --overwrite to replace it"),
+                           (missing_folder, f"the folder {missing_folder.parent} of the output does not exist")):
+            assert record.main([str(run), str(out), *meta]) == 2
+            err = capsys.readouterr().err
+            assert named in err and "Traceback" not in err, (run, err)
+        # with OUT writable, the run folder's own fault is the one reported
+        assert record.main([str(run), str(tmp_path / "new.json"), *meta]) == 2
+        assert str(run) in capsys.readouterr().err
+    assert existing.read_text() == "an earlier result"
+    assert not (tmp_path / "new.json").exists() and not missing_folder.parent.exists()
