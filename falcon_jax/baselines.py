@@ -23,8 +23,9 @@ domain is ``beta ≥ 0`` and ``log_decay ≤ 0`` (γ ≤ 1): concrete values out
 traced ones are clamped into it (DeltaNet also needs ``β‖k‖² ≤ 2``, which is the caller's to keep, e.g.
 β = σ(z) with ℓ2-normalized keys).  Each takes the same
 ``form``, ``chunk_size``, ``initial_state``, ``return_final_state``,
-``segment_ids``, ``impl`` and ``kernel_config`` arguments as :func:`falcon_jax.falcon`; a
-length-1 call with ``initial_state`` is a decode step.
+``segment_ids``, ``impl`` and ``kernel_config`` arguments as :func:`falcon_jax.falcon` (a concrete
+``initial_state`` holding NaN or inf is refused there too); a length-1 call with ``initial_state`` is a
+decode step.
 """
 
 from __future__ import annotations

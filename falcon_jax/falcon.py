@@ -216,7 +216,8 @@ def falcon(q, k, v, beta, lam, *, variant, window=4, form="chunk", chunk_size=64
         counts C in rows, ``next_pow2(window)`` per step: C / next_pow2(window) steps per chunk.
       alignment: "shifted" (prefix-aligned pair, the Falcon default) or "same_step" (x_t = k_t).
       timing: "raw" (read after write) or "rbw" (read before write).
-      initial_state: a :class:`FalconState` to continue from (fed to the first segment).
+      initial_state: a :class:`FalconState` to continue from (fed to the first segment).  A concrete state
+        holding NaN or inf raises ``ValueError`` naming the field; a traced one is not read (docs/rules.md).
       return_final_state: also return the state after the last position.
       segment_ids: ``[B, T]`` ints for packed sequences; the state resets where the id changes.
       impl: implementation of the chunk form (:mod:`falcon_jax.kernels.implementation`): "auto" (the kernels
@@ -257,7 +258,8 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
     """One decoding step; equals the recurrent form token by token.
 
     Args:
-      state: :class:`FalconState` (``init_state(...)`` or from ``falcon(..., return_final_state=True)``).
+      state: :class:`FalconState` (``init_state(...)`` or from ``falcon(..., return_final_state=True)``); finite
+        when concrete, as ``falcon``'s ``initial_state``.
       q_t, k_t: ``[B, H, dk]``;  v_t: ``[B, H, dv]``;  beta_t: ``[B, H]`` (``[B, H, dv]`` for 2/2A) or a
       scalar;  lam_t: ``[B, H]`` or a scalar.  Their domain, checks and clamping, and the options, as in
       :func:`falcon`.

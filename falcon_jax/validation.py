@@ -359,6 +359,54 @@ def check_state(state, B: int, H: int, dk: int, dv: int, tail: int, *, argname: 
                     "with the same variant and window)") if field.startswith("tail") else ""
             raise ValueError(f"`{argname}.{field}` has shape {got} but these inputs need [{dims}] = "
                              f"{list(shape)}{hint}.")
+    check_state_finite(state, argname=argname)
+
+
+STATE_VALUE_FIELDS = {"S": "the fast-weight matrix", "last_key": "the last key, the next call's first write feature",
+                      "tail_x": "the window's earlier write features", "tail_y": "the window's earlier values"}
+
+
+def _rows(flags: np.ndarray, limit: int = 8) -> str:
+    rows = np.flatnonzero(flags)
+    shown = ", ".join(str(int(r)) for r in rows[:limit])
+    return f"[{shown}{', …' if rows.size > limit else ''}]"
+
+
+def check_state_finite(state: FalconState, *, argname: str) -> None:
+    """A concrete state's floating fields must be finite: a NaN or inf there reaches the outputs of its row
+    (masks and resets that multiply by 0 keep it: 0 · NaN = NaN), so the call would return garbage without a
+    word.  Such a state usually comes from an earlier call whose q, k or v were not finite (they are not
+    checked).
+
+    Only concrete fields are read (NumPy arrays, or JAX arrays outside a trace, computed eagerly even while a
+    trace of other inputs is under way); a traced state is not inspected, so under ``jit`` / ``grad`` this costs
+    nothing and adds nothing to the jaxpr.  ValueError naming ``argname.field``, the batch rows and the fix."""
+    fields = [(name, getattr(state, name)) for name in STATE_VALUE_FIELDS]
+    fields = [(name, x) for name, x in fields if x.size and is_concrete(x)]
+    if not fields:
+        return
+
+    def bad_rows(xp, x):  # (NaN, inf) flags per batch row
+        return xp.isnan(x).reshape(x.shape[0], -1).any(1), xp.isinf(x).reshape(x.shape[0], -1).any(1)
+
+    # NumPy fields are read in NumPy (jnp would cast fp64 to fp32 without x64, a large finite value to inf)
+    per_row = {name: bad_rows(np, x) for name, x in fields if isinstance(x, np.ndarray)}
+    on_device = [(name, x) for name, x in fields if not isinstance(x, np.ndarray)]
+    if on_device:
+        with jax.ensure_compile_time_eval():  # computed now even when a trace (of other inputs) is under way
+            flags = jax.device_get([bad_rows(jnp, x) for _, x in on_device])
+        per_row.update(zip((name for name, _ in on_device), flags))
+    for name, _ in fields:
+        nan_rows, inf_rows = per_row[name]
+        if not (nan_rows.any() or inf_rows.any()):
+            continue
+        found = " and ".join(f"{kind} in batch rows {_rows(rows)}"
+                             for kind, rows in (("NaN", nan_rows), ("inf", inf_rows)) if rows.any())
+        raise ValueError(f"`{argname}.{name}` ({STATE_VALUE_FIELDS[name]}) must be finite; it holds {found}. A "
+                         f"non-finite state makes the outputs of those rows NaN. Such a state usually comes from "
+                         f"a call whose q, k or v held NaN or inf (they are not checked): give that call finite "
+                         f"inputs, or restart those rows from a fresh state (falcon_jax.init_state, or a layer's "
+                         f"init_cache).")
 
 
 def check_kernel_config(config, expected: type) -> None:

@@ -139,7 +139,8 @@ class RecurrentMixer(nnx.Module):
         return RecurrentCache(state=state, conv=conv)
 
     def _check_cache(self, cache, batch: int) -> None:
-        """``cache`` must have the layout of ``self.init_cache(batch)`` (shapes only: traced caches too)."""
+        """``cache`` must have the layout of ``self.init_cache(batch)`` (shapes, checked on traced caches too) and,
+        where its values are concrete, a finite state (:func:`falcon_jax.validation.check_state`)."""
         fix = "make it with this layer's init_cache(batch), or take it from this layer's previous call"
         if not isinstance(cache, RecurrentCache):
             raise TypeError(f"{self.owner}: `cache` must be a RecurrentCache ({fix}); got {type(cache).__name__}.")
