@@ -1,9 +1,11 @@
 """Plots of packed-addition runs from their result files: mean in-distribution exact match against training
-tokens, and teacher-forced accuracy by operand width at each run's last evaluation.
+tokens, and teacher-forced accuracy by operand width at each run's last evaluation; and each run's row in
+Table 3's columns.
 
     python experiments/plot_addition_packed.py OUT_PREFIX LABEL=RESULT.json [LABEL=RESULT.json ...]
 
-writes ``OUT_PREFIX-learning-curves.png`` and ``OUT_PREFIX-accuracy-vs-width.png``.  A result file is the JSON
+writes ``OUT_PREFIX-learning-curves.png`` and ``OUT_PREFIX-accuracy-vs-width.png`` and prints the table
+(:func:`table3_row`).  A result file is the JSON
 ``experiments/results/addition-packed-*.json`` holds: the run's ``config`` and every record of its
 ``metrics.jsonl`` (``kind`` "eval": ``teacher_forced`` per width, ``exact`` and ``digit``).
 """
@@ -36,6 +38,46 @@ def mean_exact(record, widths) -> float:
     return 100.0 * sum(record["teacher_forced"][str(w)]["exact"] for w in widths) / len(widths)
 
 
+def best_step(evals, widths) -> int:
+    """The checkpoint Table 3 reports: the trainer's own choice (``best_in_dist`` of the last evaluation: best
+    in-distribution exact match, ties to the better per-digit accuracy), else the first step of the best mean
+    exact match on the trained widths.  The longer widths are not looked at."""
+    last = next(reversed(evals.values()))
+    if "best_in_dist" in last:
+        return last["best_in_dist"]["step"]
+    return max(evals, key=lambda s: (mean_exact(evals[s], widths), -s))
+
+
+def table3_row(evals, widths) -> dict:
+    """Table 3's columns at :func:`best_step`, in %: teacher-forced per-digit accuracy and exact match, their
+    means over the trained widths and over the longer ones, and both at the shortest and the longest of the
+    longer widths."""
+    step = best_step(evals, widths)
+    tf = evals[step]["teacher_forced"]
+    longer = sorted(int(w) for w in tf if int(w) > max(widths))
+
+    def mean(ws, key):
+        return 100.0 * sum(tf[str(w)][key] for w in ws) / len(ws)
+
+    row = {"step": step, "trained_digit": mean(widths, "digit"), "trained_exact": mean(widths, "exact")}
+    if longer:
+        row.update(longer_digit=mean(longer, "digit"), longer_exact=mean(longer, "exact"),
+                   first_longer=longer[0], last_longer=longer[-1],
+                   first_digit=100.0 * tf[str(longer[0])]["digit"], last_digit=100.0 * tf[str(longer[-1])]["digit"])
+    return row
+
+
+def print_table3(loaded) -> None:
+    print("| run | best step | trained widths: per digit (exact) | longer widths: per digit (exact) | "
+          "first / last longer width, per digit |")
+    print("|---|---|---|---|---|")
+    for label, _, evals, widths in loaded:
+        r = table3_row(evals, widths)
+        longer = (f"{r['longer_digit']:.1f} ({r['longer_exact']:.1f}) | {r['first_longer']}: {r['first_digit']:.1f} / "
+                  f"{r['last_longer']}: {r['last_digit']:.1f}") if "longer_digit" in r else "– | –"
+        print(f"| {label} | {r['step']} | {r['trained_digit']:.1f} ({r['trained_exact']:.1f}) | {longer} |")
+
+
 def main(argv) -> int:
     if len(argv) < 2 or any("=" not in a for a in argv[1:]):
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
@@ -60,6 +102,7 @@ def main(argv) -> int:
                     marker="o", markersize=3, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
         ax.axvline(max(widths) + 0.5, color="gray", linestyle=":", linewidth=1)
     _save(fig, ax, "digits per operand", "teacher-forced accuracy (%)", f"{prefix}-accuracy-vs-width.png")
+    print_table3(loaded)
     return 0
 
 

@@ -133,6 +133,35 @@ def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
     assert plot.main([str(prefix), str(path)]) == 2
 
 
+def test_table3_row_reads_the_trainers_checkpoint_choice_and_averages_per_width(rng):
+    """Table 3's columns at the trainer's chosen step (not the last, not the best on the longer widths); without
+    that record, the first step of the best trained-width exact match.  Means are over widths, not problems."""
+    plot = _plot_module()
+    widths = [1, 2, 3]
+    digit, exact = rng.uniform(size=(3, 6)), rng.uniform(size=(3, 6))
+
+    def record(i, step, best=None):
+        r = {"kind": "eval", "step": step,
+             "teacher_forced": {str(w): {"exact": float(exact[i, w - 1]), "digit": float(digit[i, w - 1])}
+                                for w in range(1, 7)}}
+        return r if best is None else {**r, "best_in_dist": {"step": best}}
+
+    exact[1, :3] = 1.0  # step 200 is the best on the trained widths, step 300 on the longer ones
+    exact[2, :3], exact[2, 3:] = 0.0, 1.0
+    evals = {100: record(0, 100), 200: record(1, 200), 300: record(2, 300, best=200)}
+    row = plot.table3_row(evals, widths)
+    assert row["step"] == 200
+    assert row["trained_exact"] == pytest.approx(100.0)
+    assert row["trained_digit"] == pytest.approx(100 * digit[1, :3].mean())
+    assert row["longer_digit"] == pytest.approx(100 * digit[1, 3:].mean())
+    assert row["longer_exact"] == pytest.approx(100 * exact[1, 3:].mean())
+    assert (row["first_longer"], row["last_longer"]) == (4, 6)
+    assert (row["first_digit"], row["last_digit"]) == pytest.approx((100 * digit[1, 3], 100 * digit[1, 5]))
+    # no trainer's record: the first of equally good steps
+    evals = {100: record(1, 100), 200: record(1, 200), 300: record(2, 300)}
+    assert plot.table3_row(evals, widths)["step"] == 100
+
+
 def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_path, rng, capsys):
     record = _plot_module("record_run")
     run = tmp_path / "run"
