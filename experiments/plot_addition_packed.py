@@ -4,8 +4,9 @@ Table 3's columns.
 
     python experiments/plot_addition_packed.py OUT_PREFIX LABEL=RESULT.json [LABEL=RESULT.json ...]
 
-writes ``OUT_PREFIX-learning-curves.png`` and ``OUT_PREFIX-accuracy-vs-width.png`` and prints the table
-(:func:`table3_row`).  A result file is the JSON
+writes ``OUT_PREFIX-learning-curves.png``, ``OUT_PREFIX-accuracy-vs-width.png`` and
+``OUT_PREFIX-exact-by-width.png`` (each run's exact match per width at every evaluation, one panel a run) and
+prints the table (:func:`table3_row`).  A result file is the JSON
 ``experiments/results/addition-packed-*.json`` holds: the run's ``config`` and every record of its
 ``metrics.jsonl`` (``kind`` "eval": ``teacher_forced`` per width, ``exact`` and ``digit``).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 
 import matplotlib
 
@@ -36,6 +38,16 @@ def load(path: str):
 
 def mean_exact(record, widths) -> float:
     return 100.0 * sum(record["teacher_forced"][str(w)]["exact"] for w in widths) / len(widths)
+
+
+def exact_by_width(evals):
+    """``(steps, widths, exact)``: every evaluated width (trained and longer), and exact match in % as a
+    ``[len(widths)][len(steps)]`` list of rows: the learning curve of each width."""
+    steps = list(evals)
+    widths = sorted({int(w) for r in evals.values() for w in r["teacher_forced"]})
+    exact = [[100.0 * evals[s]["teacher_forced"][str(w)]["exact"] if str(w) in evals[s]["teacher_forced"]
+              else float("nan") for s in steps] for w in widths]
+    return steps, widths, exact
 
 
 def best_step(evals, widths) -> int:
@@ -102,6 +114,23 @@ def main(argv) -> int:
                     marker="o", markersize=3, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
         ax.axvline(max(widths) + 0.5, color="gray", linestyle=":", linewidth=1)
     _save(fig, ax, "digits per operand", "teacher-forced accuracy (%)", f"{prefix}-accuracy-vs-width.png")
+    cols = min(3, len(loaded))
+    rows = -(-len(loaded) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1.2, 3.4 * rows), squeeze=False, layout="constrained")
+    for ax, (label, tokens, evals, widths) in zip(axes.flat, loaded):
+        steps, all_widths, exact = exact_by_width(evals)
+        image = ax.imshow(exact, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="viridis",
+                          extent=(steps[0] * tokens / 1e9, steps[-1] * tokens / 1e9, all_widths[0] - 0.5,
+                                  all_widths[-1] + 0.5), interpolation="nearest")
+        ax.axhline(max(widths) + 0.5, color="white", linestyle=":", linewidth=1)
+        ax.set_title(textwrap.fill(label, 36), fontsize=8)
+        ax.set_xlabel("training tokens (B)", fontsize=8)
+        ax.set_ylabel("digits per operand", fontsize=8)
+    for ax in list(axes.flat)[len(loaded):]:
+        ax.set_visible(False)
+    fig.colorbar(image, ax=axes, label="teacher-forced exact match (%)", shrink=0.8)
+    fig.savefig(f"{prefix}-exact-by-width.png", dpi=100)
+    plt.close(fig)
     print_table3(loaded)
     return 0
 

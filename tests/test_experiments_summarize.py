@@ -130,6 +130,11 @@ def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
     assert plot.main([str(prefix), f"run={path}"]) == 0
     assert (tmp_path / "img" / "p-learning-curves.png").stat().st_size > 0
     assert (tmp_path / "img" / "p-accuracy-vs-width.png").stat().st_size > 0
+    assert (tmp_path / "img" / "p-exact-by-width.png").stat().st_size > 0
+    steps, all_widths, curve = plot.exact_by_width(by_step)
+    # every evaluated width, trained or longer, one row each; the later record of step 200
+    assert steps == [100, 200] and all_widths == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(curve, [[100 * exact[0, w], 100 * exact[2, w]] for w in range(6)])
     assert plot.main([str(prefix), str(path)]) == 2
 
 
