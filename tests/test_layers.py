@@ -205,7 +205,7 @@ def test_short_conv_does_not_leak_across_segments(rng):
     np.testing.assert_allclose(np.asarray(state2[:, 1:]), np.asarray(x[:, 5:7]))
 
 
-@pytest.mark.parametrize("mixer", ["falcon-3A", "transformer", "gated_deltanet"])
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
 def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
     # the recurrent form compiles fastest; the forms' own segment handling is tested in the core
     f = Jitted(build(mixer, dtype="float64", form="recurrent"))
