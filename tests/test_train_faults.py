@@ -145,6 +145,9 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
     trainer.run(cfg2, resume_or_start=True, log=lines.append)
     assert any("starting from step 0" in line for line in lines)
     assert checkpoint_steps(str(run_dir)) == [2]
+    # the earlier run's records of steps 3-9 (its final evaluation included) are not this run's
+    train, evals = read_metrics(str(run_dir))
+    assert sorted(train) == [1, 2] and [e["step"] for e in evals] == [2]
 
 
 def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):

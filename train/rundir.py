@@ -7,7 +7,9 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
     metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
                             first step of a process took, compilation included), "speed" (log
                             points), "eval"; a resumed run appends, readers take the last record
-                            of each step; "time_limit" (a stop by train.time_limit_s).  Strict
+                            of each step; "time_limit" (a stop by train.time_limit_s); "resume"
+                            (a command continued the run from the checkpoint of its step: readers
+                            drop the earlier records of later steps, :func:`parse_records`).  Strict
                             JSON: a NaN / ±inf number (a diverged loss) is the string "nan" /
                             "inf" / "-inf" (:func:`encode_non_finite`); null is a value not measured
     width_shares.json       addition: the training stream's share of problems and tokens per width
@@ -29,6 +31,7 @@ WIDTH_SHARES = "width_shares.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REPORT = "report.txt"
+RESUME = "resume"  # the metrics record of a command that continued the run (see parse_records)
 
 
 class RunDirError(RuntimeError):
@@ -129,13 +132,20 @@ def dumps_strict(value, **kwargs) -> str:
 
 def parse_records(lines, kind: str | None = None) -> list[dict]:
     """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``), with "nan" / "inf" /
-    "-inf" read back as floats (:func:`decode_non_finite`); a line cut by a kill is skipped."""
+    "-inf" read back as floats (:func:`decode_non_finite`); a line cut by a kill is skipped.  A "resume" record
+    (a command that continued the run from the checkpoint of its ``step``) drops the records before it whose
+    step is later than that: they belong to steps that were trained again from the checkpoint (after a kill
+    past the last checkpoint, a corrupt latest checkpoint, a diverged loss), not to the run as it went on."""
     out = []
     for line in lines:
         try:
             r = decode_non_finite(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by a kill
+        if not isinstance(r, dict):
+            continue
+        if r.get("kind") == RESUME and isinstance(r.get("step"), int):
+            out = [x for x in out if not (isinstance(x.get("step"), int) and x["step"] > r["step"])]
         if kind is None or r.get("kind") == kind:
             out.append(r)
     return out
