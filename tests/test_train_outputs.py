@@ -158,6 +158,18 @@ def test_a_resumed_run_appends_after_a_cut_line_without_losing_its_first_record(
     assert metric_records(str(tmp_path)) == [first, *later]
 
 
+def test_bytes_that_are_not_utf8_are_a_skipped_line_and_the_run_appends_after_them(tmp_path):
+    """Bytes a crash or a disk error left in metrics.jsonl: a resumed run (which reads the file for the
+    evaluations so far) and the report read the other records, and the next record is a line of its own."""
+    first = {"kind": "eval", "step": 1, "in_dist_exact": 0.5}
+    (tmp_path / "metrics.jsonl").write_bytes(json.dumps(first).encode() + b"\n\xff\xfe\x80garbage")
+    logger = Logger(str(tmp_path), is_main=True)
+    later = {"kind": "eval", "step": 2, "in_dist_exact": 0.75}
+    logger.write(later)
+    assert metric_records(str(tmp_path), "eval") == [first, later]
+    assert [e["step"] for e in read_metrics(str(tmp_path))[1]] == [1, 2]
+
+
 def test_records_of_steps_trained_again_after_a_resume_are_dropped(tmp_path):
     """A run killed at step 5 after its checkpoint of step 3 (or whose checkpoint of step 6 was corrupt, or that
     diverged): its records of steps 4-5 are not the run's once a command continues it from step 3."""

@@ -153,11 +153,12 @@ def parse_records(lines, kind: str | None = None) -> list[dict]:
 
 def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
     """The records of ``<run_dir>/metrics.jsonl`` in file order (all, or those of ``kind``:
-    "train", "first_step", "speed", "eval"); none if there is no file yet."""
+    "train", "first_step", "speed", "eval"); none if there is no file yet.  A line with bytes that are not
+    UTF-8 (a crash or a disk error) is skipped like a cut one."""
     path = os.path.join(run_dir, METRICS)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes a crash left that are not UTF-8: a bad line
         return parse_records(f, kind)
 
 
