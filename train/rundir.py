@@ -86,6 +86,26 @@ def check_writable(run_dir: str) -> None:
                           f"(train.run_dir).") from None
 
 
+def check_checkpoint_folder(run_dir: str) -> None:
+    """``<run_dir>/checkpoints`` a folder that can be written (created if absent), or RunDirError in one line:
+    checked before any model or data work, not at the first save after training up to it."""
+    path = os.path.abspath(os.path.join(run_dir, CHECKPOINTS))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"{path} is a file, not a folder, and the checkpoints are written there; move that file "
+                          f"away, choose another run directory with --run-dir DIR (train.run_dir), or train without "
+                          f"checkpoints (--set checkpoint.enabled=false).")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise RunDirError(f"cannot write to the checkpoint folder {path} ({e.strerror or type(e).__name__}); fix "
+                          f"its permissions, or choose another run directory with --run-dir DIR "
+                          f"(train.run_dir).") from None
+
+
 def write_atomic(path: str, data: str | bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: into ``path + ".tmp"``, flushed to disk, then renamed over
     ``path`` (a kill or a full disk mid-write leaves the previous file)."""

@@ -38,7 +38,7 @@ from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines, widths_with_fewer_problems
 from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
-                                     check_can_start, check_writable, checkpoint_steps, metric_records, read_metrics,
+                                     check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps, metric_records, read_metrics,
                                      write_atomic)
 from falcon_jax.train.text import TextData
 
@@ -188,6 +188,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
     check_writable(run_dir)
+    if cfg.checkpoint.enabled:
+        check_checkpoint_folder(run_dir)
     logger = Logger(run_dir, is_main)
     say = log or logger.print
     for line in start_lines(cfg):
