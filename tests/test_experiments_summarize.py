@@ -275,3 +275,23 @@ def test_record_run_reports_a_wrong_out_before_reading_the_run_folder(tmp_path, 
         assert str(run) in capsys.readouterr().err
     assert existing.read_text() == "an earlier result"
     assert not (tmp_path / "new.json").exists() and not missing_folder.parent.exists()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_metrics_file_with_bytes_that_are_not_utf8_is_read_without_them(tmp_path, packed):
+    """Bytes a crash left in a run's metrics.jsonl: the run's other records are summarized."""
+    rec = {"kind": "train", "step": 1, "loss": 2.0}
+    metrics = json.dumps(rec).encode() + b"\n\xff\xfe\x80garbage\n"
+    if packed:
+        with tarfile.open(tmp_path / "p.tar.gz", "w:gz") as tar:
+            for fname, data in (("config.json", b"{}"), ("metrics.jsonl", metrics)):
+                info = tarfile.TarInfo(f"s/run-a/{fname}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        path = tmp_path / "p.tar.gz"
+    else:
+        (tmp_path / "s" / "run-a").mkdir(parents=True)
+        (tmp_path / "s" / "run-a" / "config.json").write_text("{}")
+        (tmp_path / "s" / "run-a" / "metrics.jsonl").write_bytes(metrics)
+        path = tmp_path / "s"
+    assert summarize.load_runs(str(path), "s")["run-a"]["train"] == {1: rec}

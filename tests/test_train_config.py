@@ -38,6 +38,9 @@ def test_bad_override_value_type(capsys):
     assert rc == 2 and "'train.steps' must be a number" in err
     rc, _, err = _run_cli(["--preset", "addition-tiny", "--model", "falcon-9"], capsys)
     assert rc == 2 and "falcon-9" in err  # LMConfig's own message for an unknown mixer
+    for value in ("5", '{"a": 1, "b": 2}'):  # not a list: named, with the length wanted
+        rc, _, err = _run_cli(["--preset", "addition-tiny", "--set", f"model.layer_mixers={value}"], capsys)
+        assert rc == 2 and "LMConfig.layer_mixers must be a sequence of n_layers=2 mixer names" in err
 
 
 def test_string_fields_keep_the_override_text(capsys):

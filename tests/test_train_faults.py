@@ -97,6 +97,20 @@ def test_unwritable_run_directory_is_one_line(tmp_path, capsys):
     assert blocker.read_text() == "not a directory"
 
 
+def test_a_checkpoint_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """Not a failed save at the end of the training: refused at once, the file kept."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("a file")
+    monkeypatch.setattr(trainer, "build_data", lambda cfg: pytest.fail("data built for a run that cannot save"))
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), *sum((["--set", o] for o in TINY), [])],
+                        capsys)
+    assert rc == 2 and err.startswith(f"falcon-train: error: {run_dir / 'checkpoints'} is a file, not a folder")
+    assert err.count("\n") == 1 and "--run-dir" in err and "checkpoint.enabled=false" in err
+    assert (run_dir / "checkpoints").read_text() == "a file"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # no config.json, no metrics
+
+
 def test_resume_without_a_checkpoint_refuses_before_any_work(tmp_path, capsys, monkeypatch):
     def forbidden(*a, **k):
         pytest.fail("the refusal came after mesh, data or model work")
@@ -145,6 +159,9 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
     trainer.run(cfg2, resume_or_start=True, log=lines.append)
     assert any("starting from step 0" in line for line in lines)
     assert checkpoint_steps(str(run_dir)) == [2]
+    # the earlier run's records of steps 3-9 (its final evaluation included) are not this run's
+    train, evals = read_metrics(str(run_dir))
+    assert sorted(train) == [1, 2] and [e["step"] for e in evals] == [2]
 
 
 def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):

@@ -158,6 +158,40 @@ def test_a_resumed_run_appends_after_a_cut_line_without_losing_its_first_record(
     assert metric_records(str(tmp_path)) == [first, *later]
 
 
+def test_bytes_that_are_not_utf8_are_a_skipped_line_and_the_run_appends_after_them(tmp_path):
+    """Bytes a crash or a disk error left in metrics.jsonl: a resumed run (which reads the file for the
+    evaluations so far) and the report read the other records, and the next record is a line of its own."""
+    first = {"kind": "eval", "step": 1, "in_dist_exact": 0.5}
+    (tmp_path / "metrics.jsonl").write_bytes(json.dumps(first).encode() + b"\n\xff\xfe\x80garbage")
+    logger = Logger(str(tmp_path), is_main=True)
+    later = {"kind": "eval", "step": 2, "in_dist_exact": 0.75}
+    logger.write(later)
+    assert metric_records(str(tmp_path), "eval") == [first, later]
+    assert [e["step"] for e in read_metrics(str(tmp_path))[1]] == [1, 2]
+
+
+def test_records_of_steps_trained_again_after_a_resume_are_dropped(tmp_path):
+    """A run killed at step 5 after its checkpoint of step 3 (or whose checkpoint of step 6 was corrupt, or that
+    diverged): its records of steps 4-5 are not the run's once a command continues it from step 3."""
+    def rec(kind, step, **kw):
+        return {"kind": kind, "step": step, **kw}
+    abandoned = [rec("train", 4, loss=9.0), rec("eval", 5, in_dist_exact=0.9), rec("train", 5, loss=9.5)]
+    kept = [rec("train", 1, loss=2.0), rec("train", 2, loss=1.9), rec("eval", 3, in_dist_exact=0.1),
+            rec("train", 3, loss=1.8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept + abandoned))
+    logger = Logger(str(tmp_path), is_main=True)
+    later = [rec("resume", 3), rec("train", 4, loss=1.7)]  # stopped again after step 4
+    for r in later:
+        logger.write(r)
+    assert metric_records(str(tmp_path)) == kept + later
+    assert metric_records(str(tmp_path), "eval") == [kept[2]]
+    train, evals = read_metrics(str(tmp_path))
+    assert sorted(train) == [1, 2, 3, 4] and train[4]["loss"] == 1.7
+    assert [e["step"] for e in evals] == [3]
+    # --resume-or-start without a checkpoint: step 0 drops every earlier step
+    assert parse_records([json.dumps(r) for r in kept + [rec("resume", 0)]]) == [rec("resume", 0)]
+
+
 def strict_json(line: str):
     """``json.loads`` that refuses the non-standard tokens NaN, Infinity and -Infinity."""
     def refuse(token):

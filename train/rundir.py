@@ -7,7 +7,9 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
     metrics.jsonl           one JSON record a line: "train" (every step), "first_step" (the time the
                             first step of a process took, compilation included), "speed" (log
                             points), "eval"; a resumed run appends, readers take the last record
-                            of each step; "time_limit" (a stop by train.time_limit_s).  Strict
+                            of each step; "time_limit" (a stop by train.time_limit_s); "resume"
+                            (a command continued the run from the checkpoint of its step: readers
+                            drop the earlier records of later steps, :func:`parse_records`).  Strict
                             JSON: a NaN / ±inf number (a diverged loss) is the string "nan" /
                             "inf" / "-inf" (:func:`encode_non_finite`); null is a value not measured
     width_shares.json       addition: the training stream's share of problems and tokens per width
@@ -29,6 +31,7 @@ WIDTH_SHARES = "width_shares.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REPORT = "report.txt"
+RESUME = "resume"  # the metrics record of a command that continued the run (see parse_records)
 
 
 class RunDirError(RuntimeError):
@@ -83,6 +86,26 @@ def check_writable(run_dir: str) -> None:
                           f"(train.run_dir).") from None
 
 
+def check_checkpoint_folder(run_dir: str) -> None:
+    """``<run_dir>/checkpoints`` a folder that can be written (created if absent), or RunDirError in one line:
+    checked before any model or data work, not at the first save after training up to it."""
+    path = os.path.abspath(os.path.join(run_dir, CHECKPOINTS))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"{path} is a file, not a folder, and the checkpoints are written there; move that file "
+                          f"away, choose another run directory with --run-dir DIR (train.run_dir), or train without "
+                          f"checkpoints (--set checkpoint.enabled=false).")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise RunDirError(f"cannot write to the checkpoint folder {path} ({e.strerror or type(e).__name__}); fix "
+                          f"its permissions, or choose another run directory with --run-dir DIR "
+                          f"(train.run_dir).") from None
+
+
 def write_atomic(path: str, data: str | bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: into ``path + ".tmp"``, flushed to disk, then renamed over
     ``path`` (a kill or a full disk mid-write leaves the previous file)."""
@@ -129,13 +152,20 @@ def dumps_strict(value, **kwargs) -> str:
 
 def parse_records(lines, kind: str | None = None) -> list[dict]:
     """The JSON records of ``metrics.jsonl`` lines in order (all, or those of ``kind``), with "nan" / "inf" /
-    "-inf" read back as floats (:func:`decode_non_finite`); a line cut by a kill is skipped."""
+    "-inf" read back as floats (:func:`decode_non_finite`); a line cut by a kill is skipped.  A "resume" record
+    (a command that continued the run from the checkpoint of its ``step``) drops the records before it whose
+    step is later than that: they belong to steps that were trained again from the checkpoint (after a kill
+    past the last checkpoint, a corrupt latest checkpoint, a diverged loss), not to the run as it went on."""
     out = []
     for line in lines:
         try:
             r = decode_non_finite(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by a kill
+        if not isinstance(r, dict):
+            continue
+        if r.get("kind") == RESUME and isinstance(r.get("step"), int):
+            out = [x for x in out if not (isinstance(x.get("step"), int) and x["step"] > r["step"])]
         if kind is None or r.get("kind") == kind:
             out.append(r)
     return out
@@ -143,11 +173,12 @@ def parse_records(lines, kind: str | None = None) -> list[dict]:
 
 def metric_records(run_dir: str, kind: str | None = None) -> list[dict]:
     """The records of ``<run_dir>/metrics.jsonl`` in file order (all, or those of ``kind``:
-    "train", "first_step", "speed", "eval"); none if there is no file yet."""
+    "train", "first_step", "speed", "eval"); none if there is no file yet.  A line with bytes that are not
+    UTF-8 (a crash or a disk error) is skipped like a cut one."""
     path = os.path.join(run_dir, METRICS)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes a crash left that are not UTF-8: a bad line
         return parse_records(f, kind)
 
 

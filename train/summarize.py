@@ -47,14 +47,14 @@ def load_runs(path: str, suite: str) -> dict[str, dict]:
             for f in (CONFIG, METRICS):
                 p = os.path.join(path, name, f)
                 if os.path.exists(p):
-                    with open(p) as fh:
+                    with open(p, encoding="utf-8", errors="replace") as fh:  # a bad byte: a skipped line
                         add(name, f, fh.read())
     else:
         with tarfile.open(path) as tar:
             for m in tar.getmembers():
                 parts = m.name.split("/")
                 if len(parts) == 3 and parts[0] == suite and parts[2] in (CONFIG, METRICS):
-                    add(parts[1], parts[2], tar.extractfile(m).read().decode())
+                    add(parts[1], parts[2], tar.extractfile(m).read().decode(errors="replace"))
     for r in runs.values():
         r["evals"] = [r["evals"][s] for s in sorted(r["evals"])]
     return runs

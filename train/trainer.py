@@ -37,8 +37,8 @@ from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_bat
 from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines, widths_with_fewer_problems
-from falcon_jax.train.rundir import (CONFIG, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
-                                     check_can_start, check_writable, checkpoint_steps, metric_records, read_metrics,
+from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
+                                     check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps, metric_records, read_metrics,
                                      write_atomic)
 from falcon_jax.train.text import TextData
 
@@ -188,6 +188,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
     check_writable(run_dir)
+    if cfg.checkpoint.enabled:
+        check_checkpoint_folder(run_dir)
     logger = Logger(run_dir, is_main)
     say = log or logger.print
     for line in start_lines(cfg):
@@ -300,6 +302,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     # the run's files change only once the run is accepted: a refused --resume leaves the run as it was
     if is_main:  # a kill mid-write leaves the previous config.json
         write_atomic(os.path.join(run_dir, CONFIG), json.dumps(cfg.to_dict(), indent=2))
+    if resume:  # the records of steps after `start` that are in metrics.jsonl are of steps trained again from here
+        logger.write({"kind": RESUME, "step": start})
         if cfg.data.kind == "addition":
             write_width_shares(data, run_dir, say, run_rows=cfg.train.steps * cfg.train.batch_size)
 

@@ -231,7 +231,7 @@ class LMConfig:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} must be a floating dtype.")
         if self.layer_mixers is not None:
-            if isinstance(self.layer_mixers, str) or len(self.layer_mixers) != self.n_layers:
+            if not isinstance(self.layer_mixers, (list, tuple)) or len(self.layer_mixers) != self.n_layers:
                 raise ValueError(f"LMConfig.layer_mixers must be a sequence of n_layers={self.n_layers} "
                                  f"mixer names; got {self.layer_mixers!r}.")
             object.__setattr__(self, "layer_mixers", tuple(self.layer_mixers))
