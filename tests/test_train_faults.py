@@ -135,6 +135,7 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
     run_dir = tmp_path / "run"
     cfg = build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=6"])
     trainer.run(cfg, log=lambda line: None)
+    assert (run_dir / "width_shares.json").exists()  # a fresh addition run writes its width shares too
     ck = run_dir / "checkpoints"
     assert checkpoint_steps(str(run_dir)) == [3, 6]
     for s in (3, 6):

@@ -302,10 +302,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     # the run's files change only once the run is accepted: a refused --resume leaves the run as it was
     if is_main:  # a kill mid-write leaves the previous config.json
         write_atomic(os.path.join(run_dir, CONFIG), json.dumps(cfg.to_dict(), indent=2))
-    if resume:  # the records of steps after `start` that are in metrics.jsonl are of steps trained again from here
-        logger.write({"kind": RESUME, "step": start})
         if cfg.data.kind == "addition":
             write_width_shares(data, run_dir, say, run_rows=cfg.train.steps * cfg.train.batch_size)
+    if resume:  # the records of steps after `start` that are in metrics.jsonl are of steps trained again from here
+        logger.write({"kind": RESUME, "step": start})
 
     counts = param_counts(abstract)
     say(f"model {lm_cfg.mixer} ({counts['total'] / 1e6:.3f}M params, D={lm_cfg.d_model}, L={lm_cfg.n_layers}, "
