@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from falcon_jax.train.rundir import CONFIG, METRICS, WIDTH_SHARES, dumps_strict, parse_records, write_atomic
+from falcon_jax.train.rundir import CONFIG, METRICS, WIDTH_SHARES, dumps_strict, metric_records, write_atomic
 
 
 class RecordError(ValueError):
@@ -43,8 +43,7 @@ def record(run_dir: str, *, what: str, machine: str, commit: str, command: str, 
             raise FileNotFoundError(f"{run_dir} holds no {name}: give the run folder (or a copy of its "
                                     f"{CONFIG} and {METRICS})")
     config = _read_json(paths[CONFIG])
-    with open(paths[METRICS], encoding="utf-8", errors="replace") as f:  # a bad byte: a skipped line
-        metrics = parse_records(f)
+    metrics = metric_records(run_dir)  # read as the trainer's own readers read it
     if not metrics:  # a result without a record would pass for a run that was measured
         raise RecordError(f"{paths[METRICS]} holds no records: the run has not logged a step yet")
     out = {"what": what, "machine": machine, "date": date, "commit": commit, "command": command,

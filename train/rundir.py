@@ -69,17 +69,22 @@ def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> Non
                           f"pass --resume-or-start to start from step 0 when there is none.")
 
 
+def _write_probe(folder: str) -> None:
+    """Create ``folder`` and write (then remove) a file in it; OSError when that cannot be done."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".write-test-{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 def check_writable(run_dir: str) -> None:
     """Create ``run_dir`` and write a file in it, or RunDirError with the reason in one line."""
-    probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise RunDirError(f"the run directory {run_dir} is a file, not a folder; choose another one with --run-dir DIR "
                           f"(train.run_dir).")
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _write_probe(run_dir)
     except OSError as e:
         raise RunDirError(f"cannot write to the run directory {os.path.abspath(run_dir)} "
                           f"({e.strerror or type(e).__name__}); choose another one with --run-dir DIR "
@@ -95,11 +100,7 @@ def check_checkpoint_folder(run_dir: str) -> None:
                           f"away, choose another run directory with --run-dir DIR (train.run_dir), or train without "
                           f"checkpoints (--set checkpoint.enabled=false).")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _write_probe(path)
     except OSError as e:
         raise RunDirError(f"cannot write to the checkpoint folder {path} ({e.strerror or type(e).__name__}); fix "
                           f"its permissions, or choose another run directory with --run-dir DIR "

@@ -38,8 +38,8 @@ from falcon_jax.train.optim import make_optimizer
 from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines, widths_with_fewer_problems
 from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
-                                     check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps, metric_records, read_metrics,
-                                     write_atomic)
+                                     check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps,
+                                     metric_records, read_metrics, write_atomic)
 from falcon_jax.train.text import TextData
 
 
