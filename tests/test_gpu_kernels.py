@@ -199,7 +199,8 @@ class TestDecayedAttention(KernelOpChecks, Bf16GradientChecks, LongSequenceCheck
     """``decayed_attention``: Falcon-1A and 3A (the window as coefficients plus a banded correction)."""
 
     RULES = {"1A": dict(variant="1A", timing="raw"), "3A": dict(variant="3A", window=4, timing="rbw")}
-    BF16_RULES = LONG_RULES = ("1A",)
+    BF16_RULES = ("1A", "3A")
+    LONG_RULES = ("1A",)
 
 
 class TestDecayedDeltaRule(KernelOpChecks, Bf16GradientChecks, LongSequenceChecks, ExtremeGateChecks):
@@ -209,11 +210,11 @@ class TestDecayedDeltaRule(KernelOpChecks, Bf16GradientChecks, LongSequenceCheck
     BF16_RULES = LONG_RULES = EXTREME_RULES = ("1",)
 
 
-class TestWindowedDeltaRule(KernelOpChecks, ExtremeGateChecks):
+class TestWindowedDeltaRule(KernelOpChecks, Bf16GradientChecks, ExtremeGateChecks):
     """``windowed_delta_rule``: Falcon-3 (W virtual writes per step, the λmax gate)."""
 
     RULES = {"3": dict(variant="3", window=4, timing="raw")}
-    EXTREME_RULES = ("3",)
+    BF16_RULES = EXTREME_RULES = ("3",)
 
 
 class TestPerColumn(KernelOpChecks):

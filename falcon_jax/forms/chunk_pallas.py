@@ -143,7 +143,7 @@ def _shift_queries(q, axis):
 def _read_before_write(o, q, S0, resets, axis):
     """Read-before-write outputs from the shifted reads ``o``: step 0 reads the initial state, a segment
     start reads the reset state (zero)."""
-    first = jnp.einsum("bhk,bhkd->bhd", _at_time(q, 0, axis), S0.astype(q.dtype))
+    first = jnp.einsum("bhk,bhkd->bhd", _at_time(q, 0, axis).astype(S0.dtype), S0)
     T = o.shape[axis]
     o = jnp.concatenate([jnp.expand_dims(first, axis), _time_slice(o, 0, T - 1, axis)], axis=axis)
     return jnp.where(per_position(resets, axis)[..., None], 0.0, o)
@@ -156,8 +156,9 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     ``implementation``: "mosaic_gpu", "triton" or "mosaic_tpu" (the caller checked :func:`supports`), or "xla"
     where :func:`compact_served`.
     ``kernel_config``: the op's ``KernelConfig`` (:func:`kernel_op_name`; None: tuned).  ``kernel_dtype``:
-    dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients and
-    states stay fp32.  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
+    dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients,
+    outputs and states stay in the state's dtype (fp32).  q, k, v may come in the kernel dtype: the write stream
+    keeps their dtype (:func:`~falcon_jax.forms.stream.write_pairs`).  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
     ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the GPU kernels read and write in place.
     """
     if time_major and not time_major_served(rule, inputs):
@@ -196,12 +197,13 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     o, S = attention_op.decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
                                           jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
                                           layout="BTHD" if time_major else "BHTD", **op_kw)
-    o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
+    o = o.astype(state.S.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
         coef = writes_before(d)
         x_d, y_d = _time_slice(stream.x_ext, d, d + T, ax), _time_slice(stream.y_ext, d, d + T, ax)
-        o = o + (jnp.einsum("...k,...k->...", q_step, x_d) * coef)[..., None] * y_d
+        qx = jnp.einsum("...k,...k->...", q_step, x_d, preferred_element_type=coef.dtype)
+        o = o + (qx * coef)[..., None] * y_d
         last = _at_time(coef, T - 1, ax)  # the final state gets pair T-1+d's writes up to step T-1
         S = S + jnp.einsum("bhk,bh,bhd->bhkd", _at_time(x_d, T - 1, ax), last, _at_time(y_d, T - 1, ax))
     if rule.timing == "rbw":
@@ -242,7 +244,7 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
         o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                                 eta, lg, run, state.S, layout="BTHD" if time_major else "BHTD",
                                                 decay_before_residual=rule.decay_before_residual, **op_kw)
-    o = o.astype(q.dtype)
+    o = o.astype(state.S.dtype)
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)
     return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)

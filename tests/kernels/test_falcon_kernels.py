@@ -284,3 +284,55 @@ def test_bf16_gradients_within_three_times_the_xla_forms_error(rng, variant):
     for name, g, x, e in zip("qkv", got, xla, exact):
         assert np.all(np.isfinite(np.asarray(g, np.float64))), name
         assert rel_err(g, e) <= 3 * rel_err(x, e) + 1e-3, (name, rel_err(g, e), rel_err(x, e))
+
+
+@pytest.mark.parametrize("variant,kw", [
+    ("1A", {}), ("3A", {"timing": "rbw"}), ("1", {"timing": "rbw"}), ("3", {}),
+    pytest.param("2A", {"per_column": True}, marks=pytest.mark.slow)])
+def test_bf16_tokens_continue_a_state_and_keep_its_dtype(rng, variant, kw):
+    """bf16 q, k, v through the kernels continuing from an fp32 state (a carried key and, for 3 / 3A, a full
+    window tail; segments): the write stream around the kernels stays bf16, but the final state keeps every field
+    in the state's dtype and outputs and S stay within twice the XLA chunk form's error against the float64
+    recurrence on the same values (S within 1e-2: the kernels' products are on bf16 operands)."""
+    kw = dict(kw)
+    per_column = kw.pop("per_column", False)
+    H = 1 if variant.startswith("3") else 2
+    inputs, extra = falcon_inputs(rng, T=37, H=H, per_column=per_column, segments=True)
+    bf = [a.astype(jnp.bfloat16) for a in inputs[:3]] + inputs[3:]
+    kw = dict(variant=variant, chunk_size=16, **kw)
+    # the state after 9 bf16 steps: what a model carries from one call to the next (bf16-representable values)
+    _, state = falcon(*(a[:, :9] for a in bf), **kw, return_final_state=True)
+    assert all(a.dtype == jnp.float32 for a in (state.S, state.last_key, state.tail_x, state.tail_y))
+    run = jax.jit(lambda *a, impl: falcon(*a, impl=impl, initial_state=state, return_final_state=True,
+                                          **extra, **kw), static_argnames="impl")
+    with poisoned_outputs():
+        got, got_state = run(*bf, impl="triton")
+    xla, xla_state = run(*bf, impl="xla")
+    state64 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, state)
+    exact, exact_state = falcon(*(a.astype(jnp.float64) for a in bf), form="recurrent", initial_state=state64,
+                                return_final_state=True, **extra, **kw)
+    assert got.dtype == jnp.bfloat16
+    for name in ("S", "last_key", "tail_x", "tail_y"):
+        assert getattr(got_state, name).dtype == jnp.float32, name
+    for name in ("last_key", "tail_x", "tail_y", "tail_valid"):
+        np.testing.assert_array_equal(getattr(got_state, name), getattr(xla_state, name), err_msg=name)
+    assert rel_err(got, exact) <= 2 * rel_err(xla, exact) + 1e-3
+    # the kernels' products run on bf16 operands (the XLA form's in fp32): S within a few bf16 roundings
+    assert rel_err(got_state.S, exact_state.S) < 1e-2
+
+
+@pytest.mark.parametrize("variant", ["3A", "3"])
+def test_bf16_write_stream_has_no_fp32_copy(variant):
+    """With bf16 q, k, v the kernels read bf16 pairs, and the write stream around them (keys and values with the
+    window tail in front, ``[B, T + W − 1, H, d]``) is built in bf16 as well: no fp32 copy of it appears in the
+    forward or the backward (on the H200, such fp32 copies and their pads were most of Falcon-3A's XLA time)."""
+    B, T, H, D, W = 2, 40, 3, 16, 4
+    specs = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((B, T, H), jnp.float32)] * 2
+
+    def loss(*a):
+        return jnp.sum(falcon(*a, variant=variant, window=W, impl="triton", chunk_size=16).astype(jnp.float32))
+
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*specs))
+    stream = [f"[{B},{T + W - 1},{H},{D}]", f"[{B},{H},{T + W - 1},{D}]"]
+    assert any(f"bf16{s}" in text for s in stream), "the write stream was not found: the test no longer applies"
+    assert not any(f"f32{s}" in text for s in stream)
