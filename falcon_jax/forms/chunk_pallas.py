@@ -189,8 +189,12 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
             total = total + jnp.where(per_position(same, ax), shift_time(w[..., i], i - d, axis=ax), 0.0) * decay[i - d]
         return total
 
-    x_pair = _time_slice(stream.x_ext, 0, T, ax)  # the pair whose last writer is step s
-    y_pair = writes_before(0)[..., None] * _time_slice(stream.y_ext, 0, T, ax)
+    # every slice of the stream comes from one view of it in the state's dtype (x_ext is one already), so that the
+    # slices' cotangents sum in fp32 and round to the tokens' dtype once; the kernel's slice converts back (XLA
+    # drops that pair of conversions)
+    x_f32, y_f32 = stream.x_ext, stream.y_ext.astype(state.S.dtype)
+    x_pair = _time_slice(x_f32, 0, T, ax)  # the pair whose last writer is step s
+    y_pair = writes_before(0)[..., None] * _time_slice(y_f32, 0, T, ax)
     # kernel position t is step t; read-before-write reads step t's state with the query of step t+1
     # (step t+1's read of S_t), and step 0's read of the initial state is added below
     q_step = q if rule.timing == "raw" else _shift_queries(q, ax)
@@ -201,9 +205,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
         coef = writes_before(d)
-        x_d, y_d = _time_slice(stream.x_ext, d, d + T, ax), _time_slice(stream.y_ext, d, d + T, ax)
-        qx = jnp.einsum("...k,...k->...", q_step, x_d, preferred_element_type=coef.dtype)
-        o = o + (qx * coef)[..., None] * y_d
+        x_d, y_d = _time_slice(x_f32, d, d + T, ax), _time_slice(y_f32, d, d + T, ax)
+        o = o + (jnp.einsum("...k,...k->...", q_step.astype(x_d.dtype), x_d) * coef)[..., None] * y_d
         last = _at_time(coef, T - 1, ax)  # the final state gets pair T-1+d's writes up to step T-1
         S = S + jnp.einsum("bhk,bh,bhd->bhkd", _at_time(x_d, T - 1, ax), last, _at_time(y_d, T - 1, ax))
     if rule.timing == "rbw":

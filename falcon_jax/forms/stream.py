@@ -23,7 +23,9 @@ class WriteStream:
     """``x_ext``/``y_ext`` are the pairs with the ``W-1`` tail pairs of the
     initial state in front (index ``t + W - 1`` is position ``t``).
 
-    x_ext  [B, H, W-1+T, dk]    y_ext  [B, H, W-1+T, dv]
+    x_ext  [B, H, W-1+T, dk]    y_ext  [B, H, W-1+T, dv]   in the tokens' dtype (the state's tail pairs
+                                                           converted to it); :func:`write_stream`'s x_ext in
+                                                           at least the state's dtype
     w      [B, H, T, W, G]      log_gamma [B, H, T, G]
     run    [B, T] int           number of segment starts up to and including t
     valid_ext [B, W-1+T] bool   the pair is real (not a sentinel / empty tail slot)
@@ -102,13 +104,16 @@ def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, tim
     x_ext, valid_ext, run = pairs.x_ext, pairs.valid_ext, pairs.run
     valid = valid_ext[:, W - 1:]
     run_ext = jnp.concatenate([jnp.zeros((B, W - 1), run.dtype), run], axis=1)
+    # the keys in at least the state's dtype from here on, one converted view of the stream that every consumer
+    # slices (the gates, the kernels' corrections): the slices' cotangents then sum in fp32 and round to the
+    # tokens' dtype once, as from an fp32 stream, while only the tokens' dtype is stored (XLA fuses the conversion
+    # into the consumers, and drops it where a kernel converts back)
+    x_ext = x_ext.astype(jnp.promote_types(x_ext.dtype, state.S.dtype))
     # window entry i of position t is ext index t + i (oldest first, current last)
     x_win = jnp.stack([jax.lax.slice_in_dim(x_ext, i, i + T, axis=time_axis) for i in range(W)], axis=3)
     in_win = jnp.stack([valid_ext[:, i:i + T] & (run_ext[:, i:i + T] == run) for i in range(W)], axis=2)
-    # the gates in at least fp32 whatever the tokens' dtype (the conversion fuses into their reductions)
-    x_win = x_win.astype(jnp.promote_types(x_win.dtype, state.S.dtype))
     w, log_gamma = rule.gates(x_win, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
-    return dataclasses.replace(pairs, w=w, log_gamma=log_gamma)
+    return dataclasses.replace(pairs, x_ext=x_ext, w=w, log_gamma=log_gamma)
 
 
 def final_state(stream: WriteStream, S_final, k, rule: Rule, time_axis: int = 2) -> FalconState:

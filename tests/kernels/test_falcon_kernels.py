@@ -7,6 +7,8 @@ a state, with segments, gradients w.r.t. every input; ``kernel_config`` reaching
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,12 +264,16 @@ def test_bf16_outputs_within_twice_the_xla_forms_error(rng):
         assert err_kernel <= 2 * err_xla + 1e-3, (variant, err_kernel, err_xla)
 
 
-@pytest.mark.parametrize("variant", ["1", "1A", pytest.param("3", marks=pytest.mark.slow)])
-def test_bf16_gradients_within_three_times_the_xla_forms_error(rng, variant):
+@pytest.mark.parametrize("variant,multiple,T", [("1", 3, 80), ("1A", 3, 80), ("3A", 2, 200),
+                                               pytest.param("3", 3, 80, marks=pytest.mark.slow)])
+def test_bf16_gradients_within_a_multiple_of_the_xla_forms_error(rng, variant, multiple, T):
     """bf16 q, k, v, backward: the kernels store their per-chunk states and state gradients in bf16 and run their
     products on bf16 operands; the XLA chunk form computes in fp32 from the same bf16 values.  Against float64
-    on those values the kernels' gradient error stays within 3x the XLA form's."""
-    inputs, _ = falcon_inputs(rng, T=80)
+    on those values the kernels' gradient error stays within ``multiple`` times the XLA form's.  Falcon-3A's
+    bound is tighter: its write stream's slices feed the kernel, the gates and the banded correction, and their
+    cotangents must sum in fp32 before rounding to bf16 (summed in bf16, its k error here was 2.8x the XLA form's,
+    1.8x summed in fp32)."""
+    inputs, _ = falcon_inputs(rng, T=T)
     ct = jnp.asarray(rng.normal(size=inputs[2].shape))
     bf = [a.astype(jnp.bfloat16) for a in inputs[:3]]
 
@@ -283,7 +289,7 @@ def test_bf16_gradients_within_three_times_the_xla_forms_error(rng, variant):
     xla = grads("xla", bf, jnp.float32)
     for name, g, x, e in zip("qkv", got, xla, exact):
         assert np.all(np.isfinite(np.asarray(g, np.float64))), name
-        assert rel_err(g, e) <= 3 * rel_err(x, e) + 1e-3, (name, rel_err(g, e), rel_err(x, e))
+        assert rel_err(g, e) <= multiple * rel_err(x, e) + 1e-3, (name, rel_err(g, e), rel_err(x, e))
 
 
 @pytest.mark.parametrize("variant,kw", [
@@ -322,10 +328,10 @@ def test_bf16_tokens_continue_a_state_and_keep_its_dtype(rng, variant, kw):
 
 
 @pytest.mark.parametrize("variant", ["3A", "3"])
-def test_bf16_write_stream_has_no_fp32_copy(variant):
-    """With bf16 q, k, v the kernels read bf16 pairs, and the write stream around them (keys and values with the
-    window tail in front, ``[B, T + W − 1, H, d]``) is built in bf16 as well: no fp32 copy of it appears in the
-    forward or the backward (on the H200, such fp32 copies and their pads were most of Falcon-3A's XLA time)."""
+def test_bf16_write_stream_is_stored_in_bf16(variant):
+    """With bf16 q, k, v the write stream (keys and values with the window tail in front, ``[B, T + W − 1, H, d]``)
+    is concatenated in bf16, not fp32: what XLA computes from it reads fp32 views that fuse into the consumers.
+    On the H200 the fp32 stream's copies and their backward pads were most of Falcon-3A's XLA time."""
     B, T, H, D, W = 2, 40, 3, 16, 4
     specs = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((B, T, H), jnp.float32)] * 2
 
@@ -333,6 +339,8 @@ def test_bf16_write_stream_has_no_fp32_copy(variant):
         return jnp.sum(falcon(*a, variant=variant, window=W, impl="triton", chunk_size=16).astype(jnp.float32))
 
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*specs))
-    stream = [f"[{B},{T + W - 1},{H},{D}]", f"[{B},{H},{T + W - 1},{D}]"]
-    assert any(f"bf16{s}" in text for s in stream), "the write stream was not found: the test no longer applies"
-    assert not any(f"f32{s}" in text for s in stream)
+    concatenated = re.findall(r"(\w+)\[([\d,]+)\] = concatenate", text)
+    stream = [(dtype, shape) for dtype, shape in concatenated if shape in (f"{B},{T + W - 1},{H},{D}",
+                                                                           f"{B},{H},{T + W - 1},{D}")]
+    assert stream, "no concatenation of the write stream was found: the test no longer applies"
+    assert all(dtype == "bf16" for dtype, _ in stream), stream
