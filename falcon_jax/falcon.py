@@ -90,6 +90,7 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     kernel = select_kernel(impl, rule, inputs, dk, dv, out_dtype, chunk_size) if form == "chunk" else "xla"
     if kernel_config is not None:
         val.check_kernel_config(kernel_config, KERNEL_CONFIGS[kernel_op_name(rule, inputs)])
+    q, k, v = (a.astype(cdt) for a in (q, k, v))
     inputs = {name: a.astype(cdt) for name, a in inputs.items()}
 
     def forward_for(width: int):
@@ -111,7 +112,6 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
 
     plan = context_parallel.plan(current(), rule, B, T, H)
     if plan is not None:
-        q, k, v = (a.astype(cdt) for a in (q, k, v))
         o, final = context_parallel.run(plan, rule, forward_for, q, k, v, inputs, segment_ids, state)
     else:
         resets = segment_starts(segment_ids, B, T)
@@ -124,17 +124,10 @@ def _forward(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *, f
              kernel: str, kernel_config, kernel_dtype, sharded: bool = False):
     """The rule on one sequence from ``state``: ``(o [B, T, H, dv] unscaled, final state)``.
 
-    q, k, v ``[B, T, H, ...]`` (cast here), inputs in the compute dtype (the state's), resets ``[B, T]``.
-    ``kernel``: "xla" or the Pallas implementation of the chunk form; ``sharded``: under
-    :func:`~falcon_jax.sharding.kernel_sharding` the kernels run once per device shard of rows and heads.
-
-    The XLA forms compute in the state's dtype (fp32 or fp64).  The kernels read q, k, v in ``kernel_dtype`` (the
-    caller's token dtype, e.g. bf16), so the write stream around them is built in that dtype too: an fp32 copy of
-    every key and value would be read and written again in the backward (the glue of Falcon-3A's kernels was
-    dominated by such fp32 pads and concatenations on the H200)."""
+    q, k, v, inputs in the compute dtype (``[B, T, H, ...]``), resets ``[B, T]``.  ``kernel``: "xla" or the Pallas
+    implementation of the chunk form; ``sharded``: under :func:`~falcon_jax.sharding.kernel_sharding` the kernels
+    run once per device shard of rows and heads."""
     B, T, H, _ = q.shape
-    token_dtype = state.S.dtype if kernel == "xla" or form != "chunk" else kernel_dtype
-    q, k, v = (a.astype(token_dtype) for a in (q, k, v))
 
     def kernels(time_major: bool):
         """The Pallas chunk form; under kernel_sharding(mesh) each device runs it on its own rows and heads."""

@@ -143,7 +143,7 @@ def _shift_queries(q, axis):
 def _read_before_write(o, q, S0, resets, axis):
     """Read-before-write outputs from the shifted reads ``o``: step 0 reads the initial state, a segment
     start reads the reset state (zero)."""
-    first = jnp.einsum("bhk,bhkd->bhd", _at_time(q, 0, axis).astype(S0.dtype), S0)
+    first = jnp.einsum("bhk,bhkd->bhd", _at_time(q, 0, axis), S0.astype(q.dtype))
     T = o.shape[axis]
     o = jnp.concatenate([jnp.expand_dims(first, axis), _time_slice(o, 0, T - 1, axis)], axis=axis)
     return jnp.where(per_position(resets, axis)[..., None], 0.0, o)
@@ -156,9 +156,8 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
     ``implementation``: "mosaic_gpu", "triton" or "mosaic_tpu" (the caller checked :func:`supports`), or "xla"
     where :func:`compact_served`.
     ``kernel_config``: the op's ``KernelConfig`` (:func:`kernel_op_name`; None: tuned).  ``kernel_dtype``:
-    dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients,
-    outputs and states stay in the state's dtype (fp32).  q, k, v may come in the kernel dtype: the write stream
-    keeps their dtype (:func:`~falcon_jax.forms.stream.write_pairs`).  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
+    dtype of q, x, y inside the kernel (the caller's input dtype, e.g. bf16); gates, decays, coefficients and
+    states stay fp32.  ``time_major``: q, k, v, inputs and the output are ``[B, T, H, ...]`` instead of
     ``[B, H, T, ...]`` (only where :func:`time_major_served`), which the GPU kernels read and write in place.
     """
     if time_major and not time_major_served(rule, inputs):
@@ -189,24 +188,20 @@ def chunk_pallas(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, 
             total = total + jnp.where(per_position(same, ax), shift_time(w[..., i], i - d, axis=ax), 0.0) * decay[i - d]
         return total
 
-    # every slice of the stream comes from one view of it in the state's dtype (x_ext is one already), so that the
-    # slices' cotangents sum in fp32 and round to the tokens' dtype once; the kernel's slice converts back (XLA
-    # drops that pair of conversions)
-    x_f32, y_f32 = stream.x_ext, stream.y_ext.astype(state.S.dtype)
-    x_pair = _time_slice(x_f32, 0, T, ax)  # the pair whose last writer is step s
-    y_pair = writes_before(0)[..., None] * _time_slice(y_f32, 0, T, ax)
+    x_pair = _time_slice(stream.x_ext, 0, T, ax)  # the pair whose last writer is step s
+    y_pair = writes_before(0)[..., None] * _time_slice(stream.y_ext, 0, T, ax)
     # kernel position t is step t; read-before-write reads step t's state with the query of step t+1
     # (step t+1's read of S_t), and step 0's read of the initial state is added below
     q_step = q if rule.timing == "raw" else _shift_queries(q, ax)
     o, S = attention_op.decayed_attention(q_step.astype(kd), x_pair.astype(kd), y_pair.astype(kd), lg,
                                           jnp.broadcast_to(per_position(run, ax), lg.shape), state.S,
                                           layout="BTHD" if time_major else "BHTD", **op_kw)
-    o = o.astype(state.S.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
+    o = o.astype(q.dtype)  # reads at steps 0..T-1 (rbw: with the query of step t+1)
     # pairs t+d (d ≥ 1) not yet handed to the kernel at step t: add their writes so far
     for d in range(1, W):
         coef = writes_before(d)
-        x_d, y_d = _time_slice(x_f32, d, d + T, ax), _time_slice(y_f32, d, d + T, ax)
-        o = o + (jnp.einsum("...k,...k->...", q_step.astype(x_d.dtype), x_d) * coef)[..., None] * y_d
+        x_d, y_d = _time_slice(stream.x_ext, d, d + T, ax), _time_slice(stream.y_ext, d, d + T, ax)
+        o = o + (jnp.einsum("...k,...k->...", q_step, x_d) * coef)[..., None] * y_d
         last = _at_time(coef, T - 1, ax)  # the final state gets pair T-1+d's writes up to step T-1
         S = S + jnp.einsum("bhk,bh,bhd->bhkd", _at_time(x_d, T - 1, ax), last, _at_time(y_d, T - 1, ax))
     if rule.timing == "rbw":
@@ -247,7 +242,7 @@ def _regression(rule: Rule, q, k, v, inputs: dict, resets, state: FalconState, *
         o, S = delta_rule_op.decayed_delta_rule(q_read.astype(kd), stream.x_ext.astype(kd), stream.y_ext.astype(kd),
                                                 eta, lg, run, state.S, layout="BTHD" if time_major else "BHTD",
                                                 decay_before_residual=rule.decay_before_residual, **op_kw)
-    o = o.astype(state.S.dtype)
+    o = o.astype(q.dtype)
     if rule.timing == "rbw":
         o = _read_before_write(o, q, state.S, resets, ax)
     return o, final_state(stream, S.astype(state.S.dtype), k, rule, time_axis=ax)

@@ -23,9 +23,7 @@ class WriteStream:
     """``x_ext``/``y_ext`` are the pairs with the ``W-1`` tail pairs of the
     initial state in front (index ``t + W - 1`` is position ``t``).
 
-    x_ext  [B, H, W-1+T, dk]    y_ext  [B, H, W-1+T, dv]   in the tokens' dtype (the state's tail pairs
-                                                           converted to it); :func:`write_stream`'s x_ext in
-                                                           at least the state's dtype
+    x_ext  [B, H, W-1+T, dk]    y_ext  [B, H, W-1+T, dv]
     w      [B, H, T, W, G]      log_gamma [B, H, T, G]
     run    [B, T] int           number of segment starts up to and including t
     valid_ext [B, W-1+T] bool   the pair is real (not a sentinel / empty tail slot)
@@ -70,11 +68,8 @@ def write_pairs(rule: Rule, k, v, resets, state: FalconState, time_axis: int = 2
     :func:`final_state` reads.  Arguments as :func:`write_stream`'s."""
     B, T = k.shape[0], k.shape[time_axis]
     W = rule.window
-    # the stream keeps the tokens' dtype: the state's key and tail pairs join it in that dtype (with bf16 tokens,
-    # a state written from earlier tokens holds bf16 values, so nothing is lost)
-    last_key = state.last_key.astype(k.dtype)
     if rule.alignment == "shifted":
-        last_key = last_key[:, None] if time_axis == 1 else last_key[:, :, None]
+        last_key = state.last_key[:, None] if time_axis == 1 else state.last_key[:, :, None]
         x = jnp.concatenate([last_key, jax.lax.slice_in_dim(k, 0, T - 1, axis=time_axis)], axis=time_axis)
         first = jnp.zeros((B, T), bool).at[:, 0].set(True)
         valid = ~resets & (~first | state.has_key[:, None])
@@ -86,8 +81,7 @@ def write_pairs(rule: Rule, k, v, resets, state: FalconState, time_axis: int = 2
     # resets): folding a reduce-window over T = 131072 took seconds of compile time on the H200.
     run = jnp.cumsum(jax.lax.optimization_barrier(resets).astype(jnp.int32), axis=1)
 
-    tail_x, tail_y = ((jnp.swapaxes(a, 1, 2) if time_axis == 1 else a).astype(like.dtype)
-                      for a, like in ((state.tail_x, x), (state.tail_y, v)))
+    tail_x, tail_y = ((jnp.swapaxes(a, 1, 2) if time_axis == 1 else a) for a in (state.tail_x, state.tail_y))
     x_ext = jnp.concatenate([tail_x, x], axis=time_axis)
     y_ext = jnp.concatenate([tail_y, v], axis=time_axis)
     valid_ext = jnp.concatenate([state.tail_valid, valid], axis=1)
@@ -104,21 +98,16 @@ def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, tim
     x_ext, valid_ext, run = pairs.x_ext, pairs.valid_ext, pairs.run
     valid = valid_ext[:, W - 1:]
     run_ext = jnp.concatenate([jnp.zeros((B, W - 1), run.dtype), run], axis=1)
-    # the keys in at least the state's dtype from here on, one converted view of the stream that every consumer
-    # slices (the gates, the kernels' corrections): the slices' cotangents then sum in fp32 and round to the
-    # tokens' dtype once, as from an fp32 stream, while only the tokens' dtype is stored (XLA fuses the conversion
-    # into the consumers, and drops it where a kernel converts back)
-    x_ext = x_ext.astype(jnp.promote_types(x_ext.dtype, state.S.dtype))
     # window entry i of position t is ext index t + i (oldest first, current last)
     x_win = jnp.stack([jax.lax.slice_in_dim(x_ext, i, i + T, axis=time_axis) for i in range(W)], axis=3)
     in_win = jnp.stack([valid_ext[:, i:i + T] & (run_ext[:, i:i + T] == run) for i in range(W)], axis=2)
     w, log_gamma = rule.gates(x_win, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
-    return dataclasses.replace(pairs, x_ext=x_ext, w=w, log_gamma=log_gamma)
+    return dataclasses.replace(pairs, w=w, log_gamma=log_gamma)
 
 
 def final_state(stream: WriteStream, S_final, k, rule: Rule, time_axis: int = 2) -> FalconState:
     """The state after the last position: ``S``, the last key, and the window tail (always in the
-    state's ``[B, H, ...]`` layout, and in ``S_final``'s dtype)."""
+    state's ``[B, H, ...]`` layout)."""
     tail = rule.window - 1
     total = stream.x_ext.shape[time_axis]
     run_last = stream.run[:, -1:]
@@ -128,11 +117,11 @@ def final_state(stream: WriteStream, S_final, k, rule: Rule, time_axis: int = 2)
 
     def tail_of(a):
         a = jax.lax.slice_in_dim(a, total - tail, total, axis=time_axis)
-        return (jnp.swapaxes(a, 1, 2) if time_axis == 1 else a).astype(S_final.dtype)
+        return jnp.swapaxes(a, 1, 2) if time_axis == 1 else a
 
     return FalconState(
         S=S_final,
-        last_key=jax.lax.index_in_dim(k, k.shape[time_axis] - 1, axis=time_axis, keepdims=False).astype(S_final.dtype),
+        last_key=jax.lax.index_in_dim(k, k.shape[time_axis] - 1, axis=time_axis, keepdims=False),
         has_key=jnp.ones((k.shape[0],), bool),
         tail_x=tail_of(stream.x_ext),
         tail_y=tail_of(stream.y_ext),
