@@ -12,7 +12,7 @@ with every kernel output poisoned first (NaN where a kernel fails to write):
 * fp32 gradients at d = 64 w.r.t. q, k, v, β, λ and the continued state, against the float64 XLA chunk form on
   the host, rel. error <= 1e-4;
 * bf16 gradients at d = 128 within ``BF16_ERROR_MULTIPLE`` times the XLA chunk form's error (on the same GPU) on
-  the same bf16 inputs (both against float64 on those inputs);
+  the same bf16 inputs (both against float64 on those inputs; Falcon-3 within ``BF16_ERROR_MULTIPLE_WINDOWED``);
 * extreme gates (β·‖x‖² near 2, γ at its clamp on a tenth of the steps) and T = 65536 (finite);
 * Gated DeltaNet (the residual on the decayed state) and DeltaNet through the decayed delta rule: values against
   the float64 recurrences of ``falcon_jax.reference``, fp32 gradients (log γ = −30 and 0 among them for Gated
@@ -52,6 +52,9 @@ BF16_ERROR_MULTIPLE = 2.5
 # 1.4-3.5x the XLA form's (relative 0.0055-0.0069, within bf16's 2^-7; β's the largest), Gated DeltaNet's
 # under 2.5x
 BF16_ERROR_MULTIPLE_UNDECAYED = 4.0
+# Falcon-3 (W = 4 bf16 products per step in the windowed kernel): on an H100 its errors were 1.8-3.45x the XLA
+# form's (v the largest)
+BF16_ERROR_MULTIPLE_WINDOWED = 4.0
 F32 = jnp.float32
 GRAD_NAMES = ("q", "k", "v", "beta", "lam", "S0", "last_key", "tail_x", "tail_y")
 # (B, T, H, d) per check.  values: 4 heads walk 122 chunks in pieces, and 7777 rows pad to 128 chunks
@@ -126,7 +129,8 @@ class KernelOpChecks:
 
 class Bf16GradientChecks:
     """bf16 q, k, v (fp32 gates) at d = 128: the kernels' gradient errors against float64 on the same rounded
-    inputs (on the host), within ``BF16_ERROR_MULTIPLE`` times the XLA chunk form's on the same GPU."""
+    inputs (on the host), within ``BF16_MULTIPLE`` times the XLA chunk form's on the same GPU (a class's own bound,
+    else ``BF16_ERROR_MULTIPLE``)."""
 
     BF16_RULES: tuple = ()
     BF16_MULTIPLE = BF16_ERROR_MULTIPLE
@@ -216,7 +220,7 @@ class TestWindowedDeltaRule(KernelOpChecks, Bf16GradientChecks, ExtremeGateCheck
 
     RULES = {"3": dict(variant="3", window=4, timing="raw")}
     BF16_RULES = EXTREME_RULES = ("3",)
-    BF16_MULTIPLE = 4.0  # W bf16 products per step: 3.45x the XLA form's error (v) on an H100
+    BF16_MULTIPLE = BF16_ERROR_MULTIPLE_WINDOWED
 
 
 class TestPerColumn(KernelOpChecks):
