@@ -45,6 +45,8 @@ overruns is reported and skipped; results are written as they come):
              new=.``), each in its own process importing that tree (``benchmarks/source_tree.py``; the older API's
              ``impl="pallas"`` is detected), the trees interleaved per rule (old, new, old, new with ``--rounds
              2``) so that drift shows; one table with every tree's times and their ratio to the first tree's.
+             The trees' processes live at once, so each gets an even share of 90 % of the GPU's memory
+             (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless the environment sets the allocator itself).
 
 Timing (one method for everything): a jitted call is warmed up twice (the first call compiles), then timed as
 the median over 7 samples of the mean time per call of 20 back-to-back calls; torch ops (fla) by
@@ -87,6 +89,7 @@ SMOKE_SHAPES = [(1, 128, 2, 16), (2, 64, 2, 16)]
 SMOKE_MEMORY_SHAPES = [(1, 128, 2, 16), (1, 256, 2, 16)]
 TIMING = {"calls": 20, "repeats": 7, "warmup": 2}
 SMOKE_TIMING = {"calls": 2, "repeats": 2, "warmup": 1}
+GPU_MEMORY_SHARED = 0.9  # of the GPU's memory, split evenly between the workers that live at once (compare)
 FALCON = [op.name for op in ops.OPS if op.family == "falcon"]
 DEFAULT_RULES = {"bench": [op.name for op in ops.OPS], "profile": FALCON,
                  "memory": [op.name for op in ops.OPS if not op.torch],
@@ -312,6 +315,17 @@ def compare_table(args, rows):
     return table(out, columns)
 
 
+def worker_memory_env(n_workers: int, environ=os.environ) -> dict:
+    """The environment that gives each of ``n_workers`` live measuring processes its own share of the GPU's
+    memory.  The compare suite keeps one process per tree alive; each would preallocate 75 % of the memory, so a
+    third tree's process found none left and did not start.  The user's own XLA_PYTHON_CLIENT_* settings win."""
+    if n_workers < 2 or any(k in environ for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                   "XLA_PYTHON_CLIENT_ALLOCATOR")):
+        return {}
+    share = int(GPU_MEMORY_SHARED / n_workers * 1000) / 1000  # rounded down: the shares never sum past it
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:.3f}"}
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -326,12 +340,13 @@ def main(argv=None) -> int:
     started = time.monotonic()
     scratch, harness = worker_scratch("falcon-bench-")
     trees, workers = {}, {}
+    worker_env = worker_memory_env(len(args.trees))
     for name, path in args.trees.items():
         trees[name] = source_tree.describe(path)
         if args.commit and os.path.abspath(path) == ROOT:  # this checkout (compare: the tree given as ".")
             trees[name]["commit"] = args.commit
         import_path = source_tree.import_path(path, os.path.join(scratch, f"tree-{len(workers)}"))
-        workers[name] = Worker(name, import_path, harness, args.smoke, log,
+        workers[name] = Worker(name, import_path, harness, args.smoke, log, env=worker_env,
                                torch=any(op.torch for op in args.ops) and not args.smoke)
     payload = {"suite": args.suite, "smoke": args.smoke, "date": datetime.datetime.now(datetime.timezone.utc)
                .isoformat(timespec="seconds"), "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
@@ -342,7 +357,7 @@ def main(argv=None) -> int:
                                  .format(**(SMOKE_TIMING if args.smoke else TIMING)),
                           "torch": "triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median')",
                           "fwd+bwd": "gradients of every floating input under a cotangent of ones"},
-               "trees": trees, "environment": None, "steps": [], "rows": []}
+               "trees": trees, "worker_env": worker_env, "environment": None, "steps": [], "rows": []}
     out_json = os.path.join(args.out, f"{args.suite}.json")
 
     def save():

@@ -72,6 +72,17 @@ def test_rounds_budgets_and_trees_that_measure_nothing_are_a_usage_error(capsys,
     assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_compare_workers_share_the_gpu_memory_unless_the_user_set_it():
+    from benchmarks.run import GPU_MEMORY_SHARED, worker_memory_env
+
+    assert worker_memory_env(1, {}) == {}  # one process: JAX's own default
+    for n in (2, 3, 8):
+        fraction = float(worker_memory_env(n, {})["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        assert n * fraction <= GPU_MEMORY_SHARED + 1e-9 and fraction >= 0.99 * GPU_MEMORY_SHARED / n
+    for key in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        assert worker_memory_env(4, {key: "x"}) == {}
+
+
 def test_an_out_that_is_a_file_is_a_usage_error_and_an_earlier_result_is_named(tmp_path, capsys, monkeypatch):
     """--out names a folder; a results file already there is replaced, and the log's first line says so."""
     from benchmarks import run
