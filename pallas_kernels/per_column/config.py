@@ -27,7 +27,7 @@ class KernelConfig:
     walk_warps: int = 4
     walk_stages: int = 3
     pieces_below: int = 128
-    out_block_v: int = 32
+    out_block_v: int = 64
     out_warps: int = 4
     grad_block_v: int = 32
     grad_warps: int = 8
@@ -41,8 +41,10 @@ class KernelConfig:
 
 
 # Falcon-2 measured on one H200 (bf16, H16, d128, 8x2048): 32 columns and 4 warps.  Falcon-2A's fields: the
-# walks as decayed_attention's (64 columns, 4 warps, 3 stages, pieces below 128 programs), the per-chunk passes
-# 32 columns, the row gradient pass 4 warps as decayed_attention's chunk gradients; not swept.  The same elsewhere.
+# walks as decayed_attention's (64 columns, 4 warps, 3 stages, pieces below 128 programs), the row gradient pass
+# 4 warps as decayed_attention's chunk gradients; the output pass 64 columns, 4 warps and the column gradients 32
+# columns, 8 warps measured best on one H100 (8x2048, 2x8192; docs/kernels.md: output 16, 32, 64, 128 columns with
+# 4 or 8 warps, column gradients 16 columns or 4 warps).  The same elsewhere.
 TUNED: dict[str, KernelConfig] = {"default": KernelConfig()}
 
 

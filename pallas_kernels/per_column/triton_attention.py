@@ -52,8 +52,8 @@ Passes (``api.py`` runs them):
 * :func:`row_grad_pass` — grid (batch·head, chunk): as Falcon-1A's pass, ``dq = (dA ⊙ M) X + (c ⊙ dO) hᵀ``
   and ``dx = (dA ⊙ M)ᵀ Q + (w ⊙ U) dhᵀ``, full-chunk products.
 
-:func:`chunk_grad_pass` runs the last three.  The split (each program of the column pass holds one value
-block's tiles and one ``[C, C]`` share) is not yet timed on a GPU.
+:func:`chunk_grad_pass` runs the last three.  The column pass unrolls its levels (each level's masks and pivots
+static); the output pass loops over them, where unrolling measured slower (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def _column_grad_kernel(q_ref, x_ref, u_ref, g_ref, rl_ref, do_ref, h_ref, dh_re
         return (o + dst * _mm(A_k, su, dtype, precision), du + src * _mm(A_k.T, dd, dtype, precision),
                 dA + jnp.where(pairs, _mm(dd, su.T, dtype, precision), 0.0))
 
-    o, du, dA = lax.fori_loop(0, _levels(chunk), level, (o, du, dA))
+    for k in range(_levels(chunk)):  # unrolled (module docstring)
+        o, du, dA = level(k, (o, du, dA))
     du_ref[...] = du.astype(du_ref.dtype)
     dg_ref[...] = do * o - u * du + jnp.where(last, end[None, :], 0.0)
     da_ref[...] = dA
