@@ -33,6 +33,21 @@ def test_bad_override_key_names_the_key(capsys, key, named, hint):
     assert rc == 2 and repr(named) in err and hint in err
 
 
+def test_resuming_a_run_dir_that_holds_no_run_says_so(tmp_path, capsys):
+    missing = tmp_path / "runs" / "gone"
+    for flag in ("--resume", "--resume-or-start"):
+        rc, _, err = _run_cli(["--run-dir", str(missing), flag], capsys)
+        assert rc == 2 and f"{missing} {flag}: {missing} does not exist" in err and "no run to resume" in err
+        assert "--preset" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = _run_cli(["--run-dir", str(empty), "--resume"], capsys)
+    assert rc == 2 and f"{empty} holds no config.json" in err
+    assert not (missing.exists() or any(empty.iterdir()))  # nothing created
+    rc, _, err = _run_cli([], capsys)  # no run dir at all: the general message
+    assert rc == 2 and "give --preset NAME or --config FILE" in err
+
+
 def test_bad_override_value_type(capsys):
     rc, _, err = _run_cli(["--preset", "addition-tiny", "--set", "train.steps=many"], capsys)
     assert rc == 2 and "'train.steps' must be a number" in err

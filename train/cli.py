@@ -54,6 +54,14 @@ def resolve(args) -> TrainConfig:
         # resuming a run by its directory alone: start from the config it was started with
         return build_config(config_file=saved, model=args.model, overrides=overrides)
     if args.preset is None and args.config is None:
+        if (args.resume or args.resume_or_start) and args.run_dir:  # the run to resume is not there
+            where = (f"{args.run_dir} holds no config.json" if os.path.isdir(args.run_dir)
+                     else f"{args.run_dir} does not exist")
+            flag = "--resume" if args.resume else "--resume-or-start"
+            raise ConfigError(f"--run-dir {args.run_dir} {flag}: {where}, so there is no run to resume (a run "
+                              "folder keeps the config it was started with); check the path, or start the run with "
+                              "--preset NAME or --config FILE (--resume-or-start continues it if it is there). "
+                              f"Presets: {', '.join(PRESETS)}.")
         raise ConfigError("give --preset NAME or --config FILE (or --run-dir DIR --resume for an existing run); "
                           f"presets: {', '.join(PRESETS)}.")
     return build_config(preset=args.preset, config_file=args.config, model=args.model, overrides=overrides)
