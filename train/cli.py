@@ -23,7 +23,7 @@ import sys
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
 from falcon_jax.train.memory import DeviceMemoryError
 from falcon_jax.train.preemption import Interrupted
-from falcon_jax.train.rundir import RunDirError, checkpoint_steps
+from falcon_jax.train.rundir import CONFIG, RunDirError, checkpoint_steps
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,13 +49,13 @@ def resolve(args) -> TrainConfig:
     overrides = list(args.set)
     if args.run_dir:
         overrides.append(f"train.run_dir={args.run_dir}")
-    saved = os.path.join(args.run_dir or "", "config.json")
-    if (args.resume or args.resume_or_start) and args.preset is None and args.config is None and args.run_dir and os.path.exists(saved):
-        # resuming a run by its directory alone: start from the config it was started with
-        return build_config(config_file=saved, model=args.model, overrides=overrides)
     if args.preset is None and args.config is None:
-        if (args.resume or args.resume_or_start) and args.run_dir:  # the run to resume is not there
-            where = (f"{args.run_dir} holds no config.json" if os.path.isdir(args.run_dir)
+        if (args.resume or args.resume_or_start) and args.run_dir:
+            # resuming a run by its directory alone: start from the config it was started with
+            saved = os.path.join(args.run_dir, CONFIG)
+            if os.path.exists(saved):
+                return build_config(config_file=saved, model=args.model, overrides=overrides)
+            where = (f"{args.run_dir} holds no {CONFIG}" if os.path.isdir(args.run_dir)
                      else f"{args.run_dir} does not exist")
             flag = "--resume" if args.resume else "--resume-or-start"
             raise ConfigError(f"--run-dir {args.run_dir} {flag}: {where}, so there is no run to resume (a run "
