@@ -97,21 +97,24 @@ def main(argv) -> int:
     prefix, runs = argv[0], [a.split("=", 1) for a in argv[1:]]
     loaded = [(label, *load(path)) for label, path in runs]
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for label, tokens, evals, widths in loaded:
+    # One colour per run in both line plots (its exact and per-digit lines share it); tab20 keeps ten
+    # or more runs apart.
+    colours = plt.get_cmap("tab10" if len(loaded) <= 10 else "tab20").colors
+    fig, ax = plt.subplots(figsize=(10.5, 4.5))
+    for (label, tokens, evals, widths), colour in zip(loaded, colours):
         steps = list(evals)
         ax.plot([s * tokens / 1e9 for s in steps], [mean_exact(evals[s], widths) for s in steps], marker="o",
-                markersize=3, label=label)
+                markersize=3, label=label, color=colour)
     ax.axhline(TARGET, color="gray", linestyle=":", linewidth=1)
     _save(fig, ax, "training tokens (B)", "mean exact match, trained widths (%)", f"{prefix}-learning-curves.png")
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for label, _, evals, widths in loaded:
+    fig, ax = plt.subplots(figsize=(10.5, 4.5))
+    for (label, _, evals, widths), colour in zip(loaded, colours):
         step, last = next(reversed(evals.items()))
         all_widths = sorted(int(w) for w in last["teacher_forced"])
         for key, style in (("exact", "-"), ("digit", "--")):
             ax.plot(all_widths, [100.0 * last["teacher_forced"][str(w)][key] for w in all_widths], style,
-                    marker="o", markersize=3, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
+                    marker="o", markersize=3, color=colour, label=f"{label}, step {step}: {'exact' if key == 'exact' else 'per digit'}")
         ax.axvline(max(widths) + 0.5, color="gray", linestyle=":", linewidth=1)
     _save(fig, ax, "digits per operand", "teacher-forced accuracy (%)", f"{prefix}-accuracy-vs-width.png")
     cols = min(3, len(loaded))
@@ -139,7 +142,8 @@ def _save(fig, ax, xlabel: str, ylabel: str, path: str):
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(-2, 102)
-    ax.legend(fontsize=8)
+    # Outside the axes: with many runs a legend inside hides the curves.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
