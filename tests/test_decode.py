@@ -194,9 +194,16 @@ def test_generate_rejects_a_greedy_flag_or_temperature_that_is_not_one():
     for bad in ("0.7", jnp.ones(2), True):
         with pytest.raises(TypeError, match="temperature must be one real number"):
             model.generate(prompt, 2, temperature=bad, rng=key)
-    for bad in (float("inf"), float("nan"), -1.0, 0):
-        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+    # 1e300 is inf in float32 (uniform sampling) and 1e-45 a denormal (the logits divided by ~0)
+    for bad in (float("inf"), float("nan"), -1.0, 0, 1e300, 1e-45):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0 in float32"):
             model.generate(prompt, 2, temperature=bad, rng=key)
     for good in (0.5, 2, np.float32(0.7), jnp.asarray(1.5)):
         assert model.generate(prompt, 2, temperature=good, rng=key).shape == (1, 5)
     assert model.generate(prompt, 2, greedy=np.bool_(True)).shape == (1, 5)
+    # the smallest temperature accepted samples the argmax: the largest logit is subtracted before dividing
+    # (logits / tiny would make both 99 and 100 inf, and the first of them win)
+    from falcon_jax.nn.model import _sample
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    logits = jnp.asarray([[99.0, 100.0, -5.0], [3.0, -1.0, 2.5]], jnp.float32)
+    np.testing.assert_array_equal(_sample(logits, key, tiny, greedy=False), [1, 0])

@@ -490,9 +490,16 @@ def test_layer_config_errors():
                                (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps", -1e-6),
                                (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps_gamma", 1.0),
                                (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "eps_gamma", True),
-                               (lambda **kw: RMSNorm(32, **kw, rngs=nnx.Rngs(0)), "eps", -1e-6)):
+                               (lambda **kw: RMSNorm(32, **kw, rngs=nnx.Rngs(0)), "eps", -1e-6),
+                               # 0 divides an all-zero row by zero (a Falcon layer's output at position 0)
+                               (lambda **kw: FalconAttention(32, 4, **kw, rngs=nnx.Rngs(0)), "norm_eps", 0.0),
+                               (lambda **kw: RMSNorm(32, **kw, rngs=nnx.Rngs(0)), "eps", 0.0)):
         with pytest.raises(ValueError, match=rf"^\w+: {field}={value!r} must be a finite number"):
             make(**{field: value})
+    # the smallest positive epsilon keeps the zero output at position 0 finite (it was NaN with 0)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 32)), jnp.float32)
+    out = FalconAttention(32, 4, norm_eps=1e-30, rngs=nnx.Rngs(0))(h)
+    assert bool(jnp.isfinite(out).all())
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
 

@@ -106,7 +106,9 @@ def test_config_errors_name_the_field_and_the_fix():
     ("eps_gamma", 2.0, r"LMConfig\.eps_gamma=2\.0 must be a finite number in \[0\.0, 1\.0\)"),
     ("lam_max", float("inf"), r"LMConfig\.lam_max=inf must be a finite number > 0"),
     # refused by the config; unchecked: NaN parameters or logits (an error blaming `beta` outside jit, NaN inside)
-    ("norm_eps", -1.0, r"LMConfig\.norm_eps=-1\.0 must be a finite number >= 0"),
+    ("norm_eps", -1.0, r"LMConfig\.norm_eps=-1\.0 must be a finite number > 0"),
+    # 0 divides an all-zero row by zero: a Falcon layer's output at position 0 (NaN logits under jit)
+    ("norm_eps", 0.0, r"LMConfig\.norm_eps=0\.0 must be a finite number > 0.*position 0"),
     ("init_std", float("nan"), r"LMConfig\.init_std=nan must be a finite number > 0"),
     ("init_std", 0, r"LMConfig\.init_std=0 must be a finite number > 0"),
     ("rope_theta", 0.0, r"LMConfig\.rope_theta=0\.0 must be a finite number > 0"),
@@ -117,7 +119,7 @@ def test_config_errors_name_the_field_and_the_fix():
 def test_config_numbers_out_of_range_name_the_field(field, value, named):
     with pytest.raises(ValueError, match=named):
         LMConfig.preset("falcon-1A-tiny", **{field: value})
-    LMConfig.preset("falcon-1A-tiny", attn_every=2, norm_eps=0.0, eps=0, eps_gamma=0.5)  # the edges are fine
+    LMConfig.preset("falcon-1A-tiny", attn_every=2, norm_eps=1e-30, eps=0, eps_gamma=0.5)  # the edges are fine
 
 
 # ------------------------------------------------------------------ forward

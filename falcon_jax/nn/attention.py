@@ -97,7 +97,9 @@ class RecurrentMixer(nnx.Module):
                        "(the paper uses 4).")
         self.d_model, self.n_heads, self.dk, self.dv = d_model, n_heads, dk, dv
         self.conv_size = conv_size
-        self.norm_eps = check_real(self.owner, "norm_eps", norm_eps, 0.0, meaning=" (the q/k norm's epsilon)")
+        self.norm_eps = check_real(self.owner, "norm_eps", norm_eps, 0.0, low_ok=False,
+                                   meaning=" (the q/k and output norms' epsilon; 0 would divide an all-zero row, "
+                                           "e.g. the output at position 0, by zero: NaN)")
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.tail = 0
         out_std = init_std if out_std is None else out_std

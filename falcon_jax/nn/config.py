@@ -213,7 +213,9 @@ class LMConfig:
         _real("lam_max", self.lam_max, 0.0, low_ok=False)
         _real("eps", self.eps, 0.0, meaning=" (added to the step's denominator)")
         _real("eps_gamma", self.eps_gamma, 0.0, 1.0, low_ok=False, meaning=" (the smallest decay γ)")
-        _real("norm_eps", self.norm_eps, 0.0, meaning=" (the RMSNorm epsilon)")
+        _real("norm_eps", self.norm_eps, 0.0, low_ok=False,
+              meaning=" (the RMSNorm epsilon; 0 would divide an all-zero row, e.g. a Falcon layer's output at "
+                      "position 0, by zero: NaN)")
         _real("init_std", self.init_std, 0.0, low_ok=False, meaning=" (the initial weights' standard deviation)")
         _real("rope_theta", self.rope_theta, 0.0, low_ok=False, meaning=" (the RoPE base)")
         if not is_pair_of_reals(self.lam_init):

@@ -79,7 +79,8 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.eps = check_real("RMSNorm", "eps", eps, 0.0)
+        self.eps = check_real("RMSNorm", "eps", eps, 0.0, low_ok=False,
+                              meaning=" (0 would divide an all-zero row by zero: NaN)")
         self.dtype = dtype
         self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
 

@@ -197,9 +197,13 @@ class FalconLM(nnx.Module):
                     or not (np.issubdtype(np.asarray(temperature).dtype, np.integer)
                             or np.issubdtype(np.asarray(temperature).dtype, np.floating)):
                 raise TypeError(f"generate: temperature must be one real number > 0; got {temperature!r}.")
-            if not 0 < float(temperature) < float("inf"):  # inf samples uniformly: the model would be ignored
-                raise ValueError(f"generate: temperature must be finite and > 0 when sampling; got {temperature!r} "
-                                 "(use greedy=True for argmax decoding).")
+            # Sampling runs in fp32: a temperature that is inf there samples uniformly (the model ignored), one
+            # below fp32's smallest normal number divides by zero or a denormal.
+            f32 = np.finfo(np.float32)
+            if not float(f32.tiny) <= float(temperature) <= float(f32.max):
+                raise ValueError(f"generate: temperature must be finite and > 0 in float32 (from {float(f32.tiny):.3g} "
+                                 f"to {float(f32.max):.3g}) when sampling; got {temperature!r} (use greedy=True for "
+                                 "argmax decoding).")
         else:
             rng = jax.random.key(0)  # unused
         graphdef, state = nnx.split(self)
@@ -248,7 +252,11 @@ def _sample(logits, key, temperature, greedy):
     if greedy:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-        tok = jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+        # the largest logit subtracted first: a small temperature then sends the others to -inf, never the
+        # largest to inf (inf - inf would be NaN)
+        logits32 = logits.astype(jnp.float32)
+        scaled = (logits32 - jnp.max(logits32, axis=-1, keepdims=True)) / temperature
+        tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
     return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tok)
 
 
