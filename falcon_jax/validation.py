@@ -389,8 +389,11 @@ def check_state_finite(state: FalconState, *, argname: str) -> None:
     def bad_rows(xp, x):  # (NaN, inf) flags per batch row
         return xp.isnan(x).reshape(x.shape[0], -1).any(1), xp.isinf(x).reshape(x.shape[0], -1).any(1)
 
-    # NumPy fields are read in NumPy (jnp would cast fp64 to fp32 without x64, a large finite value to inf)
-    per_row = {name: bad_rows(np, x) for name, x in fields if isinstance(x, np.ndarray)}
+    # NumPy fields are read in NumPy, in the dtype the call computes with: without x64 a float64 array becomes
+    # float32, where a finite 1e39 is inf
+    with np.errstate(over="ignore"):  # the overflow to inf is what is looked for
+        per_row = {name: bad_rows(np, x.astype(jax.dtypes.canonicalize_dtype(x.dtype))) for name, x in fields
+                   if isinstance(x, np.ndarray)}
     on_device = [(name, x) for name, x in fields if not isinstance(x, np.ndarray)]
     if on_device:
         with jax.ensure_compile_time_eval():  # computed now even when a trace (of other inputs) is under way

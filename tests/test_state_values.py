@@ -80,14 +80,20 @@ def test_a_non_finite_state_is_refused_naming_the_field(rng, entry, field, value
     assert "init_state" in str(refused.value)  # the fix: a fresh state for those rows
 
 
-def test_numpy_states_are_checked_in_numpy(rng):
-    """A NumPy state is read in NumPy: an fp64 value beyond the fp32 range is finite (a cast to fp32 would make it
-    inf), and a NaN in it is refused like a JAX array's."""
+def test_numpy_states_are_checked_in_the_dtype_the_call_computes_with(rng):
+    """A NumPy state is read in NumPy, cast as the call casts it: without x64 an fp64 value beyond the fp32 range
+    is inf there (the call's outputs of that row were NaN while the check, reading fp64, passed it); with x64 it
+    is finite.  A NaN in it is refused like a JAX array's."""
     argname, variant, window, call = ENTRY_POINTS["deltanet"]
     state = jax.tree.map(np.asarray, _state(rng, variant, window))
     inputs = _inputs(rng)
-    with jax.enable_x64(False):  # the default, where jnp would cast fp64 values to fp32
-        validation.check_state_finite(state.replace(S=np.full(state.S.shape, 1e300)), argname=argname)
+    huge = state.replace(S=np.asarray(state.S, np.float64).copy())
+    huge.S[BAD_ROW] = 1e39
+    with jax.enable_x64(False):  # the default: fp64 values become fp32
+        with pytest.raises(ValueError, match=_refusal(argname, "S", "inf")):
+            call(huge, *inputs)
+    with jax.enable_x64(True):
+        validation.check_state_finite(huge, argname=argname)
     with pytest.raises(ValueError, match=_refusal(argname, "S", "NaN")):
         call(_poisoned(state, "S", np.nan), *inputs)
     mixed = _poisoned(state.replace(S=jnp.asarray(state.S)), "last_key", -np.inf)  # one JAX field, one NumPy
