@@ -256,9 +256,16 @@ def falcon_gates_in_domain(beta, lam, *, step: str, names: tuple[str, str] = ("b
     return beta, clamp(lam, 0.0, None)
 
 
+# A step's log decay below this counts as this (γ = 9e-14, a reset to within fp32 rounding).  The chunk and
+# parallel forms take differences of within-chunk cumulative sums of log decays; one step of -1e6 among steps of
+# -0.1 would leave those small decays to fp32 rounding (outputs off by 0.14 against the recurrent form).
+LOG_DECAY_FLOOR = -30.0
+
+
 def baseline_gates_in_domain(inputs: dict) -> dict:
     """The baselines' gates checked (concrete) and clamped (traced): ``beta`` ≥ 0 (a negative write gain
-    expands the state), ``log_decay`` ≤ 0 (γ = exp(log_decay) ≤ 1).  DeltaNet's updates also need
+    expands the state), ``log_decay`` ≤ 0 (γ = exp(log_decay) ≤ 1), and ``log_decay`` below
+    :data:`LOG_DECAY_FLOOR` raised to it, concrete or traced (its gradient there is 0).  DeltaNet's updates also need
     β‖k‖² ≤ 2 to stay contractive, which depends on the keys and is the caller's to keep (e.g. β = σ(z)
     with ℓ2-normalized keys)."""
     out = {}
@@ -270,7 +277,7 @@ def baseline_gates_in_domain(inputs: dict) -> dict:
         elif name == "log_decay":
             check_range("log_decay", x, None, 0.0, " (the log of the decay γ <= 1; log_decay > 0 makes the "
                         "state grow without bound)", "Use -jax.nn.softplus(z) or jnp.log(jax.nn.sigmoid(z)).")
-            x = clamp(x, None, 0.0)
+            x = clamp(x, LOG_DECAY_FLOOR, 0.0)
         out[name] = x
     return out
 

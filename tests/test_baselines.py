@@ -96,3 +96,20 @@ def test_gated_deltanet_reads_decayed_state(rng):
     assert_close(gdn, ref_gdn, TOL)
     assert_close(f1, ref_f1, TOL)
     assert np.max(np.abs(ref_gdn - ref_f1)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "gated_deltanet"])
+@pytest.mark.parametrize("form", ["parallel", "chunk"])
+def test_a_near_reset_decay_among_small_ones_stays_exact_in_fp32(rng, name, form):
+    """One step with log_decay = -1e6 (a near reset, in the domain) among steps of -0.1.  The chunk and parallel
+    forms take differences of cumulative sums of log decays; in fp32 the small decays after such a step were lost
+    to rounding (outputs off by 0.14 against the float64 reference).  Log decays below -30 count as -30."""
+    lib_fn, ref_fn, gate_args = BASELINES[name]
+    q, k, v, beta, _ = _inputs(rng)
+    log_decay = np.full((B, T, H), -0.1)
+    log_decay[:, 3] = -1e6
+    gates = gate_args(beta, log_decay)
+    ref_out, _ = ref_fn(q, k, v, *gates)
+    out = jcall(lib_fn, *(jnp.asarray(a, jnp.float32) for a in (q, k, v, *gates)), form=form, chunk_size=16)
+    assert out.dtype == jnp.float32
+    assert_close(out, ref_out, 2e-5, f"{name}/{form} output")
