@@ -209,6 +209,15 @@ def test_loss_targets_and_masks_are_checked(rng):
         cross_entropy(logits, targets[:, :4])
     with pytest.raises(TypeError, match=r"^cross_entropy: `targets` must be integer token ids; got dtype float32"):
         cross_entropy(logits, targets.astype(jnp.float32))
+    with pytest.raises(TypeError, match=r"^cross_entropy: `logits` must be floating point; got dtype int32"):
+        cross_entropy(logits.astype(jnp.int32), targets)
+    # a mask selects positions, it does not weight them (5 and -1 were weights: -1 gave a negative loss)
+    keep = np.asarray(rng.random((B, T)) < 0.6)
+    keep[0, 0] = True
+    nll = -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+    want_masked = nll[keep].mean()
+    for mask in (jnp.asarray(keep), jnp.asarray(np.where(keep, 5.0, 0.0)), jnp.asarray(np.where(keep, -1, 0))):
+        np.testing.assert_allclose(float(cross_entropy(logits, targets, mask)), want_masked, rtol=1e-6)
 
     model = FalconLM(LMConfig.preset("transformer-tiny", n_layers=1, vocab_size=32), rngs=nnx.Rngs(0))
     tokens = jnp.asarray(rng.integers(0, 32, (B, 9)), jnp.int32)

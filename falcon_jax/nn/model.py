@@ -299,8 +299,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     """Mean token cross-entropy (nats) of ``logits [..., V]`` against ``targets [...]`` over
     the positions where ``mask`` (same shape as targets) is true; computed in fp32 or wider.
 
-    Target ids must lie in ``[0, V)`` (positions to leave out go in ``mask``): concrete ones are checked;
-    a traced one outside makes the loss NaN (a negative id would otherwise index from the end)."""
+    ``mask`` selects positions (any nonzero value counts as true); it does not weight them.  Target ids must lie
+    in ``[0, V)`` (positions to leave out go in ``mask``): concrete ones are checked; a traced one outside makes
+    the loss NaN where the mask keeps it (a negative id would otherwise index from the end)."""
     return _cross_entropy("cross_entropy", logits, targets, mask, "mask")
 
 
@@ -314,6 +315,9 @@ def _cross_entropy(owner: str, logits, targets, mask, mask_name: str):
     if mask is not None and tuple(getattr(mask, "shape", ())) != tuple(targets.shape):
         raise ValueError(f"{owner}: `{mask_name}` must have the shape of `targets` {tuple(targets.shape)}; got "
                          f"{tuple(getattr(mask, 'shape', ()))}.")
+    if not hasattr(logits, "dtype") or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(f"{owner}: `logits` must be floating point; got "
+                        f"{'dtype ' + str(logits.dtype) if hasattr(logits, 'dtype') else type(logits).__name__}.")
     V = logits.shape[-1]
     check_token_ids(owner, targets, V, what="target",
                     fix=f" Every target must be a token id; leave positions out with `{mask_name}`.")
@@ -323,8 +327,8 @@ def _cross_entropy(owner: str, logits, targets, mask, mask_name: str):
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), idx, axis=-1, mode="fill")[..., 0]
     if mask is None:
         return jnp.mean(nll)
-    mask = mask.astype(nll.dtype)
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    mask = mask.astype(bool)  # a mask, not weights: 5 or -1 count as true, as in lm_loss
+    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask, dtype=nll.dtype), 1.0)
 
 
 def lm_loss(model: FalconLM, tokens: jax.Array, *, segment_ids=None, loss_mask=None) -> jax.Array:
