@@ -205,6 +205,24 @@ def test_short_conv_does_not_leak_across_segments(rng):
     np.testing.assert_allclose(np.asarray(state2[:, 1:]), np.asarray(x[:, 5:7]))
 
 
+def test_short_conv_and_rmsnorm_refuse_inputs_of_another_shape(rng):
+    """A state of another length shifted every output (T - 1 or T + 3 outputs came back); x with other channels
+    or a zero width failed inside JAX (a concatenate error, a ZeroDivisionError)."""
+    conv = ShortConv(8, 4, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
+    for state in (jnp.zeros((2, 2, 8)), jnp.zeros((2, 6, 8)), jnp.zeros((1, 3, 8))):
+        with pytest.raises(ValueError, match=r"^ShortConv: state must be \[B, width - 1, channels\] = \(2, 3, 8\)"):
+            conv(x, state)
+    with pytest.raises(ValueError, match=r"^ShortConv: x must be \[B, T, channels=8\]; got shape \(2, 5, 6\)"):
+        conv(x[..., :6])
+    with pytest.raises(ValueError, match=r"^ShortConv: width=0 must be an int >= 1"):
+        ShortConv(8, 0, rngs=nnx.Rngs(0))
+    y, new_state = conv(x, conv.init_state(2, jnp.float32))  # the right state is accepted
+    assert y.shape == (2, 5, 8) and new_state.shape == (2, 3, 8)
+    with pytest.raises(ValueError, match=r"^RMSNorm: x must be \[\.\.\., dim=8\]; got shape \(2, 5, 6\)"):
+        RMSNorm(8, rngs=nnx.Rngs(0))(x[..., :6])
+
+
 @pytest.mark.parametrize("mixer", ALL_MIXERS)
 def test_mixer_packed_segments_equal_separate_sequences(mixer, rng):
     # the recurrent form compiles fastest; the forms' own segment handling is tested in the core

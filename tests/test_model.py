@@ -66,6 +66,27 @@ def test_every_paper_row_builds_by_name():
                                                             per_column_gains=False)
 
 
+def test_config_refuses_options_it_would_ignore_and_takes_numpy_ints():
+    """attn_every beside layer_mixers, and qk_norm / gain / lam beside a setting suffix that sets them otherwise,
+    were dropped without a word; NumPy ints were refused (chunk_size=np.int64(8) 'must be a power of two')."""
+    with pytest.raises(ValueError, match=r"LMConfig\.attn_every=1 has no effect with layer_mixers"):
+        LMConfig(n_layers=2, attn_every=1, layer_mixers=("falcon-1A", "falcon-1A"))
+    for field, value in (("qk_norm", "l2"), ("gain", "ctx_beta"), ("lam", "const")):
+        with pytest.raises(ValueError, match=rf"LMConfig\.{field}={value!r} conflicts with the mixer falcon-1A"):
+            LMConfig(mixer="falcon-1A.3", **{field: value})
+    assert LMConfig(mixer="falcon-1A.1", qk_norm="l2").falcon_options(
+        LMConfig(mixer="falcon-1A.1").layer_specs()[0])["qk_norm"] == "l2"  # agreeing with the suffix: fine
+    assert LMConfig(mixer="falcon-1A", qk_norm="l2").qk_norm == "l2"  # no suffix: the field rules
+    cfg = LMConfig.preset("falcon-1A-tiny", chunk_size=np.int64(8), d_model=np.int64(64), window=np.int32(2))
+    assert (cfg.chunk_size, cfg.d_model, cfg.window) == (8, 64, 2) and type(cfg.chunk_size) is int
+    with pytest.raises(ValueError, match=r"LMConfig\.window=np\.True_ must be an int >= 1"):
+        LMConfig(window=np.True_)
+    # an 8-bit float was accepted as floating and failed at the first norm (no implicit promotion)
+    for value in ("float8_e4m3fn", "int32", "complex64"):
+        with pytest.raises(ValueError, match=rf"LMConfig\.dtype='{value}' must be one of 'float32', 'bfloat16'"):
+            LMConfig(dtype=value)
+
+
 def test_config_errors_name_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"LMConfig\.n_heads=5 does not divide d_model=64.*head_dim"):
         LMConfig(d_model=64, n_heads=5)

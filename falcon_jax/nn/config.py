@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
 
@@ -80,14 +81,24 @@ def parse_mixer(name: Any, *, field: str = "mixer") -> MixerSpec:
         f"optionally with the paper's setting suffix '.1', '.2' or '.3' (e.g. 'falcon-1A.3').")
 
 
+_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "bfloat16", "float16", "float64"))
+_INT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "v_head_dim", "mlp_hidden", "attn_every",
+               "conv_size", "window", "chunk_size")
+
+
 def _choice(field: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"LMConfig.{field}={value!r} is not valid; set it to one of "
                          f"{', '.join(repr(c) for c in choices)}.")
 
 
+def _is_int(value) -> bool:
+    """A Python or NumPy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _pos_int(field: str, value, *, zero_ok: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if zero_ok else value >= 1)
+    ok = _is_int(value) and (value >= 0 if zero_ok else value >= 1)
     if not ok:
         raise ValueError(f"LMConfig.{field}={value!r} must be an int >= {0 if zero_ok else 1}.")
 
@@ -194,9 +205,11 @@ class LMConfig:
         _pos_int("attn_every", self.attn_every, zero_ok=True)
         _pos_int("conv_size", self.conv_size, zero_ok=True)
         _pos_int("window", self.window)
-        if isinstance(self.chunk_size, bool) or not (isinstance(self.chunk_size, int) and self.chunk_size >= 1
-                and self.chunk_size & (self.chunk_size - 1) == 0):
+        if not (_is_int(self.chunk_size) and self.chunk_size >= 1 and self.chunk_size & (self.chunk_size - 1) == 0):
             raise ValueError(f"LMConfig.chunk_size={self.chunk_size!r} must be a power of two (e.g. 64).")
+        for f in _INT_FIELDS:  # NumPy ints as Python ints (config.json, static arguments)
+            if _is_int(getattr(self, f)):
+                object.__setattr__(self, f, int(getattr(self, f)))
         _choice("qk_norm", self.qk_norm, QK_NORMS)
         _choice("gain", self.gain, GAINS)
         _choice("lam", self.lam, LAMS)
@@ -205,6 +218,10 @@ class LMConfig:
         _choice("form", self.form, ("recurrent", "parallel", "chunk"))
         _choice("impl", self.impl, ("auto", "mosaic_gpu", "triton", "mosaic_tpu", "xla"))
         _choice("attn_impl", self.attn_impl, ("auto", "triton", "cudnn", "xla"))
+        if self.layer_mixers is not None and self.attn_every:
+            raise ValueError(f"LMConfig.attn_every={self.attn_every} has no effect with layer_mixers, which names "
+                             f"every layer's mixer: put {self.attn_mixer!r} into layer_mixers where you want it and "
+                             f"leave attn_every at 0.")
         if self.attn_every > self.n_layers and self.layer_mixers is None:
             raise ValueError(f"LMConfig.attn_every={self.attn_every} > n_layers={self.n_layers} would make no layer "
                              f"{self.attn_mixer!r}: set attn_every to at most {self.n_layers} (0 for none).")
@@ -230,8 +247,9 @@ class LMConfig:
                 dt = jnp.dtype(getattr(self, f))
             except TypeError as e:
                 raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} is not a dtype name.") from e
-            if not jnp.issubdtype(dt, jnp.floating):
-                raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} must be a floating dtype.")
+            if dt not in _FLOAT_DTYPES:  # 8-bit floats have no implicit promotion: the first norm would fail
+                raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} must be one of "
+                                 f"{', '.join(repr(str(d)) for d in _FLOAT_DTYPES)}.")
         if self.layer_mixers is not None:
             if not isinstance(self.layer_mixers, (list, tuple)) or len(self.layer_mixers) != self.n_layers:
                 raise ValueError(f"LMConfig.layer_mixers must be a sequence of n_layers={self.n_layers} "
@@ -242,6 +260,7 @@ class LMConfig:
         for spec in specs:
             if spec.kind == "falcon":
                 self._check_falcon(spec)
+                self._check_setting_suffix(spec)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -286,6 +305,18 @@ class LMConfig:
             raise ValueError(
                 f"LMConfig.per_column_gains=True but the mixer falcon-{spec.variant} has one gain per head; "
                 f"use a per-column variant ('falcon-2' or 'falcon-2A') or set per_column_gains=None.")
+
+    def _check_setting_suffix(self, spec: MixerSpec) -> None:
+        """A ``.c`` suffix sets qk_norm, gain and lam; a field set to another value than both its default and the
+        suffix's would be overridden without a word."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for field, value in spec.overrides:
+            mine = getattr(self, field)
+            if mine != value and mine != defaults[field]:
+                raise ValueError(
+                    f"LMConfig.{field}={mine!r} conflicts with the mixer falcon-{spec.variant} and its setting suffix, "
+                    f"which sets {field}={value!r}: drop the suffix (e.g. 'falcon-{spec.variant}') to choose {field} "
+                    f"yourself, or leave {field} unset.")
 
     def replace(self, **changes) -> "LMConfig":
         return dataclasses.replace(self, **changes)

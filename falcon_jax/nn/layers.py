@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from falcon_jax import context_parallel
@@ -81,10 +82,13 @@ class RMSNorm(nnx.Module):
                  rngs: nnx.Rngs):
         self.eps = check_real("RMSNorm", "eps", eps, 0.0, low_ok=False,
                               meaning=" (0 would divide an all-zero row by zero: NaN)")
+        self.dim = dim
         self.dtype = dtype
         self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if getattr(x, "ndim", 0) < 1 or x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: x must be [..., dim={self.dim}]; got shape {tuple(getattr(x, 'shape', ()))}.")
         return rms_normalize(x, self.eps).astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
@@ -103,8 +107,11 @@ class ShortConv(nnx.Module):
 
     def __init__(self, channels: int, width: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.width = width
-        self.channels = channels
+        for field, value in (("channels", channels), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"ShortConv: {field}={value!r} must be an int >= 1.")
+        self.width = int(width)
+        self.channels = int(channels)
         self.dtype = dtype
         bound = 1.0 / math.sqrt(width)
         init = nnx.initializers.uniform(scale=2 * bound)
@@ -116,8 +123,16 @@ class ShortConv(nnx.Module):
 
     def __call__(self, x: jax.Array, state: jax.Array | None = None, segment_ids: jax.Array | None = None):
         """Returns ``(y [B, T, C], new_state [B, K-1, C])``."""
+        if getattr(x, "ndim", None) != 3 or x.shape[-1] != self.channels:
+            raise ValueError(f"ShortConv: x must be [B, T, channels={self.channels}]; got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}.")
         B, T, C = x.shape
         K = self.width
+        if state is not None and tuple(getattr(state, "shape", ())) != (B, K - 1, C):
+            # a state of another length would shift every output (T - 1 or T + 3 outputs came back)
+            raise ValueError(f"ShortConv: state must be [B, width - 1, channels] = {(B, K - 1, C)} (the last "
+                             f"width - 1 inputs of the previous call, or init_state(B, dtype)); got shape "
+                             f"{tuple(getattr(state, 'shape', ()))}.")
         w = self.kernel[...].astype(x.dtype)
         y = None
         if state is None:
