@@ -108,7 +108,7 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_any_work(tmp_path,
     assert rc == 2 and err.startswith(f"falcon-train: error: {run_dir / 'checkpoints'} is a file, not a folder")
     assert err.count("\n") == 1 and "--run-dir" in err and "checkpoint.enabled=false" in err
     assert (run_dir / "checkpoints").read_text() == "a file"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # no config.json, no metrics
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]  # no config.json, no metrics
 
 
 def test_resume_without_a_checkpoint_refuses_before_any_work(tmp_path, capsys, monkeypatch):
@@ -667,3 +667,42 @@ def test_resume_names_the_settings_that_changed_and_whether_the_batches_do(tmp_p
     [line] = resume("train.steps=9", "train.batch_size=4", "data.seed=5")
     assert "train.batch_size 8 -> 4" in line and "data.seed 0 -> 5" in line and "train.steps 6 -> 9" in line
     assert line.endswith("the batches from here on differ from an uninterrupted run's")
+
+
+def test_a_second_process_in_a_run_folder_is_refused_and_the_lock_goes_with_the_run(tmp_path, capsys):
+    """Two processes in one folder (a job started twice) both exited 0, leaving one's config, the other's last
+    checkpoint and their metrics interleaved.  The folder's lock is held by another process here (a flock on its
+    own open file, as another process's would be): the run is refused naming that PID, and writes nothing."""
+    import fcntl
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"4242")
+        rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.steps=2",
+                             *sum((["--set", o] for o in TINY), [])], capsys)
+        assert rc == 2 and f"another process (pid 4242) is training in {run_dir}" in err, err
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+    finally:
+        os.close(fd)
+    # free again: the run trains, and its lock is released when it returns (a later run in this process or any
+    # other may take the folder)
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.steps=2",
+                         *sum((["--set", o] for o in TINY), [])], capsys)
+    assert rc == 0, err
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the run still held it
+    finally:
+        os.close(fd)
+
+
+def test_a_run_folder_with_a_bracket_in_its_path_is_refused_before_any_work(tmp_path, capsys):
+    """orbax finds a checkpoint's per-process parts with a glob under the folder's path: '[0]' read as a character
+    class skipped their merge, the run exited 0, and none of its checkpoints could be restored."""
+    run_dir = tmp_path / "seed=[0]"
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.steps=2",
+                         *sum((["--set", o] for o in TINY), [])], capsys)
+    assert rc == 2 and "has a '[' in its path" in err and "checkpoint.enabled=false" in err, err
+    assert not (run_dir / "config.json").exists() and not (run_dir / "checkpoints").exists()

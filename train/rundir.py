@@ -14,6 +14,7 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
                             "inf" / "-inf" (:func:`encode_non_finite`); null is a value not measured
     width_shares.json       addition: the training stream's share of problems and tokens per width
     checkpoints/<step>/     orbax checkpoints (:mod:`falcon_jax.train.checkpoint`)
+    .lock                   held (``flock``) by the process training in the folder, its PID inside
     report.txt              the end-of-run table
     loss.png, accuracy_vs_width.png   plots (matplotlib, the ``train`` extra)
 
@@ -22,6 +23,7 @@ Only the standard library here: the command line uses it before it imports JAX.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -32,6 +34,7 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REPORT = "report.txt"
 RESUME = "resume"  # the metrics record of a command that continued the run (see parse_records)
+LOCK = ".lock"
 
 
 class RunDirError(RuntimeError):
@@ -91,10 +94,52 @@ def check_writable(run_dir: str) -> None:
                           f"(train.run_dir).") from None
 
 
+_HELD_LOCKS: dict[str, int] = {}  # run folder (absolute) -> the open file descriptor holding its lock
+
+
+def hold_run_lock(run_dir: str) -> None:
+    """Take ``<run_dir>/.lock`` (an exclusive ``flock``, the PID written in it) for this process, or RunDirError
+    naming the process that holds it: a second process in the folder (a job started twice) would mix its
+    checkpoints, config and metrics with the first's.  Held until :func:`release_run_lock` or the process ends
+    (the kernel drops the lock of a killed process, so a crash leaves no stale lock)."""
+    key = os.path.abspath(run_dir)
+    if key in _HELD_LOCKS:
+        return
+    path = os.path.join(key, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise RunDirError(f"another process (pid {holder}) is training in {run_dir}: two runs in one folder would "
+                          f"mix their checkpoints, config and metrics. Wait for it to end or stop it, or choose "
+                          f"another --run-dir.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD_LOCKS[key] = fd
+
+
+def release_run_lock(run_dir: str) -> None:
+    """Drop this process's lock on ``run_dir`` (nothing if it holds none)."""
+    fd = _HELD_LOCKS.pop(os.path.abspath(run_dir), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
 def check_checkpoint_folder(run_dir: str) -> None:
     """``<run_dir>/checkpoints`` a folder that can be written (created if absent), or RunDirError in one line:
     checked before any model or data work, not at the first save after training up to it."""
     path = os.path.abspath(os.path.join(run_dir, CHECKPOINTS))
+    if "[" in path:
+        # orbax finds the per-process parts of a checkpoint with a glob under this path: "[0]" reads as a character
+        # class, nothing matches, the parts are not merged, and every checkpoint of the run is unreadable
+        raise RunDirError(f"the run directory {os.path.abspath(run_dir)} has a '[' in its path, and orbax reads the "
+                          f"checkpoint folder's path as a glob pattern ('[...]' a character class): its checkpoints "
+                          f"could not be restored. Choose a path without brackets (e.g. seed-0 for seed=[0]) with "
+                          f"--run-dir DIR, or train without checkpoints (--set checkpoint.enabled=false).")
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"{path} is a file, not a folder, and the checkpoints are written there; move that file "
                           f"away, choose another run directory with --run-dir DIR (train.run_dir), or train without "

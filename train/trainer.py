@@ -39,7 +39,7 @@ from falcon_jax.train.preemption import Interrupted, StopRequest
 from falcon_jax.train.report import finish, percent, start_lines, widths_with_fewer_problems
 from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
                                      check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps,
-                                     metric_records, read_metrics, write_atomic)
+                                     hold_run_lock, metric_records, read_metrics, release_run_lock, write_atomic)
 from falcon_jax.train.text import TextData
 
 
@@ -175,6 +175,16 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     the steps before it keep their records and checkpoints, and nothing is saved from the failed state.  A step
     whose loss or gradient norm is not finite stops the run at the next log point or save, before anything is
     saved from it: :class:`TrainingDiverged`."""
+    run_dir = getattr(getattr(cfg, "train", None), "run_dir", None)
+    try:
+        return _run(cfg, resume=resume, resume_or_start=resume_or_start, log=log, standalone=standalone)
+    finally:
+        if isinstance(run_dir, str):
+            release_run_lock(run_dir)
+
+
+def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalone: bool) -> dict:
+    """:func:`run` while this process holds the run folder's lock (taken once the folder exists)."""
     t_begin = time.perf_counter()
     validate(cfg)
     resume = resume or resume_or_start
@@ -188,6 +198,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, resume_or_start: bool = False
     maybe_initialize_distributed(cfg.mesh.distributed)
     is_main = jax.process_index() == 0
     check_writable(run_dir)
+    if is_main:
+        hold_run_lock(run_dir)  # before anything is written: a second process in the folder is refused
     if cfg.checkpoint.enabled:
         check_checkpoint_folder(run_dir)
     logger = Logger(run_dir, is_main)
