@@ -706,3 +706,17 @@ def test_a_run_folder_with_a_bracket_in_its_path_is_refused_before_any_work(tmp_
                          *sum((["--set", o] for o in TINY), [])], capsys)
     assert rc == 2 and "has a '[' in its path" in err and "checkpoint.enabled=false" in err, err
     assert not (run_dir / "config.json").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("setting, named", [
+    # split seed 15 leaves width 1 (100 problems) no held-out one at the default share: found at the first
+    # evaluation before, after training up to it, as a traceback with exit code 1
+    ("data.split_seed=15", "data.eval_widths: width 1 has no held-out problem with data.split_seed=15"),
+    # a traceback from the training draw before, with config.json already written (the rerun was refused)
+    ("data.heldout_frac=0.999", "data.heldout_frac=0.999: must be in (0, 0.5]"),
+])
+def test_an_addition_split_that_cannot_serve_the_run_is_refused_before_any_work(tmp_path, capsys, setting, named):
+    run_dir = tmp_path / "run"
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", setting], capsys)
+    assert rc == 2 and named in err and err.count("\n") == 1, err
+    assert not run_dir.exists()

@@ -476,9 +476,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _need(d.greedy_examples <= d.eval_examples, "data.greedy_examples", d.greedy_examples,
               f"must be <= data.eval_examples={d.eval_examples} (the greedy prompts come from the eval set); raise "
               f"data.eval_examples or lower data.greedy_examples.")
-    _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac < 1, "data.heldout_frac", d.heldout_frac,
-          "must be in (0, 1) (the share of problems held out for evaluation).")
+    # above one half the training draw, which rejects held-out problems, could not find problems of the short widths
+    _need(_is_num(d.heldout_frac) and 0 < d.heldout_frac <= 0.5, "data.heldout_frac", d.heldout_frac,
+          "must be in (0, 0.5] (the share of problems held out for evaluation; training draws from the rest).")
     _seed("data.split_seed", d.split_seed)
+    if d.kind == "addition":
+        from falcon_jax.train.addition import LISTED_WIDTH, heldout_problems  # numpy: not needed by other checks
+        for w in sorted(set(d.eval_widths)):
+            # a short width has few problems (100 at width 1): the split can leave it none, found at the first
+            # evaluation otherwise, after training up to it
+            if w <= LISTED_WIDTH and len(heldout_problems(w, d.split_seed, d.heldout_frac)[0]) == 0:
+                raise ConfigError(f"data.eval_widths: width {w} has no held-out problem with data.split_seed="
+                                  f"{d.split_seed} and data.heldout_frac={d.heldout_frac}; drop the width, or "
+                                  f"change data.split_seed or raise data.heldout_frac.")
     _choice("data.width_sampling", d.width_sampling, ("uniform", "token_balanced"))
     _int_at_least("data.curriculum_steps", d.curriculum_steps, 0, " (0 = no width curriculum)")
     if d.kind == "addition" and d.curriculum_steps:
