@@ -720,3 +720,18 @@ def test_an_addition_split_that_cannot_serve_the_run_is_refused_before_any_work(
     rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", setting], capsys)
     assert rc == 2 and named in err and err.count("\n") == 1, err
     assert not run_dir.exists()
+
+
+def test_gradient_clipping_can_be_switched_on_or_off_on_resume(tmp_path, capsys):
+    """Optimizer settings may change on resume; clip_norm=0 left the clip out of the optimizer chain, so the state's
+    layout changed and the checkpoint was refused as 'intact but does not fit this model'."""
+    tiny = sum((["--set", o] for o in TINY), [])
+    for first, then in (("1.0", "0"), ("0", "1.0")):
+        run_dir = tmp_path / f"clip-{first}"
+        rc, _, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), *tiny, "--set", "train.steps=3",
+                           "--set", f"optim.clip_norm={first}"], capsys)
+        assert rc == 0, err
+        rc, out, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=6",
+                             "--set", f"optim.clip_norm={then}"], capsys)
+        assert rc == 0 and "restored step 3" in out, (first, then, err)
+        assert checkpoint_steps(run_dir)[-1] == 6

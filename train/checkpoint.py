@@ -342,7 +342,8 @@ class Checkpointer:
                     # checkpoint stays where it is (the older ones were saved from the same model)
                     raise RunDirError(f"checkpoint {step} in {self.dir} is intact (its checksums match) but does "
                                       f"not fit this model ({cause}); resume with the model config the run was "
-                                      f"trained with, or train the new model in another --run-dir. Nothing was "
+                                      f"trained with (or the optimizer this version of falcon-train builds from "
+                                      f"it), or train the new model in another --run-dir. Nothing was "
                                       f"moved.") from None
                 self.log(f"[checkpoint] step {step} in {self.dir} is corrupt and cannot be restored "
                          f"({cause}); "

@@ -33,11 +33,11 @@ def decay_mask(params, decay_embedding: bool = False):
 
 
 def make_optimizer(cfg, total_steps: int, params) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """``clip_by_global_norm(clip_norm)`` then AdamW (decoupled decay, masked)."""
+    """``clip_by_global_norm(clip_norm)`` (the identity when ``clip_norm`` is 0) then AdamW (decoupled decay,
+    masked).  The chain has both slots either way, so its state has one layout and a run resumes with clipping
+    switched on or off (leaving the slot out made a checkpoint unreadable across that change)."""
     sched = lr_schedule(cfg, total_steps)
-    parts = []
-    if cfg.clip_norm and cfg.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=decay_mask(params, cfg.decay_embedding)))
-    return optax.chain(*parts), sched
+    clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm and cfg.clip_norm > 0 else optax.identity()
+    adamw = optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=decay_mask(params, cfg.decay_embedding))
+    return optax.chain(clip, adamw), sched
