@@ -735,3 +735,25 @@ def test_gradient_clipping_can_be_switched_on_or_off_on_resume(tmp_path, capsys)
                              "--set", f"optim.clip_norm={then}"], capsys)
         assert rc == 0 and "restored step 3" in out, (first, then, err)
         assert checkpoint_steps(run_dir)[-1] == 6
+
+
+def test_a_text_run_stopped_at_an_evaluation_step_evaluates_it_on_resume(tmp_path, capsys):
+    """The evaluation due at the stop step is made when the run resumes, for text runs too (only addition runs
+    made it: the step's validation loss was lost for good)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"paragraph {i}: fast weights are written and read, {i * 7 % 13} times."
+                                  for i in range(80)))
+    args = ["--preset", "lm-tiny", "--set", f"data.paths={corpus}", "--set", "data.seq_len=16", "--set",
+            "train.batch_size=4", "--set", "data.val_batches=1", "--set", "data.val_frac=0.2", "--set",
+            "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.n_layers=1", "--set", "train.plots=false",
+            "--set", "optim.warmup_steps=1", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set",
+            "train.eval_every=2", "--set", "train.steps=4", "--set", "checkpoint.every=100"]
+    assert _cli([*args, "--run-dir", str(tmp_path / "ref")], capsys)[0] == 0
+    ref = {e["step"]: e["val_loss"] for e in read_metrics(tmp_path / "ref")[1]}
+    assert sorted(ref) == [2, 4]
+    run_dir = tmp_path / "cut"
+    assert _cli([*args, "--run-dir", str(run_dir), "--set", "train.time_limit_s=1"], capsys)[0] == 0  # step 1
+    for _ in range(3):  # one step a command: the second stops at the evaluation step 2 before evaluating it
+        assert _cli(["--run-dir", str(run_dir), "--resume"], capsys)[0] == 0
+    got = {e["step"]: e["val_loss"] for e in read_metrics(run_dir)[1]}
+    assert got == ref

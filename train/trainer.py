@@ -407,7 +407,7 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         running["program"] = TRAIN_STEP
         return rec
 
-    if cfg.data.kind == "addition" and cfg.train.eval_every and start % cfg.train.eval_every == 0 \
+    if cfg.train.eval_every and start % cfg.train.eval_every == 0 \
             and 0 < start < cfg.train.steps and not any(r.get("step") == start for r in earlier_evals):
         try:
             do_eval(start)  # a run stopped at an evaluation step before evaluating it
