@@ -757,3 +757,39 @@ def test_a_text_run_stopped_at_an_evaluation_step_evaluates_it_on_resume(tmp_pat
         assert _cli(["--run-dir", str(run_dir), "--resume"], capsys)[0] == 0
     got = {e["step"]: e["val_loss"] for e in read_metrics(run_dir)[1]}
     assert got == ref
+
+
+def test_a_text_run_resumed_on_other_text_is_refused(tmp_path, capsys, monkeypatch):
+    """data.paths are read relative to the working directory and the byte tokenizer is the same for any text: a
+    resume from another directory, or after the files were edited, trained on other text without a word.  The
+    checkpoint records the corpus by content; the same files under the same relative path from elsewhere resume."""
+    def corpus(folder, word):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "c.txt").write_text("\n\n".join(f"{word} {i}: fast weights, read and written." for i in range(60)))
+
+    corpus(tmp_path / "a" / "docs", "alpha")
+    corpus(tmp_path / "b" / "docs", "beta")
+    corpus(tmp_path / "c" / "docs", "alpha")  # a copy of a's
+    args = ["--preset", "lm-tiny", "--set", "data.paths=docs", "--set", "data.seq_len=16", "--set",
+            "train.batch_size=4", "--set", "data.val_batches=1", "--set", "data.val_frac=0.2", "--set",
+            "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.n_layers=1", "--set", "train.plots=false",
+            "--set", "optim.warmup_steps=1", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set",
+            "train.eval_every=0", "--set", "train.steps=2", "--set", "checkpoint.every=2"]
+    run_dir = tmp_path / "run"
+    monkeypatch.chdir(tmp_path / "a")
+    assert _cli([*args, "--run-dir", str(run_dir)], capsys)[0] == 0
+    monkeypatch.chdir(tmp_path / "b")
+    rc, _, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=4"], capsys)
+    assert rc == 2 and "was trained on other text than data.paths=['docs'] reads now from" in err, err
+    assert checkpoint_steps(run_dir) == [2]  # nothing moved
+    monkeypatch.chdir(tmp_path / "c")  # the same text from another directory
+    rc, _, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=4"], capsys)
+    assert rc == 0, err
+
+
+def test_one_file_under_two_spellings_is_read_once(tmp_path, monkeypatch):
+    from falcon_jax.train.text import expand_paths
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "s.txt").write_text("text")
+    monkeypatch.chdir(tmp_path)
+    assert expand_paths(["small", "./small", str(tmp_path / "small")]) == [os.path.join(".", "small", "s.txt")]

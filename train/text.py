@@ -121,7 +121,12 @@ def expand_paths(patterns) -> list[str]:
                                     f"at {p!r} (a missing file, an empty directory or a glob that matches nothing); "
                                     "fix that entry or remove it.")
         files += found
-    return sorted(set(files))
+    # one file under two spellings ("small", "./small", an absolute path) is read once: twice would train on it
+    # twice and could put a copy of a validation document into the training split
+    first = {}
+    for f in sorted(set(files)):
+        first.setdefault(os.path.realpath(f), f)
+    return sorted(first.values())
 
 
 def _check_plain(f: str) -> None:
@@ -286,9 +291,12 @@ class TextData:
     def __post_init__(self):
         docs = read_documents(self.paths, self.text_key)
         files = expand_paths(self.paths)
-        key = hashlib.sha1(json.dumps([[f, file_digest(f)] for f in files]
+        digests = [file_digest(f) for f in files]
+        key = hashlib.sha1(json.dumps([[f, d] for f, d in zip(files, digests)]
                                       + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
                                       ).encode()).hexdigest()[:16]
+        # the corpus by content, in reading order, wherever its files lie: a resumed run compares it
+        self.corpus = hashlib.sha1(json.dumps(digests).encode()).hexdigest()[:16]
         os.makedirs(self.cache_dir, exist_ok=True)
         base = os.path.join(self.cache_dir, key)
         if self.tokenizer == "byte":

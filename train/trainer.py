@@ -289,6 +289,18 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
                                       f"changed since, and the same token ids would stand for other tokens. Resume "
                                       f"with the run's files as they were, or train on the new corpus in another "
                                       f"--run-dir. Nothing was moved.")
+                saved_corpus = meta.get("corpus")  # absent in checkpoints of runs before it was recorded
+                if saved_corpus is not None and saved_corpus != getattr(data, "corpus", None):
+                    # relative data.paths read from another directory, or files edited since: the batches from the
+                    # saved loader position and the validation split would be another text's
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was trained on other text than "
+                                      f"data.paths={cfg.data.paths} reads now from {os.getcwd()} (the files' "
+                                      f"contents differ: corpus {saved_corpus} in the run, {data.corpus} here). "
+                                      f"Resume from the directory the run started in (relative paths) with the "
+                                      f"files as they were, or train on the new text in another --run-dir. "
+                                      f"Nothing was moved.")
                 if start > cfg.train.steps:  # no step would run, and the final evaluation would be mislabelled
                     ckpt.close()
                     loader.close()
@@ -360,6 +372,7 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         out = {"data": {"step": step, "loader": loader.kind, "state": loader.get_state()}, "config": cfg.to_dict()}
         if cfg.data.kind == "text":
             out["tokenizer"] = data.tok.fingerprint
+            out["corpus"] = data.corpus
         return out
 
     earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
