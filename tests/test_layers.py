@@ -518,6 +518,20 @@ def test_layer_config_errors():
     h = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 32)), jnp.float32)
     out = FalconAttention(32, 4, norm_eps=1e-30, rngs=nnx.Rngs(0))(h)
     assert bool(jnp.isfinite(out).all())
+    # checked when the layer is built, not at its first call with a message about falcon()'s `lam` or `beta`
+    # (lam_max, init_std) or without the layer's name (alignment, timing, impl), or inside Flax / JAX (dtypes)
+    for field, value, named in (("lam_max", float("inf"), "must be a finite number > 0"),
+                                ("lam_max", "1", "must be a finite number > 0"),
+                                ("init_std", float("nan"), "must be a finite number > 0"),
+                                ("out_std", -0.1, "must be a finite number >= 0"),
+                                ("alignment", "bogus", "must be one of 'shifted', 'same_step'"),
+                                ("timing", "after", "must be one of 'raw', 'rbw'"),
+                                ("impl", "cuda", "must be one of 'auto'"),
+                                ("dtype", jnp.int32, "must be one of float32, bfloat16"),
+                                ("param_dtype", jnp.int8, "must be one of float32, bfloat16")):
+        with pytest.raises(ValueError, match=rf"^FalconAttention: {field}=.* {named}"):
+            FalconAttention(32, 4, **{field: value}, rngs=nnx.Rngs(0))
+    FalconAttention(32, 4, out_std=0.0, rngs=nnx.Rngs(0))  # a zero-initialised output projection is fine
     # a per-column FalconAttention does accept its gains (the check is not over-eager)
     FalconAttention(32, 4, variant="2A", per_column_gains=True, rngs=nnx.Rngs(0))
 

@@ -31,7 +31,7 @@ from flax import nnx
 from falcon_jax import validation as val
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.nn.cache import RecurrentCache
-from falcon_jax.nn.config import is_pair_of_reals
+from falcon_jax.nn.config import FLOAT_DTYPES, is_pair_of_reals
 from falcon_jax.nn.layers import ShortConv, check_real, dense, l2_normalize, make_param, rms_normalize
 from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
 from falcon_jax.state import empty_state
@@ -39,6 +39,17 @@ from falcon_jax.state import empty_state
 
 def _err(owner: str, field: str, value, fix: str) -> ValueError:
     return ValueError(f"{owner}: {field}={value!r} {fix}")
+
+
+def check_float_dtype(owner: str, field: str, dtype) -> np.dtype:
+    """``dtype`` as a NumPy dtype if it is bf16, fp16, fp32 or fp64, else a ValueError naming ``owner.field``."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in FLOAT_DTYPES:
+        raise _err(owner, field, dtype, f"must be one of {', '.join(str(d) for d in FLOAT_DTYPES)}.")
+    return dt
 
 
 def check_form(owner: str, form, chunk_size) -> None:
@@ -100,7 +111,12 @@ class RecurrentMixer(nnx.Module):
         self.norm_eps = check_real(self.owner, "norm_eps", norm_eps, 0.0, low_ok=False,
                                    meaning=" (the q/k and output norms' epsilon; 0 would divide an all-zero row, "
                                            "e.g. the output at position 0, by zero: NaN)")
-        self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        check_real(self.owner, "init_std", init_std, 0.0, low_ok=False, meaning=" (the projections' initial "
+                   "standard deviation)")
+        if out_std is not None:
+            check_real(self.owner, "out_std", out_std, 0.0, meaning=" (the output projection's; 0: zero-initialised)")
+        self.dtype, self.param_dtype = check_float_dtype(self.owner, "dtype", dtype), check_float_dtype(
+            self.owner, "param_dtype", param_dtype)
         self.tail = 0
         out_std = init_std if out_std is None else out_std
         kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -259,6 +275,11 @@ class FalconAttention(RecurrentMixer):
         o = self.owner
         check_real(o, "eps", eps, 0.0, meaning=" (added to the step's denominator)")
         check_real(o, "eps_gamma", eps_gamma, 0.0, 1.0, low_ok=False, meaning=" (the smallest decay γ)")
+        check_real(o, "lam_max", lam_max, 0.0, low_ok=False, meaning=" (the largest λ of the context gate)")
+        for field, value, choices in (("alignment", alignment, val.ALIGNMENTS), ("timing", timing, val.TIMINGS),
+                                      ("impl", impl, val.IMPLS)):
+            if not isinstance(value, str) or value not in choices:  # (a list of impls is falcon()'s, not a layer's)
+                raise _err(o, field, value, f"must be one of {', '.join(repr(c) for c in choices)}.")
         if not isinstance(variant, str) or variant.upper() not in VARIANTS:
             raise _err(o, "variant", variant, f"is not a Falcon rule; use one of {', '.join(VARIANTS)}.")
         variant = variant.upper()

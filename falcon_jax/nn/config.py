@@ -81,7 +81,7 @@ def parse_mixer(name: Any, *, field: str = "mixer") -> MixerSpec:
         f"optionally with the paper's setting suffix '.1', '.2' or '.3' (e.g. 'falcon-1A.3').")
 
 
-_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "bfloat16", "float16", "float64"))
+FLOAT_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "bfloat16", "float16", "float64"))
 _INT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "v_head_dim", "mlp_hidden", "attn_every",
                "conv_size", "window", "chunk_size")
 
@@ -247,9 +247,9 @@ class LMConfig:
                 dt = jnp.dtype(getattr(self, f))
             except TypeError as e:
                 raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} is not a dtype name.") from e
-            if dt not in _FLOAT_DTYPES:  # 8-bit floats have no implicit promotion: the first norm would fail
+            if dt not in FLOAT_DTYPES:  # 8-bit floats have no implicit promotion: the first norm would fail
                 raise ValueError(f"LMConfig.{f}={getattr(self, f)!r} must be one of "
-                                 f"{', '.join(repr(str(d)) for d in _FLOAT_DTYPES)}.")
+                                 f"{', '.join(repr(str(d)) for d in FLOAT_DTYPES)}.")
         if self.layer_mixers is not None:
             if not isinstance(self.layer_mixers, (list, tuple)) or len(self.layer_mixers) != self.n_layers:
                 raise ValueError(f"LMConfig.layer_mixers must be a sequence of n_layers={self.n_layers} "
