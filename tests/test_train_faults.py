@@ -793,3 +793,21 @@ def test_one_file_under_two_spellings_is_read_once(tmp_path, monkeypatch):
     (tmp_path / "small" / "s.txt").write_text("text")
     monkeypatch.chdir(tmp_path)
     assert expand_paths(["small", "./small", str(tmp_path / "small")]) == [os.path.join(".", "small", "s.txt")]
+
+
+def test_a_one_document_corpus_says_so(tmp_path, capsys):
+    """A .txt without blank lines is one document; the per-document split left validation (or training) empty, and
+    the errors sent the user from raising data.val_frac to lowering it.  Without validation it trains."""
+    corpus = tmp_path / "novel.txt"
+    corpus.write_text("\n".join(f"line {i} of one long story without blank lines." for i in range(200)))
+    args = ["--preset", "lm-tiny", "--set", f"data.paths={corpus}", "--set", "data.seq_len=16", "--set",
+            "train.batch_size=4", "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set",
+            "model.n_layers=1", "--set", "train.plots=false", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+            "--set", "train.steps=2", "--set", "checkpoint.enabled=false"]
+    for val_frac in ("0.05", "0.9"):
+        rc, _, err = _cli([*args, "--run-dir", str(tmp_path / f"r{val_frac}"), "--set", f"data.val_frac={val_frac}"],
+                          capsys)
+        assert rc == 2 and "is one document" in err and "data.val_frac=0 and data.val_batches=0" in err, err
+    rc, _, err = _cli([*args, "--run-dir", str(tmp_path / "r0"), "--set", "data.val_frac=0", "--set",
+                       "data.val_batches=0"], capsys)
+    assert rc == 0, err
