@@ -623,7 +623,7 @@ def test_text_corpus_too_short_for_a_window_or_a_validation_window(tmp_path):
     build_data = trainer.build_data
     (tmp_path / "one.txt").write_text("x" * 15)  # BOS + 15 bytes + EOS = 17 tokens = data.seq_len + 1
     sets = [f"data.paths={tmp_path / 'one.txt'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}"]
-    with pytest.raises(ConfigError, match=r"validation split has 0 tokens.*data.val_batches=0"):
+    with pytest.raises(ConfigError, match=r"is one document.*gave it to training.*data.val_batches=0"):
         build_data(build_config(preset="lm-tiny", overrides=sets))
     data = build_data(build_config(preset="lm-tiny", overrides=sets + ["data.val_batches=0"]))
     assert data.num_train_starts == 1 and data.num_val_windows == 0
@@ -807,7 +807,47 @@ def test_a_one_document_corpus_says_so(tmp_path, capsys):
     for val_frac in ("0.05", "0.9"):
         rc, _, err = _cli([*args, "--run-dir", str(tmp_path / f"r{val_frac}"), "--set", f"data.val_frac={val_frac}"],
                           capsys)
-        assert rc == 2 and "is one document" in err and "data.val_frac=0 and data.val_batches=0" in err, err
-    rc, _, err = _cli([*args, "--run-dir", str(tmp_path / "r0"), "--set", "data.val_frac=0", "--set",
-                       "data.val_batches=0"], capsys)
+        assert rc == 2 and "is one document" in err and "blank-line-separated" in err, err
+        assert ("gave it to training" in err and "data.val_batches=0" in err) if val_frac == "0.05" else \
+            ("gave it to validation" in err and "data.val_frac=0 and data.val_batches=0" in err), err
+    rc, _, err = _cli([*args, "--run-dir", str(tmp_path / "r0"), "--set", "data.val_batches=0"], capsys)
     assert rc == 0, err
+
+
+def test_a_checkpoint_folder_renamed_to_another_step_is_named(tmp_path, capsys):
+    """A step folder copied or renamed under another number was a RuntimeError traceback (exit 1)."""
+    run_dir = tmp_path / "run"
+    tiny = sum((["--set", o] for o in TINY), [])
+    assert _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), *tiny, "--set", "train.steps=3"],
+                capsys)[0] == 0
+    os.rename(run_dir / "checkpoints" / "3", run_dir / "checkpoints" / "30")
+    rc, _, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=40"], capsys)
+    assert rc == 2 and "holds the state of step 3 (its data position), not of step 30" in err, err
+    assert err.count("\n") == 1 and checkpoint_steps(run_dir) == [30]
+
+
+def test_a_signal_during_the_final_evaluation_stops_it_and_says_so(tmp_path, capsys, monkeypatch):
+    """SIGINT after the last step printed 'stopping after the current step and writing a checkpoint', then the
+    evaluation ran on and the command exited 0.  Now it stops the evaluation: exit 130, the last step's checkpoint
+    kept, and --resume makes the final evaluation."""
+    real = trainer.ev.addition_accuracy
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer.ev, "addition_accuracy", interrupted)
+    run_dir = tmp_path / "run"
+    tiny = sum((["--set", o] for o in TINY), [])
+    rc, out, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), *tiny, "--set", "train.steps=3",
+                         "--set", "train.eval_every=0"], capsys)
+    assert rc == 130, (rc, err)
+    assert "every step has run: stopping the final evaluation" in err
+    assert "stopped by SIGINT after step 3; checkpoint of step 3 written" in err
+    assert checkpoint_steps(run_dir) == [3] and not (run_dir / "report.txt").exists()
+    rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
+    assert rc == 0 and (run_dir / "report.txt").exists(), err
+    assert [e["step"] for e in read_metrics(run_dir)[1]] == [3]

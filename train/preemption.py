@@ -45,6 +45,7 @@ class StopRequest:
         self.signum: int | None = None
         self.multiprocess = multiprocess
         self._previous: dict = {}
+        self._finished: tuple | None = None  # (step, saved, run_dir) once every step has run
 
     def __enter__(self) -> "StopRequest":
         if not self.multiprocess and threading.current_thread() is threading.main_thread():
@@ -69,8 +70,20 @@ class StopRequest:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
         self.signum = signum
+        if self._finished is not None:  # no step left to finish: stop the final evaluation now
+            step, saved, run_dir = self._finished
+            print(f"[{signal.Signals(signum).name}] every step has run: stopping the final evaluation", file=sys.stderr,
+                  flush=True)
+            raise Interrupted(signum, step, saved=saved, run_dir=run_dir)
         print(f"[{signal.Signals(signum).name}] stopping after the current step and writing a checkpoint "
               f"(send it again to stop at once, without one)", file=sys.stderr, flush=True)
+
+    def training_finished(self, step: int, saved: bool, run_dir: str) -> None:
+        """Every step has run (the last one's checkpoint written when ``saved``): a signal from now on stops the
+        final evaluation at once, and so does one that came during the last step (raised here)."""
+        self._finished = (step, saved, run_dir)
+        if self.signum is not None:
+            raise Interrupted(self.signum, step, saved=saved, run_dir=run_dir)
 
     def requested(self, step: int) -> bool:
         """Whether to stop after ``step``.  On several processes: JAX's preemption sync point (every process

@@ -202,6 +202,11 @@ def _document(where: str, row, text_key: str) -> str:
     return value
 
 
+# why a corpus can be one document, for the errors of a split that one document cannot serve
+ONE_DOCUMENT = ("whole documents go to one side (a .txt/.md file is one document per blank-line-separated block, "
+                "a .jsonl file one per line): separate the text into documents, add files, or")
+
+
 def read_documents(paths, text_key: str = "text") -> list[str]:
     """Documents from local files: a .txt/.md file (or any other plain file a glob names) is one
     document per blank-line-separated block; .jsonl/.json rows give ``row[text_key]``; .parquet
@@ -322,14 +327,11 @@ class TextData:
                     os.replace(tmp, f)
             self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
         n_train = len(self.splits["train"][0])
-        if len(docs) == 1 and self.val_frac > 0:
-            # the split is per document: one document cannot be cut into a training and a validation part
-            raise ValueError(f"data: the corpus {list(self.paths)} is one document, and the training / validation "
-                             f"split (data.val_frac={self.val_frac}) takes whole documents. A .txt/.md file is one "
-                             "document per blank-line-separated block, a .jsonl file one per line: separate the text "
-                             "into documents, add files, or set data.val_frac=0 and data.val_batches=0 to train "
-                             "without validation.")
         if n_train < self.seq_len:
+            if len(docs) == 1 and is_val[0]:
+                raise ValueError(f"data: the corpus {list(self.paths)} is one document, and the training / validation "
+                                 f"split (data.val_frac={self.val_frac}) gave it to validation: {ONE_DOCUMENT} set "
+                                 "data.val_frac=0 and data.val_batches=0 to train on it without validation.")
             raise ValueError(f"data: the training split has {n_train} tokens ({int((~is_val).sum())} of "
                              f"{len(docs)} documents), fewer than one window of {self.seq_len} tokens "
                              "(data.seq_len + 1); add more text or lower data.seq_len or data.val_frac.")

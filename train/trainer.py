@@ -40,7 +40,7 @@ from falcon_jax.train.report import finish, percent, start_lines, widths_with_fe
 from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
                                      check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps,
                                      hold_run_lock, metric_records, read_metrics, release_run_lock, write_atomic)
-from falcon_jax.train.text import TextData
+from falcon_jax.train.text import ONE_DOCUMENT, TextData
 
 
 def build_data(cfg: TrainConfig):
@@ -69,6 +69,10 @@ def _build_data(cfg: TrainConfig):
                         cache_dir=d.cache_dir)
         if d.val_batches > 0 and data.num_val_windows == 0:  # every evaluation would record no loss
             n_val, n_docs = len(data.splits["val"][0]), len(np.unique(data.splits["val"][1]))
+            if n_docs == 0 and len(np.unique(data.splits["train"][1])) == 1:
+                raise ValueError(f"data: the corpus {list(d.paths)} is one document, and the training / validation "
+                                 f"split (data.val_frac={d.val_frac}) gave it to training: {ONE_DOCUMENT} set "
+                                 "data.val_batches=0 to train without validation.")
             raise ValueError(f"data: the validation split has {n_val} tokens ({n_docs} documents), fewer than one "
                              f"window of data.seq_len + 1 = {data.seq_len}; raise data.val_frac, add documents, "
                              "lower data.seq_len, or set data.val_batches=0 to train without validation.")
@@ -271,8 +275,13 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
             else:
                 step0, state, meta = got
                 start = int(meta["data"]["step"])
-                if start != step0:
-                    raise RuntimeError(f"checkpoint {step0}: data-iterator step {start} does not match.")
+                if start != step0:  # a step folder renamed or copied under another number
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(f"--resume: checkpoint folder {os.path.join(ckpt.dir, str(step0))} holds the "
+                                      f"state of step {start} (its data position), not of step {step0}: was it "
+                                      f"renamed or copied from another step? Give it back its name "
+                                      f"({start}), or move it out of {ckpt.dir}. Nothing was moved.")
                 differences = saved_model_mismatch(meta, cfg)
                 if differences:  # a model with the same parameter shapes restores without an error
                     ckpt.close()
@@ -541,6 +550,9 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         if pending:
             flush(0, 0, 0)
         if stopped is None and non_finite is None:
+            if ckpt is not None:
+                ckpt.wait()  # the last step's checkpoint is on disk before a signal may end the run
+            stop.training_finished(cfg.train.steps, saved=ckpt is not None, run_dir=run_dir)
             last_eval = do_eval(cfg.train.steps, final=True) if cfg.train.steps > 0 else last_eval
     except _Diverged:
         pass  # reported below, once the checkpointer has closed
