@@ -851,3 +851,16 @@ def test_a_signal_during_the_final_evaluation_stops_it_and_says_so(tmp_path, cap
     rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
     assert rc == 0 and (run_dir / "report.txt").exists(), err
     assert [e["step"] for e in read_metrics(run_dir)[1]] == [3]
+
+
+@pytest.mark.parametrize("name", ["report.txt", "width_shares.json", "loss.png", "accuracy_vs_width.png"])
+def test_a_new_run_does_not_replace_a_report_or_plot_in_its_folder(tmp_path, capsys, name):
+    """Only config.json, metrics.jsonl and checkpoints/ were protected: a file of the same name as a run's report
+    or plots (a user's notes, another run's report) was overwritten without a word."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / name).write_text("mine")
+    rc, _, err = _cli(["--preset", "addition-tiny", "--run-dir", str(run_dir), "--set", "train.steps=2",
+                       *sum((["--set", o] for o in TINY), [])], capsys)
+    assert rc == 2 and f"already holds a run without checkpoints ({name})" in err, err
+    assert (run_dir / name).read_text() == "mine"

@@ -53,15 +53,17 @@ def checkpoint_steps(run_dir: str) -> list[int]:
 def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> None:
     """Refuse to start a new run over an earlier one: over its checkpoints (``--resume`` continues it), or,
     without checkpoints, over its ``config.json`` or ``metrics.jsonl`` (a new run would replace the one and
-    append to the other, and readers take the last record of each step: the two runs' steps would mix).  With
+    append to the other, and readers take the last record of each step: the two runs' steps would mix), or any
+    other file a run writes there (a report or plot, which a new run would replace).  With
     ``must_exist`` (``--resume``) refuse to resume a run that has no checkpoint.  Reads the file system only,
     so it runs before any model or data work."""
     existing = checkpoint_steps(run_dir)
     if existing and not resume:
         raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
                           f"continue that run, or choose another train.run_dir.")
-    earlier = [name for name in (CONFIG, METRICS) if os.path.isfile(os.path.join(run_dir, name))
-               and os.path.getsize(os.path.join(run_dir, name)) > 0]
+    # every file a run writes at the top of its folder: a new run would replace or mix into each of them
+    earlier = [name for name in (CONFIG, METRICS, REPORT, WIDTH_SHARES, "loss.png", "accuracy_vs_width.png")
+               if os.path.isfile(os.path.join(run_dir, name)) and os.path.getsize(os.path.join(run_dir, name)) > 0]
     if earlier and not existing and not resume:
         raise RunDirError(f"{run_dir} already holds a run without checkpoints ({', '.join(earlier)}); a new run "
                           f"there would replace its config and mix its metrics with the new run's. Choose "
