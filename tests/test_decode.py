@@ -177,8 +177,9 @@ def test_init_cache_and_generate_reject_bad_sizes_and_keys():
         with pytest.raises(ValueError, match="init_cache: max_len must be an int >= 1"):
             model.init_cache(2, bad)
     prompt = jnp.ones((1, 3), jnp.int32)
-    for bad in (0, np.zeros(2, np.uint32), jnp.zeros(3, jnp.uint32)):
-        with pytest.raises(TypeError, match="rng must be a JAX random key"):
+    # (a batch of keys failed inside jax.random.split)
+    for bad in (0, np.zeros(2, np.uint32), jnp.zeros(3, jnp.uint32), jax.random.split(jax.random.key(0), 2)):
+        with pytest.raises(TypeError, match="rng must be one JAX random key"):
             model.generate(prompt, 2, rng=bad)
     for good in (jax.random.key(1), jax.random.PRNGKey(1)):  # new-style and raw uint32[2] keys both sample
         assert model.generate(prompt, 2, rng=good).shape == (1, 5)

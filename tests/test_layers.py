@@ -205,6 +205,18 @@ def test_short_conv_does_not_leak_across_segments(rng):
     np.testing.assert_allclose(np.asarray(state2[:, 1:]), np.asarray(x[:, 5:7]))
 
 
+def test_rope_checks_its_arguments(rng):
+    """The public rope: theta=0 gave NaN, positions of another length a broadcasting error from inside JAX."""
+    from falcon_jax.nn.baselines import rope
+    x = jnp.asarray(rng.standard_normal((2, 5, 3, 8)), jnp.float32)
+    with pytest.raises(ValueError, match=r"^rope: theta=0\.0 must be a finite number > 0"):
+        rope(x, jnp.arange(5), 0.0)
+    with pytest.raises(ValueError, match=r"^rope: positions must be \[T\] or \[B, T\] = \(5,\) or \(2, 5\); got "
+                                         r"shape \(4,\)"):
+        rope(x, jnp.arange(4), 1e4)
+    np.testing.assert_allclose(rope(x, jnp.arange(5), 1e4), rope(x, jnp.tile(jnp.arange(5), (2, 1)), 1e4))
+
+
 def test_short_conv_and_rmsnorm_refuse_inputs_of_another_shape(rng):
     """A state of another length shifted every output (T - 1 or T + 3 outputs came back); x with other channels
     or a zero width failed inside JAX (a concatenate error, a ZeroDivisionError)."""

@@ -47,9 +47,15 @@ from falcon_jax.validation import is_concrete
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding (rotate-half form) of ``x [B, T, H, d]`` at ``positions [T]``
     (or ``[B, T]``); frequencies ``theta^(−2i/d)``, ``i < d/2``; computed in fp32 or wider."""
+    if getattr(x, "ndim", None) != 4:
+        raise ValueError(f"rope: x must be [B, T, H, d]; got shape {tuple(getattr(x, 'shape', ()))}.")
     d = x.shape[-1]
     if d % 2:
         raise ValueError(f"SoftmaxAttention: head_dim={d} must be even for RoPE.")
+    if tuple(positions.shape) not in ((x.shape[1],), (x.shape[0], x.shape[1])):
+        raise ValueError(f"rope: positions must be [T] or [B, T] = ({x.shape[1]},) or {tuple(x.shape[:2])}; got "
+                         f"shape {tuple(positions.shape)}.")
+    check_real("rope", "theta", theta, 0.0, low_ok=False, meaning=" (the RoPE base; 0 gives NaN)")
     ft = jnp.promote_types(x.dtype, jnp.float32)
     inv = 1.0 / (theta ** (jnp.arange(0, d // 2, dtype=ft) * (2.0 / d)))
     ang = positions.astype(ft)[..., None] * inv  # [..., T, d/2]
