@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from falcon_jax.nn import LMConfig
+from falcon_jax.train.addition import LISTED_WIDTH, heldout_problems
 
 
 @dataclasses.dataclass
@@ -481,7 +482,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
           "must be in (0, 0.5] (the share of problems held out for evaluation; training draws from the rest).")
     _seed("data.split_seed", d.split_seed)
     if d.kind == "addition":
-        from falcon_jax.train.addition import LISTED_WIDTH, heldout_problems  # numpy: not needed by other checks
         for w in sorted(set(d.eval_widths)):
             # a short width has few problems (100 at width 1): the split can leave it none, found at the first
             # evaluation otherwise, after training up to it
