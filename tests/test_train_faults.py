@@ -864,3 +864,16 @@ def test_a_new_run_does_not_replace_a_report_or_plot_in_its_folder(tmp_path, cap
                        *sum((["--set", o] for o in TINY), [])], capsys)
     assert rc == 2 and f"already holds a run without checkpoints ({name})" in err, err
     assert (run_dir / name).read_text() == "mine"
+
+
+def test_settings_of_the_other_data_kind_are_named_as_not_read():
+    """data.paths on an addition run (a forgotten data.kind=text), data.pack on a text run: trained without a
+    word before.  The presets' own settings give no note."""
+    from falcon_jax.train.report import start_lines
+    cfg = build_config(preset="addition-tiny", overrides=["data.paths=corpus", "data.tokenizer=bpe"])
+    assert "  note: not read with data.kind='addition': data.paths=['corpus'], data.tokenizer='bpe'" in start_lines(cfg)
+    cfg = build_config(preset="lm-tiny", overrides=["data.pack=true", "data.train_max_width=20"])
+    assert any(ln.startswith("  note: not read with data.kind='text': data.train_max_width=20, data.pack=True")
+               for ln in start_lines(cfg))
+    for preset, extra in (("addition-tiny", []), ("addition-packed", []), ("lm-tiny", ["data.paths=corpus"])):
+        assert not any("not read with" in ln for ln in start_lines(build_config(preset=preset, overrides=extra)))

@@ -53,7 +53,24 @@ def start_lines(cfg) -> list[str]:
         lines.append(f"  note: optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps={cfg.train.steps}: the "
                      f"learning rate stays in its warm-up and never reaches optim.lr={cfg.optim.lr:g} (--set "
                      f"optim.warmup_steps=N to shorten it)")
+    ignored = ignored_data_settings(cfg.data)
+    if ignored:
+        lines.append(f"  note: not read with data.kind={cfg.data.kind!r}: {', '.join(ignored)}")
     return lines + (["  " + NO_MATPLOTLIB] if missing else [])
+
+
+ADDITION_ONLY = ("train_min_width", "train_max_width", "eval_widths", "eval_examples", "greedy_widths",
+                 "greedy_examples", "heldout_frac", "split_seed", "pack", "width_sampling", "curriculum_steps",
+                 "curriculum_start_width")
+TEXT_ONLY = ("paths", "tokenizer", "bpe_vocab_size", "val_frac", "val_batches", "text_key", "cache_dir")
+
+
+def ignored_data_settings(data) -> list[str]:
+    """``data.<field>=<value>`` for the settings of the other data kind that differ from their defaults (e.g.
+    data.paths on an addition run: a forgotten data.kind=text)."""
+    other = TEXT_ONLY if data.kind == "addition" else ADDITION_ONLY
+    default = type(data)()
+    return [f"data.{f}={getattr(data, f)!r}" for f in other if getattr(data, f) != getattr(default, f)]
 
 
 def widths_with_fewer_problems(accuracy: dict, eval_examples: int) -> list[str]:
