@@ -20,9 +20,9 @@
 
 All read after write: ``o_t = scale · S_tᵀ q_t``.  Gates may be ``[B, T, H]`` arrays or scalars; their
 domain is ``beta ≥ 0`` and ``log_decay ≤ 0`` (γ ≤ 1): concrete values outside it raise ``ValueError``,
-traced ones are clamped into it; a ``log_decay`` below −30 counts as −30 (γ = 9e-14, a reset within fp32
-rounding; it keeps the chunk forms' cumulative sums exact) (DeltaNet also needs ``β‖k‖² ≤ 2``, which is the caller's to keep, e.g.
-β = σ(z) with ℓ2-normalized keys).  Each takes the same
+traced ones are clamped into it.  A ``log_decay`` below −30 counts as −30 (γ = 9e-14, a reset within fp32
+rounding), which keeps the chunk forms' cumulative sums exact.  DeltaNet also needs ``β‖k‖² ≤ 2``, which is
+the caller's to keep (e.g. β = σ(z) with ℓ2-normalized keys).  Each takes the same
 ``form``, ``chunk_size``, ``initial_state``, ``return_final_state``,
 ``segment_ids``, ``impl`` and ``kernel_config`` arguments as :func:`falcon_jax.falcon` (a concrete
 ``initial_state`` holding NaN or inf is refused there too); a length-1 call with ``initial_state`` is a

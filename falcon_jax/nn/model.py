@@ -191,9 +191,9 @@ class FalconLM(nnx.Module):
                 raise ValueError("generate: pass rng=jax.random.key(seed) to sample, or greedy=True.")
             if not (isinstance(rng, jax.Array) and ((jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ())
                                                     or (rng.dtype == jnp.uint32 and rng.shape == (2,)))):
-                raise TypeError(f"generate: rng must be one JAX random key (jax.random.key(seed)); got "
-                                f"{type(rng).__name__}{'' if not hasattr(rng, 'dtype') else ' of dtype ' + str(rng.dtype)}"
-                                f"{'' if not hasattr(rng, 'shape') else ' and shape ' + str(tuple(rng.shape))}.")
+                got = type(rng).__name__ + (f" of dtype {rng.dtype}" if hasattr(rng, "dtype") else "") + (
+                    f" and shape {tuple(rng.shape)}" if hasattr(rng, "shape") else "")
+                raise TypeError(f"generate: rng must be one JAX random key (jax.random.key(seed)); got {got}.")
             if isinstance(temperature, bool) or np.ndim(temperature) != 0 \
                     or not (np.issubdtype(np.asarray(temperature).dtype, np.integer)
                             or np.issubdtype(np.asarray(temperature).dtype, np.floating)):
