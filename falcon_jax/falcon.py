@@ -265,7 +265,9 @@ def falcon_step(state, q_t, k_t, v_t, beta_t, lam_t, *, variant, window=4, align
       :func:`falcon`.
 
     Returns:
-      ``(o_t [B, H, dv], new_state)``.
+      ``(o_t [B, H, dv], new_state)``; ``new_state`` is in the compute dtype (fp32, or fp64 for fp64 inputs)
+      whatever ``state``'s dtype, so a ``lax.scan`` carrying it starts from an fp32 state (``init_state``'s
+      default), not a bf16 one.
     """
     val.check_variant(variant)
     variant = variant.upper()
