@@ -48,17 +48,41 @@ def worker_scratch(prefix: str) -> tuple[str, str]:
     return scratch, harness
 
 
-def replacing(out: str, suite: str) -> str | None:
-    """The line that says a run of ``suite`` replaces an earlier results file in ``out`` (None when there is none)."""
-    path = os.path.join(out, f"{suite}.json")
-    if not os.path.isfile(path):
-        return None
+class ResultFiles:
+    """Where a suite writes ``<suite>.json`` and ``<suite>.log`` in ``out``.  Without an earlier ``<suite>.json``
+    there, straight to those names (a run cut by a time limit keeps what it measured).  With one, to
+    ``<suite>.partial.json`` / ``.partial.log`` until :meth:`finish` (the run ended without an exception) moves them
+    over the earlier pair: an interrupted or failed rerun leaves the earlier results as they were."""
+
+    def __init__(self, out: str, suite: str):
+        self.json, self.log = (os.path.join(out, f"{suite}.{ext}") for ext in ("json", "log"))
+        self.earlier = _result_date(self.json) if os.path.isfile(self.json) else None
+        if self.earlier is None:
+            self.json_now, self.log_now = self.json, self.log
+        else:
+            self.json_now, self.log_now = (os.path.join(out, f"{suite}.partial.{ext}") for ext in ("json", "log"))
+
+    def note(self) -> str | None:
+        """The line that says an earlier result is replaced once this run ends (None when there is none)."""
+        if self.earlier is None:
+            return None
+        return (f"replacing {self.json} (the results of {self.earlier}) when this run ends; until then it writes "
+                f"{self.json_now}, which an interrupted run leaves beside it. Keep the earlier one with another --out")
+
+    def finish(self) -> str:
+        """Move this run's files over the earlier ones; the path of the results."""
+        if self.json_now != self.json:
+            os.replace(self.json_now, self.json)
+            os.replace(self.log_now, self.log)
+        return self.json
+
+
+def _result_date(path: str) -> str:
     try:
         with open(path) as f:
-            date = json.load(f).get("date")
+            return json.load(f).get("date") or "an earlier run"
     except (OSError, ValueError, AttributeError):
-        date = None
-    return f"replacing {path} (the results of {date or 'an earlier run'}): keep it with another --out"
+        return "an earlier run"
 
 
 class Log:

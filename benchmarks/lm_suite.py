@@ -15,7 +15,7 @@ import threading
 import time
 
 from benchmarks import source_tree, trace_scopes
-from benchmarks.common import ROOT, Log, Worker, note, replacing, select_names, table, worker_scratch
+from benchmarks.common import ROOT, Log, ResultFiles, Worker, note, select_names, table, worker_scratch
 
 # the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
 # that a run cut short has the rows that matter most
@@ -120,10 +120,10 @@ def run(args, argv) -> int:
     :func:`prepare_deadline` (the budget less ``LM_MEASURE_RESERVE`` s per configuration of the wave), those cut
     there reported as timed out and the others measured, each for at most :func:`measure_deadline`."""
     os.makedirs(args.out, exist_ok=True)
-    earlier = replacing(args.out, "lm")
-    log = Log(os.path.join(args.out, "lm.log"))
-    if earlier:
-        log(earlier)
+    files = ResultFiles(args.out, "lm")
+    log = Log(files.log_now)
+    if files.note():
+        log(files.note())
     started = time.monotonic()
     scratch, harness = worker_scratch("falcon-bench-")
     tree = source_tree.describe(ROOT)
@@ -175,11 +175,9 @@ def run(args, argv) -> int:
                "jobs": args.jobs, "worker_env": LM_ENV, "timing_parameters": timing, "limits_s": limits,
                "budget_s": args.budget, "measure_reserve_s": LM_MEASURE_RESERVE,
                "trees": {"measured": tree}, "environment": None, "steps": [], "rows": []}
-    out_json = os.path.join(args.out, "lm.json")
-
     def save():
         payload["seconds"] = round(time.monotonic() - started, 1)
-        with open(out_json, "w") as f:
+        with open(files.json_now, "w") as f:
             json.dump(payload, f, indent=1, default=str)
 
     def left():
@@ -255,5 +253,6 @@ def run(args, argv) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         save()
         log(f"\nlm: {len(payload['steps'])} of {len(configs)} configurations in {payload['seconds']:.0f} s; "
-            f"wrote {out_json}")
+            f"wrote {files.json_now}")
+    files.finish()
     return 1 if failed else 0

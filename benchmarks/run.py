@@ -80,7 +80,7 @@ import sys
 import time
 
 from benchmarks import lm_suite, ops, source_tree
-from benchmarks.common import ROOT, Log, Worker, note, replacing, table, worker_scratch
+from benchmarks.common import ROOT, Log, ResultFiles, Worker, note, table, worker_scratch
 
 SUITES = ("bench", "memory", "profile", "compare", "lm")
 STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
@@ -333,10 +333,10 @@ def main(argv=None) -> int:
     if args.suite == "lm":
         return lm_suite.run(args, argv)
     os.makedirs(args.out, exist_ok=True)
-    earlier = replacing(args.out, args.suite)
-    log = Log(os.path.join(args.out, f"{args.suite}.log"))
-    if earlier:
-        log(earlier)
+    files = ResultFiles(args.out, args.suite)
+    log = Log(files.log_now)
+    if files.note():
+        log(files.note())
     started = time.monotonic()
     scratch, harness = worker_scratch("falcon-bench-")
     trees, workers = {}, {}
@@ -358,11 +358,9 @@ def main(argv=None) -> int:
                           "torch": "triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median')",
                           "fwd+bwd": "gradients of every floating input under a cotangent of ones"},
                "trees": trees, "worker_env": worker_env, "environment": None, "steps": [], "rows": []}
-    out_json = os.path.join(args.out, f"{args.suite}.json")
-
     def save():
         payload["seconds"] = round(time.monotonic() - started, 1)
-        with open(out_json, "w") as f:
+        with open(files.json_now, "w") as f:
             json.dump(payload, f, indent=1, default=str)
 
     described = [f"{n} = {t['path']} ({t['commit'] or 'no git commit'}, source {t['source_sha1']})"
@@ -418,7 +416,8 @@ def main(argv=None) -> int:
             worker.stop()
         shutil.rmtree(scratch, ignore_errors=True)
         save()
-    log(f"\n{args.suite}: {len(payload['steps'])} steps in {payload['seconds']:.0f} s; wrote {out_json}")
+    log(f"\n{args.suite}: {len(payload['steps'])} steps in {payload['seconds']:.0f} s; wrote {files.json}")
+    files.finish()
     return 1 if failed else 0
 
 

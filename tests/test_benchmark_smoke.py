@@ -94,12 +94,25 @@ def test_an_out_that_is_a_file_is_a_usage_error_and_an_earlier_result_is_named(t
             run.parse_args(["--suite", suite, "--smoke", "--out", str(blocker)])
         assert e.value.code == 2 and f"--out {blocker}: a file, not a folder" in capsys.readouterr().err
     assert blocker.read_text() == "kept"
+    # an earlier result is replaced only when the new run ends: an interrupted or failed rerun (an empty payload
+    # written at its start, or its first rows) replaced a complete result before
     out = tmp_path / "out"
     out.mkdir()
-    (out / "bench.json").write_text('{"date": "2026-01-02T03:04:05+00:00"}')
-    assert run.replacing(str(out), "bench") == (f"replacing {out / 'bench.json'} (the results of "
-                                                f"2026-01-02T03:04:05+00:00): keep it with another --out")
-    assert run.replacing(str(out), "lm") is None
+    (out / "bench.json").write_text('{"date": "2026-01-02T03:04:05+00:00", "rows": [1, 2]}')
+    (out / "bench.log").write_text("the earlier log")
+    files = run.ResultFiles(str(out), "bench")
+    assert files.note().startswith(f"replacing {out / 'bench.json'} (the results of 2026-01-02T03:04:05+00:00) "
+                                   f"when this run ends; until then it writes {out / 'bench.partial.json'}")
+    for path, text in ((files.json_now, '{"rows": []}'), (files.log_now, "cut short")):
+        with open(path, "w") as f:
+            f.write(text)
+    assert json.loads((out / "bench.json").read_text())["rows"] == [1, 2]  # the run has not ended: kept
+    assert (out / "bench.log").read_text() == "the earlier log"
+    assert files.finish() == str(out / "bench.json")
+    assert json.loads((out / "bench.json").read_text()) == {"rows": []} and not (out / "bench.partial.json").exists()
+    assert (out / "bench.log").read_text() == "cut short"
+    lm = run.ResultFiles(str(out), "lm")  # nothing earlier: straight to lm.json (a time limit keeps what ran)
+    assert lm.note() is None and (lm.json_now, lm.log_now) == (str(out / "lm.json"), str(out / "lm.log"))
 
 
 def test_bench_smoke_writes_every_row_and_the_metadata(tmp_path):
