@@ -50,7 +50,12 @@ def test_gpu_share_outside_0_1_is_refused(tmp_path, monkeypatch, capsys, share):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--lanes", "0"], "--lanes must be >= 1"), (["--deadline-min", "-5"], "--deadline-min must be >= 0"),
+    (["--lanes", "0"], "--lanes must be >= 1"), (["--deadline-min", "-5"], "--deadline-min must be 0 (none) or"),
+    # below a minute (or NaN) no run could start: the suite exited 0 with every run unfinished
+    (["--deadline-min", "0.4"], "--deadline-min must be 0 (none) or at least 1"),
+    (["--deadline-min", "nan"], "--deadline-min must be 0 (none) or at least 1"),
+    # `--only $NAMES` with NAMES empty ran every run of the suite
+    (["--only"], "--only: give one or more run names"),
     (["--pack", "no/such/folder/out.tar.gz"], "give a file path in an existing, writable folder"),
     (["--pack", "."], "give a file path in an existing, writable folder"),
 ])

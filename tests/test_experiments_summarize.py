@@ -24,6 +24,28 @@ def _pack(path, suite, runs):
                 tar.addfile(info, io.BytesIO(data))
 
 
+def test_no_runs_or_an_existing_result_is_refused(tmp_path, capsys):
+    """A mistyped suite name or folder wrote an empty result (exit 0), and a --tag used again replaced the
+    earlier files, by default the repository's published ones, without a word."""
+    config = {"data": {"train_max_width": 4}, "model": {"mixer": "falcon-1A.3"}, "train": {"seed": 0}}
+    evals = [{"kind": "eval", "step": 100, "in_dist_exact": 0.5, "heldout_width_exact": 0.1,
+              "teacher_forced": {"2": {"exact": 0.5, "digit": 0.5}}, "greedy": {"2": 0.0}}]
+    _pack(tmp_path / "p.tar.gz", "addition-m", {"run-a": (config, evals)})
+    dirs = dict(out_dir=str(tmp_path / "results"), img_dir=str(tmp_path / "img"))
+    for argv, named in ((["lm", str(tmp_path / "p.tar.gz")], "holds no run of the suite 'lm'"),
+                        (["addition-m", str(tmp_path)], "holds no run of the suite 'addition-m'"),
+                        (["addition-m", str(tmp_path / "p.tar.gz"), "--tag", "a/b"], "a name without '/'")):
+        with pytest.raises(SystemExit) as e:
+            summarize.main([*argv, "--tag", "t"] if "--tag" not in argv else argv, **dirs)
+        assert e.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+    assert summarize.main(["addition-m", str(tmp_path / "p.tar.gz"), "--tag", "t"], **dirs) == 0
+    with pytest.raises(SystemExit) as e:
+        summarize.main(["addition-m", str(tmp_path / "p.tar.gz"), "--tag", "t"], **dirs)
+    assert e.value.code == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert summarize.main(["addition-m", str(tmp_path / "p.tar.gz"), "--tag", "t", "--overwrite"], **dirs) == 0
+
+
 @pytest.mark.parametrize("suite", ["addition-sweep", "addition-m"])
 def test_addition_suites_pick_the_best_in_distribution_step(tmp_path, rng, suite):
     in_dist = rng.uniform(size=4)

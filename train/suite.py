@@ -153,8 +153,12 @@ def main(argv=None, *, root: str | None = None) -> int:
     args = p.parse_args(argv)
     if args.lanes < 1:  # no lane would start a run, and the suite would end at once with exit code 0
         p.error(f"--lanes must be >= 1, got {args.lanes}")
-    if args.deadline_min < 0:
-        p.error(f"--deadline-min must be >= 0 (0 = none), got {args.deadline_min}")
+    # a run starts only while 30 s are left before the deadline: below one minute nothing would start (NaN: never)
+    if not (args.deadline_min == 0 or args.deadline_min >= 1):
+        p.error(f"--deadline-min must be 0 (none) or at least 1 (runs start only while 30 s are left before it), "
+                f"got {args.deadline_min}")
+    if args.only is not None and not args.only:
+        p.error("--only: give one or more run names (without --only every run of the suite runs)")
     if args.pack:  # checked now, not after hours of runs; relative to the caller's folder, not root
         args.pack = os.path.abspath(args.pack)
         folder = os.path.dirname(args.pack)

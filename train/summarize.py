@@ -173,12 +173,19 @@ def main(argv=None, *, out_dir: str = ".", img_dir: str = ".") -> int:
     p.add_argument("--tag", required=True, help="name of this result set, e.g. h200-2026-11-29")
     p.add_argument("--out-dir", default=out_dir, help=f"where the JSON goes (default: {out_dir})")
     p.add_argument("--img-dir", default=img_dir, help=f"where the plots go (default: {img_dir})")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier result of this suite and tag")
     args = p.parse_args(argv)
+    if not args.tag or os.sep in args.tag:
+        p.error(f"--tag {args.tag!r}: a name without '{os.sep}' (it names the files SUITE-TAG.json and the plots)")
+    out = os.path.join(args.out_dir, f"{args.suite}-{args.tag}.json")
+    if os.path.exists(out) and not args.overwrite:  # the defaults are the repository's published results
+        p.error(f"{out} exists: pass --overwrite to replace it (and its plots), or choose another --tag")
     runs = load_runs(args.results, args.suite)
+    if not runs:  # a mistyped suite name or folder would write an empty result over a good one
+        p.error(f"{args.results} holds no run of the suite {args.suite!r}: check the suite name and the path")
     rows = lm_rows(runs) if args.suite == "lm" else addition_rows(runs)
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.img_dir, exist_ok=True)
-    out = os.path.join(args.out_dir, f"{args.suite}-{args.tag}.json")
     with open(out, "w") as f:  # strict JSON: a diverged run's NaN loss is the string "nan", as in metrics.jsonl
         f.write(dumps_strict({"suite": args.suite, "tag": args.tag, "rows": rows,
                               "configs": {n: r.get("config") for n, r in runs.items()}}, indent=1))
