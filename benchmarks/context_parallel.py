@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke and args.cpu:
         p.error("--smoke and --cpu: choose one (--smoke is already on simulated CPU devices)")
-    if args.budget is not None and args.budget < 0:
+    if args.budget is not None and not args.budget >= 0:  # (NaN compared false everywhere: no limit)
         p.error(f"--budget {args.budget:g}: give seconds >= 0")
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]

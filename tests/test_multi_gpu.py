@@ -266,6 +266,10 @@ def test_a_run_past_its_time_is_killed(tmp_path):
     (["--out", "x", "--steps", "1"], "--steps=1"),
     (["--out", "x", "--budget", "-5"], "--budget=-5"),
     (["--out", "x", "--runs", "g1,gN-to-1"], "add g2-fsdp"),
+    # these made no run, or meant no limit, and exited 0
+    (["--out", "x", "--budget", "nan"], "--budget=nan"),
+    (["--out", "x", "--runs", ","], "--runs ',' names no run"),
+    (["--out", "x", "--run-timeout", "-5"], "--run-timeout=-5.0: give seconds > 0"),
 ])
 def test_bad_arguments_are_refused(fake, capsys, argv, message):
     fake()

@@ -157,6 +157,8 @@ def select(runs: list[Run], names: str | None, n: int) -> list[Run]:
         return runs
     wanted = [w.strip().replace("gN", f"g{n}") for w in names.split(",") if w.strip()]
     known = {r.name: r for r in runs}
+    if not wanted:  # ("," or "": the command would make no run and exit 0)
+        raise ValueError(f"--runs {names!r} names no run; choose from {', '.join(known)}, or leave --runs out for all.")
     unknown = [w for w in wanted if w not in known]
     if unknown:
         raise ValueError(f"--runs: unknown run(s) {unknown} for {n} GPU(s); choose from {', '.join(known)}.")
@@ -692,8 +694,10 @@ def main(argv=None, *, root: str | None = None) -> int:
     steps = args.steps if args.steps is not None else (6 if args.smoke else 100)
     if steps < 2:
         p.error(f"--steps={steps}: need at least 2 (the loss is compared over the second half).")
-    if args.budget < 0:
+    if not args.budget >= 0:  # (NaN too: every comparison with it is false, so it meant no limit)
         p.error(f"--budget={args.budget}: give seconds > 0, or 0 for no limit.")
+    if not args.run_timeout > 0:
+        p.error(f"--run-timeout={args.run_timeout}: give seconds > 0.")
     if args.smoke and args.smoke_devices < 1:
         p.error(f"--smoke-devices={args.smoke_devices}: need at least 1.")
     if args.gpus is not None and args.gpus < 1:
