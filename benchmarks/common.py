@@ -48,6 +48,17 @@ def worker_scratch(prefix: str) -> tuple[str, str]:
     return scratch, harness
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (a time limit) ends the run as an exception, through the callers' ``finally``: workers stopped, the
+    scratch folder removed, the JSON written.  Later SIGTERMs are ignored so that they do not cut that cleanup
+    short (coreutils ``timeout`` signals the process and then its whole group: the process gets it twice)."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class ResultFiles:
     """Where a suite writes ``<suite>.json`` and ``<suite>.log`` in ``out``.  Without an earlier ``<suite>.json``
     there, straight to those names (a run cut by a time limit keeps what it measured).  With one, to

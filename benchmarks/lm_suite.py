@@ -9,13 +9,13 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
 
 from benchmarks import source_tree, trace_scopes
-from benchmarks.common import ROOT, Log, ResultFiles, Worker, note, select_names, table, worker_scratch
+from benchmarks.common import (ROOT, Log, ResultFiles, Worker, exit_on_sigterm, note, select_names, table,
+                               worker_scratch)
 
 # the lm suite: the paper's mixers, the reference (Falcon-1A.3) first and the slow per-column rules last, so
 # that a run cut short has the rows that matter most
@@ -189,8 +189,7 @@ def run(args, argv) -> int:
     save()
     workers = []
     failed = False
-    # a time limit's SIGTERM ends the run through the finally below: workers stopped, the JSON written
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()  # a time limit's SIGTERM ends the run through the finally below
     try:
         for index, wave in enumerate(waves):
             first = sum(map(len, waves[:index]))

@@ -80,7 +80,7 @@ import sys
 import time
 
 from benchmarks import lm_suite, ops, source_tree
-from benchmarks.common import ROOT, Log, ResultFiles, Worker, note, table, worker_scratch
+from benchmarks.common import ROOT, Log, ResultFiles, Worker, exit_on_sigterm, note, table, worker_scratch
 
 SUITES = ("bench", "memory", "profile", "compare", "lm")
 STANDARD_SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (1, 32768, 16, 128)]
@@ -146,7 +146,7 @@ def parse_args(argv):
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "latest"))
     p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                    help="compare: a source tree (two or more)")
-    p.add_argument("--rounds", type=int, default=2, help="compare: measurements of each tree per rule")
+    p.add_argument("--rounds", type=int, default=None, help="compare: measurements of each tree per rule (default 2)")
     p.add_argument("--budget", type=float, help="start no step after this many seconds")
     p.add_argument("--commit", help="the commit of this checkout where its git metadata is missing or stale "
                    "(recorded as given)")
@@ -163,10 +163,22 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.budget is not None and not 0 < args.budget < float("inf"):  # NaN compares False: no limit at all
         p.error(f"--budget {args.budget:g}: give a number of seconds > 0 (steps past it are skipped)")
+    if args.rounds is not None and args.suite != "compare":  # (it was ignored without a word)
+        p.error(f"--rounds {args.rounds}: for --suite compare (it measures each tree that many times per rule)")
+    args.rounds = 2 if args.rounds is None else args.rounds
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give at least 1 (compare measures each tree that many times per rule)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: a file, not a folder; give the folder the results go into")
+    # checked here, not at the first write after the workers started (nothing is created yet)
+    existing = os.path.abspath(args.out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not args.out or not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        p.error(f"--out {args.out!r}: cannot create or write that folder ({existing} is "
+                f"{'not a folder' if not os.path.isdir(existing) else 'not writable'}); give a folder the results "
+                f"can go into")
+
     lm_only = [f"--{k.replace('_', '-')}" for k in ("mixers", "lengths", "jobs", "packed", "cold_compiles")
                if getattr(args, k) not in (None, False)]
     if args.suite == "lm":
@@ -332,6 +344,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.suite == "lm":
         return lm_suite.run(args, argv)
+    exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     files = ResultFiles(args.out, args.suite)
     log = Log(files.log_now)

@@ -14,6 +14,7 @@ prints the table (:func:`table3_row`).  A result file is the JSON
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 
@@ -25,14 +26,30 @@ import matplotlib.pyplot as plt  # noqa: E402
 TARGET = 95.0  # the in-distribution target of the addition experiment, % exact
 
 
+class ResultError(ValueError):
+    """A result file that cannot be plotted (the command line prints it in one line, exit code 2)."""
+
+
 def load(path: str):
     """``(tokens per step, eval records by step, trained widths)`` of one result file; a step evaluated twice
-    (the last evaluation repeated at the end of a run) keeps its last record."""
-    res = json.load(open(path))
-    cfg = res["config"]
-    tokens = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-    evals = {r["step"]: r for r in res["metrics"] if r.get("kind") == "eval"}
-    widths = range(cfg["data"]["train_min_width"], cfg["data"]["train_max_width"] + 1)
+    (the last evaluation repeated at the end of a run) keeps its last record.  ResultError naming the file when it
+    is missing, not JSON, not an addition result file, or holds no evaluation."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except OSError as e:
+        raise ResultError(f"{path}: {e.strerror or type(e).__name__}") from None
+    except ValueError as e:
+        raise ResultError(f"{path}: not JSON, or cut short ({e})") from None
+    try:
+        cfg = res["config"]
+        tokens = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+        evals = {r["step"]: r for r in res["metrics"] if r.get("kind") == "eval"}
+        widths = range(cfg["data"]["train_min_width"], cfg["data"]["train_max_width"] + 1)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ResultError(f"{path}: not an addition result file of experiments/record_run.py (no {e})") from None
+    if not evals or any("teacher_forced" not in r for r in evals.values()):
+        raise ResultError(f"{path}: holds no evaluation with per-width accuracies (a run stopped before its first)")
     return tokens, dict(sorted(evals.items())), list(widths)
 
 
@@ -95,7 +112,18 @@ def main(argv) -> int:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
     prefix, runs = argv[0], [a.split("=", 1) for a in argv[1:]]
-    loaded = [(label, *load(path)) for label, path in runs]
+    if any(not label or not path for label, path in runs):
+        print("give every run as LABEL=RESULT.json, neither part empty", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(folder):
+        print(f"{prefix}: the folder {folder} does not exist", file=sys.stderr)
+        return 2
+    try:  # every file read before any plot is written
+        loaded = [(label, *load(path)) for label, path in runs]
+    except ResultError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     # One colour per run in both line plots (its exact and per-digit lines share it); tab20 keeps ten
     # or more runs apart.

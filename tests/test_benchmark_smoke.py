@@ -62,6 +62,10 @@ def test_rules_or_mixers_naming_nothing_are_a_usage_error(capsys, argv, named):
     (["--suite", "bench", "--budget", "nan"], "--budget nan: give a number of seconds > 0"),
     (["--suite", "lm", "--budget", "inf"], "--budget inf: give a number of seconds > 0"),
     (["--suite", "compare", "--tree", "a=.", "--tree", "b=docs"], "--tree 'b=docs': docs holds no falcon_jax/"),
+    # ignored without a word outside compare; a traceback from os.makedirs after parsing
+    (["--suite", "bench", "--rounds", "5"], "--rounds 5: for --suite compare"),
+    (["--suite", "bench", "--out", "README.md/sub"], "--out 'README.md/sub': cannot create or write that folder"),
+    (["--suite", "bench", "--out", ""], "--out '': cannot create or write that folder"),
 ])
 def test_rounds_budgets_and_trees_that_measure_nothing_are_a_usage_error(capsys, monkeypatch, argv, named):
     from benchmarks.run import parse_args
@@ -600,3 +604,15 @@ def test_lm_budget_measures_the_compiled_configurations_of_a_wave_whose_slow_com
     assert reserve <= measure < budget - 1.0
     assert [s["status"] for s in data["steps"]] == ["timed out after 1 s", "ok"]
     assert data["budget_s"] == budget and data["measure_reserve_s"] == reserve
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path):
+    """coreutils timeout signals the process and then its group: the second SIGTERM raised SystemExit again inside
+    the suites' finally, leaving the workers running and the scratch folder behind (bench had no handler at all)."""
+    done = tmp_path / "cleaned"
+    code = ("import os, signal, time\nfrom benchmarks.common import exit_on_sigterm\nexit_on_sigterm()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\nfinally:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n"
+            f"    open({str(done)!r}, 'w').write('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and done.read_text() == "ok", proc.stderr

@@ -132,7 +132,7 @@ def _plot_module(name="plot_addition_packed"):
     return module
 
 
-def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
+def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng, capsys):
     plot = _plot_module()
     exact = rng.uniform(size=(3, 6))
     evals = [{"kind": "eval", "step": step, "teacher_forced": {str(w): {"exact": float(exact[i, w - 1]), "digit": 0.5}
@@ -158,6 +158,21 @@ def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng):
     assert steps == [100, 200] and all_widths == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(curve, [[100 * exact[0, w], 100 * exact[2, w]] for w in range(6)])
     assert plot.main([str(prefix), str(path)]) == 2
+    # bad result files are one line each and write nothing (a file without evaluations wrote the first plot, then
+    # failed with a StopIteration traceback); missing, cut or foreign files were tracebacks
+    (tmp_path / "cut.json").write_text(json.dumps(result)[:50])
+    (tmp_path / "noeval.json").write_text(json.dumps({**result, "metrics": result["metrics"][:1]}))
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    other = tmp_path / "other-img" / "q"
+    other.parent.mkdir()
+    for arg, named in ((f"x={tmp_path / 'missing.json'}", "No such file"), (f"x={tmp_path / 'cut.json'}", "not JSON"),
+                       (f"x={tmp_path / 'noeval.json'}", "holds no evaluation"),
+                       (f"x={tmp_path / 'other.json'}", "not an addition result file"), (f"={path}", "neither part"),
+                       ("x=", "neither part")):
+        capsys.readouterr()
+        assert plot.main([str(other), f"run={path}", arg]) == 2, arg
+        assert named in capsys.readouterr().err and not list(other.parent.iterdir()), arg
+    assert plot.main([str(tmp_path / "no" / "folder" / "p"), f"run={path}"]) == 2
 
 
 def test_table3_row_reads_the_trainers_checkpoint_choice_and_averages_per_width(rng):
