@@ -1,6 +1,7 @@
 """The experiment-suite runner (falcon_jax.train.suite, run by experiments/suite.py): each lane's
 share of GPU memory, the runs' commands, resuming and skipping, and bad --gpu-share values refused."""
 import json
+import os
 import sys
 
 import pytest
@@ -107,3 +108,23 @@ def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatc
     # it for good (exit code 2); --resume-or-start continues from its last checkpoint or starts it again
     assert cmds["runs/exp/lm/falcon-3A.3"][-1] == "--resume-or-start"
     assert not any(a.startswith("--resume") for a in cmds["runs/exp/lm/falcon-1A.3"])
+
+
+def test_a_stopped_suite_stops_its_runs_with_a_checkpoint_signal(tmp_path, monkeypatch, capsys):
+    """The runs are in sessions of their own: on Ctrl-C (or a time limit's SIGTERM) the runner died with a
+    traceback and its training processes went on as orphans, holding the GPU.  Now each gets SIGTERM (the trainer
+    stops after its step with a checkpoint) and the runner exits 130 saying so."""
+    import signal
+    import threading
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "stopped"
+    child = ("import signal, sys, time\n"
+             f"def stop(s, f):\n    open({str(marker)!r}, 'w').write('term')\n    sys.exit(143)\n"
+             "signal.signal(signal.SIGTERM, stop)\ntime.sleep(60)\n")
+    monkeypatch.setattr(suite, "command", lambda s, name: [sys.executable, "-c", child])
+    before = signal.getsignal(signal.SIGINT)
+    threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    assert suite.main(["addition-m", "--only", "transformer-s0"], root=str(tmp_path)) == 130
+    assert marker.read_text() == "term"
+    assert "[suite] stopped (SIGINT); the runs that were going stopped too: ['transformer-s0']" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back

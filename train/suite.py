@@ -187,6 +187,51 @@ def main(argv=None, *, root: str | None = None) -> int:
     deadline = t0 + 60 * args.deadline_min if args.deadline_min else None
     running: dict[str, tuple[subprocess.Popen, object, float]] = {}
     failed = []
+    # SIGTERM (a time limit) as an exception, so that the runs are stopped below; ignored once stopping, so a
+    # second one (coreutils timeout signals the whole group too) does not cut that short
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_on_sigterm),
+                signal.SIGINT: signal.getsignal(signal.SIGINT)}
+    try:
+        _run_all(args, todo, running, failed, env, deadline)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # the runs are in sessions of their own (a Ctrl-C in the terminal reaches only this process): SIGTERM
+        # asks each to stop after its current step with a checkpoint, so the suite resumes where it stopped
+        for proc, log, _ in running.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for name, (proc, log, _) in running.items():
+            try:
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # resumable from its last finished checkpoint
+                proc.wait()
+            log.close()
+        code = 130 if isinstance(stop, KeyboardInterrupt) else (stop.code if isinstance(stop.code, int) else 1)
+        print(f"[suite] stopped ({'SIGINT' if code == 130 else 'SIGTERM'}); the runs that were going stopped "
+              f"too: {sorted(running) or 'none'}; the same command continues the suite", flush=True)
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    left = [n for n in names if not finished(run_dir(args.suite, n))]
+    print(f"[suite] {time.time() - t0:.0f}s; unfinished: {left or 'none'}; failed: {failed or 'none'}", flush=True)
+    if args.pack:
+        pack(args.suite, args.pack)
+    return 1 if failed else 0
+
+
+STOP_WAIT_S = 60  # how long a stopped run may take to write its checkpoint before it is killed
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _run_all(args, todo, running, failed, env, deadline) -> None:
+    """Start the runs ``todo`` on ``args.lanes`` lanes and wait for them (``running``: name -> (process, log,
+    start time), kept up to date so that a stop can reach the runs going)."""
     while todo or running:
         while todo and len(running) < args.lanes and (deadline is None or time.time() < deadline - 30):
             name = todo.pop(0)
@@ -215,11 +260,6 @@ def main(argv=None, *, root: str | None = None) -> int:
                     with open(os.path.join(run_dir(args.suite, name), "stdout.log")) as f:
                         tail = f.read()[-3000:]
                     print(f"[suite] FAILED {name} (rc {rc}); log tail:\n{tail}", flush=True)
-    left = [n for n in names if not finished(run_dir(args.suite, n))]
-    print(f"[suite] {time.time() - t0:.0f}s; unfinished: {left or 'none'}; failed: {failed or 'none'}", flush=True)
-    if args.pack:
-        pack(args.suite, args.pack)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
