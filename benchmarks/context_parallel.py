@@ -347,13 +347,22 @@ def main(argv=None) -> int:
         p.error(str(e))
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
+    if args.out and (os.path.isdir(args.out) or not args.out.endswith(".json")):
+        p.error(f"--out {args.out}: give a .json file path (the log goes beside it as .log)")
     if args.out and os.path.dirname(args.out):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     from benchmarks import source_tree
     from benchmarks.common import Log, worker_scratch
 
+    # an earlier result at --out is replaced only when this run ends: until then FILE.partial.json (and .log)
+    out_now = args.out
+    if args.out and os.path.exists(args.out):
+        out_now = os.path.splitext(args.out)[0] + ".partial.json"
     if args.out:
-        log = Log(os.path.splitext(args.out)[0] + ".log")
+        log = Log(os.path.splitext(out_now)[0] + ".log")
+        if out_now != args.out:
+            log(f"replacing {args.out} when this run ends; until then it writes {out_now}, which an interrupted "
+                f"run leaves beside it")
     else:
         def log(text=""):
             print(text, flush=True)
@@ -376,9 +385,9 @@ def main(argv=None) -> int:
     def save():
         if args.out:
             payload["seconds"] = round(time.monotonic() - started, 1)
-            with open(args.out + ".tmp", "w") as f:
+            with open(out_now + ".tmp", "w") as f:
                 json.dump(payload, f, indent=2, default=str)
-            os.replace(args.out + ".tmp", args.out)
+            os.replace(out_now + ".tmp", out_now)
 
     def stamp():
         return f"[{time.monotonic() - started:5.0f} s]"
@@ -420,7 +429,7 @@ def main(argv=None) -> int:
             save()
             log(f"{stamp()} {result_line(entry)}")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (timeout signals the group) waits
         if current is not None:
             how = ended_by[0] if ended_by else getattr(sys.exc_info()[0], "__name__", "an error of this script")
             current.update(status="interrupted", seconds=round(time.monotonic() - case_started, 2),
@@ -433,7 +442,11 @@ def main(argv=None) -> int:
         save()
         log("\n" + report(payload["cases"]))
         if args.out:
-            log(f"\nwrote {args.out}")
+            log(f"\nwrote {out_now}")
+        signal.signal(signal.SIGTERM, previous)
+    if out_now != args.out:  # the run ended: its files replace the earlier ones
+        os.replace(out_now, args.out)
+        os.replace(os.path.splitext(out_now)[0] + ".log", os.path.splitext(args.out)[0] + ".log")
     return 1 if any(c["status"] in ("failed", "interrupted") for c in payload["cases"]) else 0
 
 

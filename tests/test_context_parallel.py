@@ -446,6 +446,15 @@ def test_mock_topology_script_starts_no_case_past_its_budget(tmp_path):
                                                                   ("one-32k", "not started (budget)")]
     assert data["budget_s"] == 0 and data["command"][-6:] == ["--cases", "seq2,one-32k", "--budget", "0", "--out",
                                                               str(out)]
+    # a rerun writes cp.partial.json and replaces cp.json only when it ends (a rerun cut short replaced it)
+    proc = _script("--smoke", "--cases", "seq2", "--budget", "0", "--out", str(out))
+    printed = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and f"replacing {out} when this run ends" in printed, printed
+    assert [c["name"] for c in json.loads(out.read_text())["cases"]] == ["seq2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cp.json", "cp.log"]
+    proc = _script("--smoke", "--cases", "seq2", "--out", str(tmp_path))  # a folder: refused before any case
+    printed = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2 and "give a .json file path" in printed, printed
 
 
 def test_mock_topology_script_counts_asynchronous_collectives_of_a_gpu_program():
