@@ -224,6 +224,14 @@ def run(args, argv) -> int:
                     payload["environment"] = env
                     log(f"device {env['device']} ({env['backend']}), driver {env['driver']}, "
                         + ", ".join(f"{p} {v}" for p, v in env["versions"].items()))
+                    if env["backend"] == "cpu" and not args.smoke:  # every full-size step would run out of memory
+                        for mixer, b, t in configs[first:]:
+                            payload["rows"].append({"mixer": mixer, "shape": f"{b}x{t}",
+                                                    "notes": {"skipped": "no GPU (use --smoke on a CPU)"}})
+                        log("no GPU: the lm suite measures the 130M model's train step on a GPU; on a CPU run it "
+                            "with --smoke (the tiny model)")
+                        failed = True
+                        break
             for (mixer, b, t), worker, (status, prep) in zip(wave, wave_workers, prepared):
                 name, t0 = f"{mixer} @ {b}x{t}", time.monotonic()
                 row = {"mixer": mixer, "shape": f"{b}x{t}", "batch": b, "length": t, "tokens_per_step": b * t,

@@ -616,3 +616,16 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path):
             f"    open({str(done)!r}, 'w').write('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143 and done.read_text() == "ok", proc.stderr
+
+
+@pytest.mark.slow  # ~25 s: the first configuration's worker starts before the backend is known
+def test_the_full_size_lm_suite_declines_on_a_cpu(tmp_path):
+    """Without --smoke on a CPU it built the 130M model for every mixer (~20 s each) and printed an out-of-memory
+    traceback for each; now the first worker's backend stops it, every configuration noted as skipped."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "lm", "--mixers",
+                           "falcon-1A.3,transformer", "--lengths", "4096", "--jobs", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "no GPU: the lm suite measures" in proc.stdout, proc.stdout[-3000:]
+    rows = json.loads((tmp_path / "lm.json").read_text())["rows"]
+    assert [(r["mixer"], r["notes"]) for r in rows] == [(m, {"skipped": "no GPU (use --smoke on a CPU)"})
+                                                         for m in ("falcon-1A.3", "transformer")]
