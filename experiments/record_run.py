@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     p.add_argument("--date", type=_date, default=datetime.date.today().isoformat(), help="YYYY-MM-DD (default: today)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = p.parse_args(argv)
+    empty = [f"--{k}" for k in ("what", "machine", "commit", "command") if not getattr(args, k).strip()]
+    if empty:  # the labels the docs cite each number with
+        p.error(f"{', '.join(empty)}: give a non-empty description")
     try:
         check_out(args.out, args.run_dir, args.overwrite)  # first: a wrong OUT is reported before any reading
         replaced = os.path.exists(args.out)

@@ -241,6 +241,11 @@ def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_
     assert record.main([*argv, "--overwrite"]) == 2  # OUT may be replaced: the run folder's fault is reported
     assert "holds no config.json" in capsys.readouterr().err
     assert out.read_bytes() == written
+    # an empty label was written as the description a docs table cites
+    with pytest.raises(SystemExit) as e:
+        record.main([*argv[:5], " ", *argv[6:], "--overwrite"])
+    assert e.value.code == 2 and "--machine: give a non-empty description" in capsys.readouterr().err
+    assert out.read_bytes() == written
 
 
 def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_path, capsys):
