@@ -60,18 +60,19 @@ def exit_on_sigterm() -> None:
 
 
 class ResultFiles:
-    """Where a suite writes ``<suite>.json`` and ``<suite>.log`` in ``out``.  Without an earlier ``<suite>.json``
-    there, straight to those names (a run cut by a time limit keeps what it measured).  With one, to
-    ``<suite>.partial.json`` / ``.partial.log`` until :meth:`finish` (the run ended without an exception) moves them
+    """Where a run writes its results ``NAME.json`` and its log ``NAME.log`` beside it.  Without an earlier
+    ``NAME.json``, straight to those names (a run cut by a time limit keeps what it measured).  With one, to
+    ``NAME.partial.json`` / ``.partial.log`` until :meth:`finish` (the run ended without an exception) moves them
     over the earlier pair: an interrupted or failed rerun leaves the earlier results as they were."""
 
-    def __init__(self, out: str, suite: str):
-        self.json, self.log = (os.path.join(out, f"{suite}.{ext}") for ext in ("json", "log"))
+    def __init__(self, json_path: str):
+        stem = os.path.splitext(json_path)[0]
+        self.json, self.log = json_path, stem + ".log"
         self.earlier = _result_date(self.json) if os.path.isfile(self.json) else None
         if self.earlier is None:
             self.json_now, self.log_now = self.json, self.log
         else:
-            self.json_now, self.log_now = (os.path.join(out, f"{suite}.partial.{ext}") for ext in ("json", "log"))
+            self.json_now, self.log_now = stem + ".partial.json", stem + ".partial.log"
 
     def note(self) -> str | None:
         """The line that says an earlier result is replaced once this run ends (None when there is none)."""

@@ -352,17 +352,13 @@ def main(argv=None) -> int:
     if args.out and os.path.dirname(args.out):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     from benchmarks import source_tree
-    from benchmarks.common import Log, worker_scratch
+    from benchmarks.common import Log, ResultFiles, worker_scratch
 
-    # an earlier result at --out is replaced only when this run ends: until then FILE.partial.json (and .log)
-    out_now = args.out
-    if args.out and os.path.exists(args.out):
-        out_now = os.path.splitext(args.out)[0] + ".partial.json"
+    files = ResultFiles(args.out) if args.out else None  # an earlier result is replaced when this run ends
     if args.out:
-        log = Log(os.path.splitext(out_now)[0] + ".log")
-        if out_now != args.out:
-            log(f"replacing {args.out} when this run ends; until then it writes {out_now}, which an interrupted "
-                f"run leaves beside it")
+        log = Log(files.log_now)
+        if files.note():
+            log(files.note())
     else:
         def log(text=""):
             print(text, flush=True)
@@ -385,9 +381,9 @@ def main(argv=None) -> int:
     def save():
         if args.out:
             payload["seconds"] = round(time.monotonic() - started, 1)
-            with open(out_now + ".tmp", "w") as f:
+            with open(files.json_now + ".tmp", "w") as f:
                 json.dump(payload, f, indent=2, default=str)
-            os.replace(out_now + ".tmp", out_now)
+            os.replace(files.json_now + ".tmp", files.json_now)
 
     def stamp():
         return f"[{time.monotonic() - started:5.0f} s]"
@@ -442,11 +438,10 @@ def main(argv=None) -> int:
         save()
         log("\n" + report(payload["cases"]))
         if args.out:
-            log(f"\nwrote {out_now}")
+            log(f"\nwrote {files.json_now}")
         signal.signal(signal.SIGTERM, previous)
-    if out_now != args.out:  # the run ended: its files replace the earlier ones
-        os.replace(out_now, args.out)
-        os.replace(os.path.splitext(out_now)[0] + ".log", os.path.splitext(args.out)[0] + ".log")
+    if files:  # the run ended: its files replace the earlier ones
+        files.finish()
     return 1 if any(c["status"] in ("failed", "interrupted") for c in payload["cases"]) else 0
 
 

@@ -120,7 +120,7 @@ def run(args, argv) -> int:
     :func:`prepare_deadline` (the budget less ``LM_MEASURE_RESERVE`` s per configuration of the wave), those cut
     there reported as timed out and the others measured, each for at most :func:`measure_deadline`."""
     os.makedirs(args.out, exist_ok=True)
-    files = ResultFiles(args.out, "lm")
+    files = ResultFiles(os.path.join(args.out, "lm.json"))
     log = Log(files.log_now)
     if files.note():
         log(files.note())
@@ -175,6 +175,7 @@ def run(args, argv) -> int:
                "jobs": args.jobs, "worker_env": LM_ENV, "timing_parameters": timing, "limits_s": limits,
                "budget_s": args.budget, "measure_reserve_s": LM_MEASURE_RESERVE,
                "trees": {"measured": tree}, "environment": None, "steps": [], "rows": []}
+
     def save():
         payload["seconds"] = round(time.monotonic() - started, 1)
         with open(files.json_now, "w") as f:

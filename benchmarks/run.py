@@ -346,7 +346,7 @@ def main(argv=None) -> int:
         return lm_suite.run(args, argv)
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
-    files = ResultFiles(args.out, args.suite)
+    files = ResultFiles(os.path.join(args.out, f"{args.suite}.json"))
     log = Log(files.log_now)
     if files.note():
         log(files.note())
@@ -371,6 +371,7 @@ def main(argv=None) -> int:
                           "torch": "triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median')",
                           "fwd+bwd": "gradients of every floating input under a cotangent of ones"},
                "trees": trees, "worker_env": worker_env, "environment": None, "steps": [], "rows": []}
+
     def save():
         payload["seconds"] = round(time.monotonic() - started, 1)
         with open(files.json_now, "w") as f:

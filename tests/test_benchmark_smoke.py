@@ -104,7 +104,7 @@ def test_an_out_that_is_a_file_is_a_usage_error_and_an_earlier_result_is_named(t
     out.mkdir()
     (out / "bench.json").write_text('{"date": "2026-01-02T03:04:05+00:00", "rows": [1, 2]}')
     (out / "bench.log").write_text("the earlier log")
-    files = run.ResultFiles(str(out), "bench")
+    files = run.ResultFiles(str(out / "bench.json"))
     assert files.note().startswith(f"replacing {out / 'bench.json'} (the results of 2026-01-02T03:04:05+00:00) "
                                    f"when this run ends; until then it writes {out / 'bench.partial.json'}")
     for path, text in ((files.json_now, '{"rows": []}'), (files.log_now, "cut short")):
@@ -115,7 +115,7 @@ def test_an_out_that_is_a_file_is_a_usage_error_and_an_earlier_result_is_named(t
     assert files.finish() == str(out / "bench.json")
     assert json.loads((out / "bench.json").read_text()) == {"rows": []} and not (out / "bench.partial.json").exists()
     assert (out / "bench.log").read_text() == "cut short"
-    lm = run.ResultFiles(str(out), "lm")  # nothing earlier: straight to lm.json (a time limit keeps what ran)
+    lm = run.ResultFiles(str(out / "lm.json"))  # nothing earlier: straight to lm.json (a time limit keeps what ran)
     assert lm.note() is None and (lm.json_now, lm.log_now) == (str(out / "lm.json"), str(out / "lm.log"))
 
 

@@ -449,7 +449,8 @@ def test_mock_topology_script_starts_no_case_past_its_budget(tmp_path):
     # a rerun writes cp.partial.json and replaces cp.json only when it ends (a rerun cut short replaced it)
     proc = _script("--smoke", "--cases", "seq2", "--budget", "0", "--out", str(out))
     printed = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0 and f"replacing {out} when this run ends" in printed, printed
+    replaced = f"replacing {out} (the results of {data['date']}) when this run ends; until then it writes "
+    assert proc.returncode == 0 and replaced + str(tmp_path / "cp.partial.json") in printed, printed
     assert [c["name"] for c in json.loads(out.read_text())["cases"]] == ["seq2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cp.json", "cp.log"]
     proc = _script("--smoke", "--cases", "seq2", "--out", str(tmp_path))  # a folder: refused before any case

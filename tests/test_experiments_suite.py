@@ -111,7 +111,7 @@ def test_finished_runs_are_skipped_and_started_ones_resumed(tmp_path, monkeypatc
 
 
 def test_a_stopped_suite_stops_its_runs_with_a_checkpoint_signal(tmp_path, monkeypatch, capsys):
-    """The runs are in sessions of their own: on Ctrl-C (or a time limit's SIGTERM) the runner died with a
+    """Each run is its own process group: on Ctrl-C (or a time limit's SIGTERM) the runner died with a
     traceback and its training processes went on as orphans, holding the GPU.  Now each gets SIGTERM (the trainer
     stops after its step with a checkpoint) and the runner exits 130 saying so."""
     import signal

@@ -11,10 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from falcon_jax.train.rundir import CHECKPOINTS, CONFIG, METRICS, REPORT, checkpoint_steps, read_metrics
-
-LOSS_PLOT = "loss.png"
-ACCURACY_PLOT = "accuracy_vs_width.png"
+from falcon_jax.train.rundir import (ACCURACY_PLOT, CHECKPOINTS, CONFIG, LOSS_PLOT, METRICS, REPORT, checkpoint_steps,
+                                     read_metrics)
 NO_MATPLOTLIB = ('[plots] matplotlib is not installed, so no plots are written; to get them install the '
                  'train extra: pip install -e ".[train]" (in the falcon-jax checkout), or pip install matplotlib.')
 

@@ -33,6 +33,8 @@ WIDTH_SHARES = "width_shares.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REPORT = "report.txt"
+LOSS_PLOT = "loss.png"
+ACCURACY_PLOT = "accuracy_vs_width.png"
 RESUME = "resume"  # the metrics record of a command that continued the run (see parse_records)
 LOCK = ".lock"
 
@@ -62,7 +64,7 @@ def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> Non
         raise RunDirError(f"{run_dir} already has checkpoints at steps {existing}; pass --resume to "
                           f"continue that run, or choose another train.run_dir.")
     # every file a run writes at the top of its folder: a new run would replace or mix into each of them
-    earlier = [name for name in (CONFIG, METRICS, REPORT, WIDTH_SHARES, "loss.png", "accuracy_vs_width.png")
+    earlier = [name for name in (CONFIG, METRICS, REPORT, WIDTH_SHARES, LOSS_PLOT, ACCURACY_PLOT)
                if os.path.isfile(os.path.join(run_dir, name)) and os.path.getsize(os.path.join(run_dir, name)) > 0]
     if earlier and not existing and not resume:
         raise RunDirError(f"{run_dir} already holds a run without checkpoints ({', '.join(earlier)}); a new run "

@@ -32,8 +32,7 @@ import sys
 import tarfile
 import time
 
-from falcon_jax.train.report import ACCURACY_PLOT, LOSS_PLOT
-from falcon_jax.train.rundir import CONFIG, METRICS, REPORT, metric_records
+from falcon_jax.train.rundir import ACCURACY_PLOT, CONFIG, LOSS_PLOT, METRICS, REPORT, metric_records
 
 # ---------------------------------------------------------------- the addition suite (docs/results.md)
 # Same model size, data, steps and optimizer for every row: the addition-paper preset (4 layers,
@@ -196,8 +195,9 @@ def main(argv=None, *, root: str | None = None) -> int:
     except (KeyboardInterrupt, SystemExit) as stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # the runs are in sessions of their own (a Ctrl-C in the terminal reaches only this process): SIGTERM
-        # asks each to stop after its current step with a checkpoint, so the suite resumes where it stopped
+        # each run is its own process group (start_new_session: a Ctrl-C in the terminal reaches only this
+        # process): SIGTERM asks each to stop after its current step with a checkpoint, so the suite resumes where
+        # it stopped
         for proc, log, _ in running.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -32,7 +32,7 @@ from falcon_jax import validation as val
 from falcon_jax.falcon import falcon, falcon_step
 from falcon_jax.nn.cache import RecurrentCache
 from falcon_jax.nn.config import FLOAT_DTYPES, is_pair_of_reals
-from falcon_jax.nn.layers import ShortConv, check_real, dense, l2_normalize, make_param, rms_normalize
+from falcon_jax.nn.layers import ShortConv, check_real, check_size, dense, l2_normalize, make_param, rms_normalize
 from falcon_jax.rules import PER_COLUMN_VARIANTS, VARIANTS
 from falcon_jax.state import empty_state
 
@@ -64,15 +64,9 @@ def check_form(owner: str, form, chunk_size) -> None:
 def resolve_head_dims(owner: str, d_model: int, n_heads: int, head_dim, v_head_dim) -> tuple[int, int]:
     """``(dk, dv)``: ``head_dim`` defaults to ``d_model // n_heads`` (which must divide).  Every size is an
     int >= 1: with ``n_heads=0`` a layer would output 0 whatever its input."""
-    for field, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
-                         ("v_head_dim", v_head_dim)):
-        if value is None and field in ("head_dim", "v_head_dim"):
-            continue
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise _err(owner, field, value, "must be an int >= 1.")
-    d_model, n_heads = int(d_model), int(n_heads)
-    head_dim = None if head_dim is None else int(head_dim)
-    v_head_dim = None if v_head_dim is None else int(v_head_dim)
+    d_model, n_heads = check_size(owner, "d_model", d_model), check_size(owner, "n_heads", n_heads)
+    head_dim = None if head_dim is None else check_size(owner, "head_dim", head_dim)
+    v_head_dim = None if v_head_dim is None else check_size(owner, "v_head_dim", v_head_dim)
     if head_dim is None:
         if d_model % n_heads:
             raise _err(owner, "n_heads", n_heads, f"does not divide d_model={d_model}: pick n_heads dividing "

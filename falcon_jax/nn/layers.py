@@ -61,6 +61,14 @@ def check_real(owner: str, field: str, value, low: float, high: float | None = N
     return float(value)
 
 
+def check_size(owner: str, field: str, value) -> int:
+    """``value`` as an int if it is a Python or NumPy int >= 1 (not a bool), else a ValueError naming
+    ``owner.field``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{owner}: {field}={value!r} must be an int >= 1.")
+    return int(value)
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """``x / sqrt(mean(x², -1) + eps)`` computed in fp32 (or wider), returned in ``x.dtype``."""
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -107,11 +115,8 @@ class ShortConv(nnx.Module):
 
     def __init__(self, channels: int, width: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        for field, value in (("channels", channels), ("width", width)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"ShortConv: {field}={value!r} must be an int >= 1.")
-        self.width = int(width)
-        self.channels = int(channels)
+        self.channels = check_size("ShortConv", "channels", channels)
+        self.width = check_size("ShortConv", "width", width)
         self.dtype = dtype
         bound = 1.0 / math.sqrt(width)
         init = nnx.initializers.uniform(scale=2 * bound)
