@@ -33,8 +33,9 @@ REGRESSION_VARIANTS = ("1", "2", "3")
 PER_COLUMN_VARIANTS = ("2", "2A")
 WINDOW_VARIANTS = ("3", "3A")
 
-# gates(x_win, in_win, valid, inputs) -> (w, log_gamma)
-#   x_win  [..., W, dk]  write features of the window, oldest first (current last)
+# gates(gram, in_win, valid, inputs) -> (w, log_gamma)
+#   gram   [..., W, W]   Gram of the window's write features x_{t,i}·x_{t,j}, oldest first (current last), in at
+#                        least fp32: every statistic a gate takes of the keys is a function of it
 #   in_win [..., W]      bool: entry is a real pair of the current segment
 #   valid  [...]         bool: the current position writes (False at the sentinel)
 #   inputs dict of per-position gate inputs, [...] or [..., dv]
@@ -112,62 +113,40 @@ def top_eigenvector_jacobi(gram: jax.Array, sweeps: int | None = None) -> jax.Ar
 
 
 def window_gram(x_win: jax.Array) -> jax.Array:
-    """``X Xᵀ`` of each window ``[..., W, dk]`` → ``[..., W, W]``, in at least fp32.
+    """``X Xᵀ`` of each window ``[..., W, dk]`` → ``[..., W, W]``, in at least fp32 (the recurrent step's
+    gates; the whole-sequence forms take the same entries from :func:`falcon_jax.forms.stream.window_grams`).
 
-    Written as a product and a sum rather than a dot: every window is a tiny ``W × W`` product, which as a
-    dot becomes a batched BLAS call over ``B·T·H`` matrices (H200, 8×2048×16×128, W = 4: 632 µs of cuBLAS
-    gemv per forward), while the elementwise form is one reduce fusion.  It is also exact fp32 on every
-    backend (an fp32 dot at default precision runs in TF32 on a GPU, which cost Falcon-3 7e-5 relative
-    error at T = 8192 on the H200).  All ``W²`` row pairs are reduced: reducing only the pairs ``i ≤ j``
-    and mirroring them made the whole Falcon-3 op slower on the H200 (W = 4 forward 2.514 vs 2.310 ms)."""
+    A product and a sum rather than a dot: exact fp32 on every backend (an fp32 dot at default precision runs
+    in TF32 on a GPU)."""
     x = x_win.astype(jnp.promote_types(x_win.dtype, jnp.float32))
     return jnp.sum(x[..., :, None, :] * x[..., None, :, :], axis=-1)
 
 
-@jax.custom_vjp
-def _rayleigh_quotient(x: jax.Array, gram: jax.Array, top: jax.Array) -> jax.Array:
-    """``vᵀ G v`` for ``G = X Xᵀ`` (``x`` ``[..., W, dk]``, ``gram`` ``[..., W, W]``, ``top`` ``v`` ``[..., W]``)
-    from the Gram already formed; differentiated w.r.t. ``x`` only, as ``‖Xᵀv‖²`` with ``v`` held."""
+def gram_lambda_max(gram: jax.Array) -> jax.Array:
+    """Largest eigenvalue of each symmetric positive semi-definite ``[..., W, W]`` Gram → ``[...]``, with the
+    exact gradient.
+
+    With ``v`` the top unit eigenvector, ``λ = vᵀ G v``; ``v`` is held constant (its derivative does not move a
+    simple eigenvalue), so the gradient is ``dG = v vᵀ``, and no eigenvector is differentiated (which is
+    undefined for the repeated zero eigenvalues of a partially empty window).  ``v`` comes from
+    :func:`top_eigenvector_jacobi` for ``W ≤ JACOBI_MAX_WINDOW``, else from ``jnp.linalg.eigh``.
+    """
+    held = jax.lax.stop_gradient(gram)
+    if gram.shape[-1] <= JACOBI_MAX_WINDOW:
+        top = top_eigenvector_jacobi(held)
+    else:
+        top = jnp.linalg.eigh(held)[1][..., :, -1]
+    top = jax.lax.stop_gradient(top)
     return jnp.sum(top[..., :, None] * gram * top[..., None, :], axis=(-2, -1))
 
 
-def _rayleigh_quotient_fwd(x, gram, top):
-    return _rayleigh_quotient(x, gram, top), (x, top)
-
-
-def _rayleigh_quotient_bwd(residuals, g):
-    x, top = residuals
-    u = jnp.sum(top[..., :, None] * x, axis=-2)  # Xᵀv, [..., dk]
-    dx = (2 * g)[..., None, None] * top[..., :, None] * u[..., None, :]
-    return dx, jnp.zeros(top.shape + top.shape[-1:], g.dtype), jnp.zeros_like(top)
-
-
-_rayleigh_quotient.defvjp(_rayleigh_quotient_fwd, _rayleigh_quotient_bwd)
-
-
-def window_lambda_max(x_win: jax.Array, gram_fn: Callable[[jax.Array], jax.Array] = window_gram) -> jax.Array:
+def window_lambda_max(x_win: jax.Array) -> jax.Array:
     """Largest eigenvalue of each window's Gram ``X Xᵀ`` (``x_win`` ``[..., W, dk]`` → ``[...]``), in at
-    least fp32, with the exact gradient.
-
-    With ``v`` the top unit eigenvector of the Gram, ``λ = vᵀ X Xᵀ v = ‖Xᵀ v‖²``.  The value is ``vᵀ G v``
-    from the Gram the eigenvector came from; ``v`` is held constant (its derivative does not move a simple
-    eigenvalue), so the gradient is ``dX = 2 v uᵀ`` with ``u = Xᵀ v`` — a ``[W, dk]`` product, where
-    differentiating through the Gram builds a ``[W, W, dk]`` one (1,001 µs of Falcon-3's backward on the
-    H200 at 8×2048, W = 4).  Holding ``v`` also avoids differentiating eigenvectors, which is undefined for
-    the repeated zero eigenvalues of a partially empty window.  ``v`` comes from
-    :func:`top_eigenvector_jacobi` for ``W ≤ JACOBI_MAX_WINDOW``, else from ``jnp.linalg.eigh``.
-    ``gram_fn`` forms the Gram (the benchmarks pass a batched dot to compare).
-    """
-    x = x_win.astype(jnp.promote_types(x_win.dtype, jnp.float32))
-    gram = gram_fn(jax.lax.stop_gradient(x))
-    if gram.shape[-1] <= JACOBI_MAX_WINDOW:
-        top = top_eigenvector_jacobi(gram)
-    else:
-        top = jnp.linalg.eigh(gram)[1][..., :, -1]
-    return _rayleigh_quotient(x, gram, jax.lax.stop_gradient(top))
+    least fp32: :func:`gram_lambda_max` of :func:`window_gram`; the gradient w.r.t. the keys is ``2 v vᵀ X``."""
+    return gram_lambda_max(window_gram(x_win))
 
 
-def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, scale_coupled: bool,
+def falcon_gates(gram, in_win, valid, inputs, *, statistic: str, step: str, scale_coupled: bool,
                  eps: float, eps_gamma: float, per_column: bool):
     """Falcon step size, decay and write weights (docs/rules.md).
 
@@ -182,14 +161,13 @@ def falcon_gates(x_win, in_win, valid, inputs, *, statistic: str, step: str, sca
     and η = α = 0 at the sentinel and wherever ``E_t + λ_t + ε = 0``.
     """
     beta, lam = inputs["beta"], inputs["lam"]
-    dtype = x_win.dtype
-    mask = in_win.astype(dtype)
+    mask = in_win.astype(gram.dtype)
     count = jnp.sum(mask, axis=-1)
     inv_count = 1.0 / jnp.maximum(count, 1.0)
-    if statistic == "lambda_max":
-        energy = window_lambda_max(x_win * mask[..., None]) * inv_count
-    else:
-        energy = jnp.sum(jnp.sum(x_win * x_win, axis=-1) * mask, axis=-1) * inv_count
+    if statistic == "lambda_max":  # the Gram of the window's keys with the pairs outside I_t zeroed
+        energy = gram_lambda_max(gram * mask[..., :, None] * mask[..., None, :]) * inv_count
+    else:  # the squared norms are the Gram's diagonal
+        energy = jnp.sum(jnp.diagonal(gram, axis1=-2, axis2=-1) * mask, axis=-1) * inv_count
     lam_eff = lam * jax.lax.stop_gradient(energy) if scale_coupled else lam
     # group axis: [..., G] with G = dv for per-column gains, else 1
     beta_g = beta if (per_column and beta.ndim == energy.ndim + 1) else beta[..., None]
@@ -222,13 +200,13 @@ def falcon_rule(variant: str, *, window: int = 4, alignment: str = "shifted", ti
                 alignment=alignment, timing=timing, decay_before_residual=False, gates=gates)
 
 
-def _baseline_gates(x_win, in_win, valid, inputs):
+def _baseline_gates(gram, in_win, valid, inputs):
     """Same-step baselines: w = β (default 1), log γ = the given log decay (default 0)."""
     like = inputs["log_decay"] if "log_decay" in inputs else inputs["beta"]
     beta = inputs.get("beta", jnp.ones_like(like))
     log_gamma = inputs.get("log_decay", jnp.zeros_like(like))
     w = jnp.where(valid, beta, 0.0)[..., None, None]
-    return w.astype(x_win.dtype), log_gamma[..., None].astype(x_win.dtype)
+    return w.astype(gram.dtype), log_gamma[..., None].astype(gram.dtype)
 
 
 def baseline_rule(name: str, *, timing: str = "raw") -> Rule:

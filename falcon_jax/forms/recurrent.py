@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from falcon_jax.rules import Rule
+from falcon_jax.rules import Rule, window_gram
 from falcon_jax.state import FalconState
 
 
@@ -35,7 +35,7 @@ def step(rule: Rule, state: FalconState, q_t, k_t, v_t, inputs_t: dict, reset_t=
     x_win = jnp.concatenate([state.tail_x, x[:, :, None, :]], axis=2)  # [B,H,W,dk]
     y_win = jnp.concatenate([state.tail_y, v_t[:, :, None, :]], axis=2)
     in_win = jnp.concatenate([tail_valid, valid[:, None]], axis=1)  # [B,W]
-    w, log_gamma = rule.gates(x_win, in_win[:, None], valid[:, None], inputs_t)  # [B,H,W,G], [B,H,G]
+    w, log_gamma = rule.gates(window_gram(x_win), in_win[:, None], valid[:, None], inputs_t)  # [B,H,W,G], [B,H,G]
     G = w.shape[-1]
     gamma = jnp.exp(log_gamma)[:, :, None, :, None]  # over [B,H,dk,G,dv/G]
     S_g = S.reshape(B, H, dk, G, dv // G)

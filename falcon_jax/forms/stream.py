@@ -88,6 +88,27 @@ def write_pairs(rule: Rule, k, v, resets, state: FalconState, time_axis: int = 2
     return WriteStream(x_ext=x_ext, y_ext=y_ext, w=None, log_gamma=None, run=run, valid_ext=valid_ext)
 
 
+def window_grams(x_ext, W: int, T: int, time_axis: int = 2) -> jax.Array:
+    """The Gram of every position's window from the ext pairs ``x_ext`` ``[B, H, W-1+T, dk]``: ``[B, H, T, W, W]``
+    with ``gram[t, i, j] = x_ext[t+i] · x_ext[t+j]``, in at least fp32 (``time_axis=1``: ``[B, W-1+T, H, dk]`` →
+    ``[B, T, H, W, W]``).
+
+    The windows overlap, so the Gram's entries are the W lagged products ``x_s · x_{s+m}`` (m < W) of the
+    sequence, read at ``s = t + min(i, j)``, ``m = |i − j|``: W reductions over dk per position and no stacked copy
+    of the windows' keys (``[B, T, H, W, dk]``); the gradient is W shifted scalings of the keys.  A product and a
+    sum, not a dot, as :func:`falcon_jax.rules.window_gram` (exact fp32 on every backend)."""
+    x = x_ext.astype(jnp.promote_types(x_ext.dtype, jnp.float32))
+    length = x.shape[time_axis]
+    lagged = [jnp.sum(jax.lax.slice_in_dim(x, 0, length - m, axis=time_axis)
+                      * jax.lax.slice_in_dim(x, m, length, axis=time_axis), axis=-1) for m in range(W)]
+
+    def entry(i, j):
+        first = min(i, j)
+        return jax.lax.slice_in_dim(lagged[abs(i - j)], first, first + T, axis=time_axis)
+
+    return jnp.stack([jnp.stack([entry(i, j) for j in range(W)], axis=-1) for i in range(W)], axis=-2)
+
+
 def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, time_axis: int = 2) -> WriteStream:
     """k [B,H,T,dk], v [B,H,T,dv], inputs {name: [B,H,T] or [B,H,T,dv]}, resets [B,T].
 
@@ -99,9 +120,9 @@ def write_stream(rule: Rule, k, v, inputs: dict, resets, state: FalconState, tim
     valid = valid_ext[:, W - 1:]
     run_ext = jnp.concatenate([jnp.zeros((B, W - 1), run.dtype), run], axis=1)
     # window entry i of position t is ext index t + i (oldest first, current last)
-    x_win = jnp.stack([jax.lax.slice_in_dim(x_ext, i, i + T, axis=time_axis) for i in range(W)], axis=3)
+    gram = window_grams(x_ext, W, T, time_axis)
     in_win = jnp.stack([valid_ext[:, i:i + T] & (run_ext[:, i:i + T] == run) for i in range(W)], axis=2)
-    w, log_gamma = rule.gates(x_win, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
+    w, log_gamma = rule.gates(gram, per_position(in_win, time_axis), per_position(valid, time_axis), inputs)
     return dataclasses.replace(pairs, w=w, log_gamma=log_gamma)
 
 
