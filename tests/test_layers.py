@@ -13,6 +13,7 @@ from falcon_jax import falcon
 from falcon_jax.nn import (DeltaNetMixer, FalconAttention, FalconLM, GatedDeltaNetMixer, KVCache, LMConfig,
                            Mamba2Mixer, RetNetMixer, RMSNorm, ShortConv, SoftmaxAttention, SwiGLU, lm_loss, make_mixer,
                            parse_mixer)
+from falcon_jax.nn.layers import l2_normalize, rms_normalize
 
 D, H, DK = 32, 4, 8
 ALL_MIXERS = ("falcon-1", "falcon-2", "falcon-3", "falcon-1A", "falcon-2A", "falcon-3A", "transformer", "retnet",
@@ -469,6 +470,28 @@ def test_rmsnorm_and_swiglu(rng):
     mlp = SwiGLU(8, 12, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     g, u, d = (np.asarray(p.kernel[...]) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     np.testing.assert_allclose(np.asarray(mlp(x)), (_silu(xn @ g) * (xn @ u)) @ d, rtol=1e-10)
+
+
+def test_rmsnorm_of_rows_whose_squares_overflow_fp32(rng):
+    """|x| from about 1.8e19 squares to inf in fp32: the norm must still scale every row to RMS 1, like a
+    float64 NumPy reference, for rows of any finite magnitude (each row of its own scale), and for the ℓ2 norm."""
+    norm = RMSNorm(8, rngs=nnx.Rngs(0))
+    ones = np.asarray(norm(jnp.ones((2, 8), jnp.float32)))
+    for big in (1e19, 1e20, 1e30, 3e38):  # eps (1e-6) is negligible here, not for the ones: 1 against 1 - 5e-7
+        np.testing.assert_allclose(np.asarray(norm(jnp.full((2, 8), big, jnp.float32))), ones, rtol=1e-6)
+    scales = 10.0 ** np.array([-3, 0, 4, 9, 10, 15, 19, 20, 25, 30, 35, 37])[:, None]  # one scale per row
+    x = (rng.standard_normal((len(scales), 64)) * scales).astype(np.float32)
+    assert np.isfinite(x).all()
+    x64 = x.astype(np.float64)
+    for fn, reduce in ((rms_normalize, np.mean), (l2_normalize, np.sum)):
+        expect = x64 / np.sqrt(reduce(x64 ** 2, -1, keepdims=True) + 1e-6)
+        got = np.asarray(jax.jit(fn, static_argnums=1)(jnp.asarray(x), 1e-6))
+        np.testing.assert_allclose(got, expect, rtol=2e-6, atol=1e-7, err_msg=fn.__name__)
+    # the gradient scales as 1/c for an input scaled by c (no inf · 0)
+    v = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(rms_normalize(x, 1e-6) * w))
+    np.testing.assert_allclose(np.asarray(grad(v * 1e20)) * 1e20, np.asarray(grad(v)), rtol=1e-5, atol=1e-6)
 
 
 def test_mixer_classes_by_name():

@@ -69,18 +69,48 @@ def check_size(owner: str, field: str, value) -> int:
     return int(value)
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / sqrt(mean(x², -1) + eps)`` computed in fp32 (or wider), returned in ``x.dtype``."""
+# Rows whose largest |x| reaches 2^_SCALE_FROM are divided by a power of two that brings it below 2^_SCALE_TO before
+# squaring: a float32 square overflows from |x| ≈ 1.8e19 (the unscaled formula gives 0 for the whole row), and the sum of n squares below 2^32
+# stays finite for any n < 2^96.  Rows below 2^_SCALE_FROM keep the factor 1, so their results are unchanged bit for
+# bit; above it the power of two divides exactly and only eps's share (negligible there) is rounded differently.
+_SCALE_FROM = 32
+_SCALE_TO = 16
+
+
+def _row_scale(xf: jax.Array) -> jax.Array:
+    """A power of two ``s`` per row of ``xf`` (over the last axis, kept as size 1) such that ``max|xf · s| < 2^16``
+    where ``max|xf| >= 2^32``, and ``s = 1`` elsewhere; ``s`` is a normal number of ``xf.dtype`` (float32 or
+    float64), built from its exponent bits, so multiplying by it is exact."""
+    fi = jnp.finfo(xf.dtype)
+    itype = jnp.int32 if fi.bits == 32 else jnp.int64
+    m = jax.lax.stop_gradient(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    _, e = jnp.frexp(m)  # m = f · 2^e, f in [0.5, 1): m < 2^e
+    shift = jnp.where(e > _SCALE_FROM, e - _SCALE_TO, 0).astype(itype)  # at most maxexp - 16: s stays normal
+    biased = (fi.maxexp - 1) - shift  # the biased exponent of 2^-shift
+    return jax.lax.bitcast_convert_type(biased << fi.nmant, xf.dtype)
+
+
+def _normalize(x: jax.Array, eps: float, reduce) -> jax.Array:
+    """``x · rsqrt(reduce(x²) + eps)`` for ``reduce`` a mean or sum over the last axis, in fp32 (or wider), returned
+    in ``x.dtype``; as ``(s·x) · rsqrt(reduce((s·x)²) + eps·s²)`` with ``s`` from :func:`_row_scale`, so that a
+    finite row of large magnitude does not overflow (s = 1 for |x| < 2^32)."""
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    s = _row_scale(xf)
+    xs = xf * s
+    y = xs * jax.lax.rsqrt(reduce(xs * xs, axis=-1, keepdims=True) + eps * s * s)
     return y.astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x², -1) + eps)`` computed in fp32 (or wider), returned in ``x.dtype``; rows whose squares
+    overflow fp32 are scaled by a power of two first (:func:`_normalize`)."""
+    return _normalize(x, eps, jnp.mean)
 
 
 def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / sqrt(sum(x², -1) + eps)`` in fp32 (or wider), returned in ``x.dtype``."""
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    y = xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
-    return y.astype(x.dtype)
+    """``x / sqrt(sum(x², -1) + eps)`` in fp32 (or wider), returned in ``x.dtype``; rows whose squares overflow
+    fp32 are scaled by a power of two first (:func:`_normalize`)."""
+    return _normalize(x, eps, jnp.sum)
 
 
 class RMSNorm(nnx.Module):
