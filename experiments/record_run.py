@@ -5,10 +5,11 @@ and its training stream's token share per width, with what was run, on which mac
         [--date YYYY-MM-DD] [--overwrite]
 
 ``RUN_DIR`` is a ``falcon-train`` run folder (``config.json``, ``metrics.jsonl``, ``width_shares.json`` for the
-addition task) or a copy of those files.  The result is strict JSON (a non-finite loss is the string "nan", as
-in ``metrics.jsonl``); ``experiments/plot_addition_packed.py`` plots such files.  An existing ``OUT.json`` is
-replaced only with ``--overwrite``, and never when it is one of the run's own files; OUT is checked before the run
-folder is read, and the file is written whole or not at all.
+addition task) or a copy of those files; its ``metrics.jsonl`` must hold at least one evaluation record.  The
+result is strict JSON (a non-finite loss is the string "nan", as in ``metrics.jsonl``);
+``experiments/plot_addition_packed.py`` plots such files.  An existing ``OUT.json`` is replaced only with
+``--overwrite``, and never when it is one of the run's own files; OUT is checked before the run folder is read,
+and the file is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _read_json(path: str):
 
 def record(run_dir: str, *, what: str, machine: str, commit: str, command: str, date: str) -> dict:
     """The result of the run in ``run_dir``: FileNotFoundError naming the missing file when the folder holds no
-    ``config.json`` or ``metrics.jsonl``; :class:`RecordError` when a file cannot be read as the run's."""
+    ``config.json`` or ``metrics.jsonl``; :class:`RecordError` when a file cannot be read as the run's, or when
+    ``metrics.jsonl`` holds no evaluation record (a result without one cannot be plotted or tabled)."""
     paths = {name: os.path.join(run_dir, name) for name in (CONFIG, METRICS, WIDTH_SHARES)}
     for name in (CONFIG, METRICS):
         if not os.path.isfile(paths[name]):
@@ -46,6 +48,9 @@ def record(run_dir: str, *, what: str, machine: str, commit: str, command: str, 
     metrics = metric_records(run_dir)  # read as the trainer's own readers read it
     if not metrics:  # a result without a record would pass for a run that was measured
         raise RecordError(f"{paths[METRICS]} holds no records: the run has not logged a step yet")
+    if not any(r.get("kind") == "eval" for r in metrics):  # the plots and tables read the evaluations
+        raise RecordError(f"{run_dir} holds no evaluation record (no \"kind\": \"eval\" line in its {METRICS}): "
+                          f"record the run once it has evaluated (every train.eval_every steps, and at its end)")
     out = {"what": what, "machine": machine, "date": date, "commit": commit, "command": command,
            "config": config}
     if os.path.isfile(paths[WIDTH_SHARES]):
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
         return 2
     evals = [r for r in result["metrics"] if r.get("kind") == "eval"]
     print(f"{'replaced' if replaced else 'wrote'} {args.out}: {len(result['metrics'])} records, last evaluation at "
-          f"step {evals[-1]['step'] if evals else '-'}")
+          f"step {evals[-1]['step']}")
     return 0
 
 

@@ -251,12 +251,14 @@ def test_a_recorded_run_holds_its_config_records_and_width_shares_and_plots(tmp_
 def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_path, capsys):
     """One line and exit code 2 for each fault, the files as they were: an existing OUT (replaced only with
     --overwrite), an OUT that is one of the run's own files (never), a missing output folder, a cut config.json,
-    a width_shares.json without its fields, a metrics.jsonl without records, a date not YYYY-MM-DD."""
+    a width_shares.json without its fields, a metrics.jsonl without records or without an evaluation record, a
+    date not YYYY-MM-DD."""
     record = _plot_module("record_run")
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"train": {"batch_size": 4}}))
-    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.5}) + "\n")
+    records = [{"kind": "train", "step": 1, "loss": 2.5}, {"kind": "eval", "step": 1, "val_loss": 2.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     meta = ["--what", "w", "--machine", "cpu", "--commit", "abc1234", "--command", "falcon-train"]
 
     def refused(out, *extra, named):
@@ -269,12 +271,13 @@ def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_pat
         assert rc == 2, (rc, err)
         assert named in err and "Traceback" not in err, err
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+        return err
 
     out = tmp_path / "r.json"
     out.write_text("an earlier result")
     refused(out, named=f"{out} already exists; pass --overwrite to replace it")
     assert record.main([str(run), str(out), *meta, "--overwrite"]) == 0
-    assert json.loads(out.read_text())["metrics"] == [{"kind": "train", "step": 1, "loss": 2.5}]
+    assert json.loads(out.read_text())["metrics"] == records
     for name in ("metrics.jsonl", "config.json"):
         refused(run / name, "--overwrite", named=f"is the run's own {name}")
     refused(tmp_path / "missing" / "r.json", named=f"the folder {tmp_path / 'missing'} of the output does not exist")
@@ -287,6 +290,11 @@ def test_record_run_refuses_bad_inputs_and_never_replaces_a_file_unasked(tmp_pat
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
     refused(tmp_path / "r2.json", named=f"{run / 'metrics.jsonl'} holds no records")
+    # train records only, or an evaluation record cut by a kill: the plots and tables would find no evaluation
+    (run / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1])[:20])
+    err = refused(tmp_path / "r2.json", named=f"{run} holds no evaluation record (no \"kind\": \"eval\" line in "
+                                             f"its metrics.jsonl)")
+    assert err.startswith("record_run: error: ") and err.count("\n") == 1, err  # one line
 
 
 def test_record_run_reports_a_wrong_out_before_reading_the_run_folder(tmp_path, capsys):
