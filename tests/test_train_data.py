@@ -192,6 +192,32 @@ def test_text_data_from_local_files(tmp_path):
         txt.TextData(**dict(kw, paths=(str(tmp_path / "nothing*.txt"),)))
 
 
+def test_text_data_keys_its_token_cache_by_the_files_it_read(tmp_path, monkeypatch):
+    """data.paths is listed once: a file that appears after the listing (another process writing into the corpus
+    folder) is neither read nor in the cache key, so a later run over both files tokenizes them, rather than
+    reusing a cache keyed by both files that holds the first file's tokens only."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n\n".join(f"first file {i} " * 4 for i in range(8)))
+    expand = txt.expand_paths
+
+    def a_file_appears_after_the_listing(paths):
+        files = expand(paths)
+        (corpus / "b.txt").write_text("\n\n".join(f"second file {i} " * 4 for i in range(8)))
+        return files
+
+    kw = dict(paths=(str(corpus),), seq_len=16, val_frac=0.0, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(txt, "expand_paths", a_file_appears_after_the_listing)
+    first = txt.TextData(**kw)
+    monkeypatch.setattr(txt, "expand_paths", expand)
+    second = txt.TextData(**kw)
+    only_a = txt.tokenize_documents(txt.read_documents([str(corpus / "a.txt")]), txt.ByteTokenizer())[0]
+    both = txt.tokenize_documents(txt.read_documents([str(corpus)]), txt.ByteTokenizer())[0]
+    np.testing.assert_array_equal(first.splits["train"][0], only_a)
+    np.testing.assert_array_equal(second.splits["train"][0], both)
+    assert first.corpus != second.corpus
+
+
 class _OracleAdder:
     """A stand-in for ``FalconLM.generate``: writes each row's true sum (LSD first) and EOS after its
     own prompt, except the first ``wrong`` rows of width ``bad_width`` (their first sum digit off by one)."""

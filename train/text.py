@@ -211,8 +211,13 @@ def read_documents(paths, text_key: str = "text") -> list[str]:
     """Documents from local files: a .txt/.md file (or any other plain file a glob names) is one
     document per blank-line-separated block; .jsonl/.json rows give ``row[text_key]``; .parquet
     (needs pyarrow) its ``text_key`` column.  Files must be UTF-8 and each row's ``text_key`` a
-    string: ValueError (KeyError for a missing key) naming the file and row otherwise."""
-    files = expand_paths(paths)
+    string: ValueError (KeyError for a missing key) naming the file and row otherwise.  ``paths`` as for
+    :func:`expand_paths`; :func:`read_files` reads a list it returned."""
+    return read_files(expand_paths(paths), text_key)
+
+
+def read_files(files: list[str], text_key: str = "text") -> list[str]:
+    """The documents of ``files`` (a list from :func:`expand_paths`), in that order, as :func:`read_documents`."""
     docs: list[str] = []
     for f in files:
         if f.endswith((".jsonl", ".json")):
@@ -294,8 +299,10 @@ class TextData:
     cache_dir: str = ".cache/falcon-train"
 
     def __post_init__(self):
-        docs = read_documents(self.paths, self.text_key)
+        # one listing for the documents and the cache key: a file added between two listings would be in the
+        # key but not in the cached tokens
         files = expand_paths(self.paths)
+        docs = read_files(files, self.text_key)
         digests = [file_digest(f) for f in files]
         key = hashlib.sha1(json.dumps([[f, d] for f, d in zip(files, digests)]
                                       + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
