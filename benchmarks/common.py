@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import importlib.util
 import json
 import os
 import queue
@@ -19,6 +20,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO_LIMIT = 300  # a cold start: jax, the GPU client, falcon_jax
 RESULT = "@@RESULT "
 TAIL_LINES = 60  # of a process's output, kept to report why it failed
+
+
+def _load_rundir():
+    """This checkout's ``train/rundir.py`` (``falcon_jax.train.rundir`` once installed; standard library only), loaded
+    from its file: the harness runs without an install (``benchmarks.source_tree``) and does not import JAX, and
+    the multi-GPU runner, an installed module, shares :class:`ResultFiles` with the suites."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "train", "rundir.py")
+    spec = importlib.util.spec_from_file_location("benchmarks._rundir", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ResultFiles = _load_rundir().ResultFiles
 
 
 def select_names(patterns: str, names: list[str], option: str, noun: str, fold_case: bool = False) -> list[str]:
@@ -57,44 +72,6 @@ def exit_on_sigterm() -> None:
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
-
-
-class ResultFiles:
-    """Where a run writes its results ``NAME.json`` and its log ``NAME.log`` beside it.  Without an earlier
-    ``NAME.json``, straight to those names (a run cut by a time limit keeps what it measured).  With one, to
-    ``NAME.partial.json`` / ``.partial.log`` until :meth:`finish` (the run ended without an exception) moves them
-    over the earlier pair: an interrupted or failed rerun leaves the earlier results as they were."""
-
-    def __init__(self, json_path: str):
-        stem = os.path.splitext(json_path)[0]
-        self.json, self.log = json_path, stem + ".log"
-        self.earlier = _result_date(self.json) if os.path.isfile(self.json) else None
-        if self.earlier is None:
-            self.json_now, self.log_now = self.json, self.log
-        else:
-            self.json_now, self.log_now = stem + ".partial.json", stem + ".partial.log"
-
-    def note(self) -> str | None:
-        """The line that says an earlier result is replaced once this run ends (None when there is none)."""
-        if self.earlier is None:
-            return None
-        return (f"replacing {self.json} (the results of {self.earlier}) when this run ends; until then it writes "
-                f"{self.json_now}, which an interrupted run leaves beside it. Keep the earlier one with another --out")
-
-    def finish(self) -> str:
-        """Move this run's files over the earlier ones; the path of the results."""
-        if self.json_now != self.json:
-            os.replace(self.json_now, self.json)
-            os.replace(self.log_now, self.log)
-        return self.json
-
-
-def _result_date(path: str) -> str:
-    try:
-        with open(path) as f:
-            return json.load(f).get("date") or "an earlier run"
-    except (OSError, ValueError, AttributeError):
-        return "an earlier run"
 
 
 class Log:

@@ -12,6 +12,7 @@ import os
 import shlex
 import statistics
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -126,7 +127,7 @@ class FakeTraining:
         self.started = []  # (run name, seconds left, the JSON's status of the run while it ran)
 
     def __call__(self, runner, run, run_dir, cmd, env, limit):
-        doc = json.load(open(os.path.join(runner.args.out, multi_gpu.JSON_NAME)))
+        doc = json.load(open(runner.files.json_now))  # multi-gpu.partial.json in a rerun
         self.started.append((run.name, runner.left(), doc["runs"][run.name]["status"], limit))
         steps = runner.doc["settings"]["steps"]
         self.clock[0] += self.wall
@@ -249,6 +250,56 @@ def test_a_sigterm_kills_the_run_in_flight_and_keeps_what_finished(tmp_path, fak
     assert rc == 128 + 15 and not doc["finished"]
     assert doc["runs"]["g1"]["status"] == "ok" and doc["runs"]["g2-data"]["status"] == "interrupted"
     assert "g2-fsdp" not in doc["runs"]
+
+
+def test_a_rerun_replaces_the_earlier_results_only_when_it_ends(tmp_path, fake, monkeypatch, capsys):
+    """With an earlier multi-gpu.json in --out, a rerun writes multi-gpu.partial.{json,log} and
+    multi-gpu-logs.partial.tar.gz: a rerun stopped by SIGTERM or by an exception leaves the earlier three files as
+    they were, and one that ends moves its own over them."""
+    training = fake()
+    out = tmp_path / "out"
+    names = sorted([multi_gpu.JSON_NAME, multi_gpu.LOG_NAME, multi_gpu.PACK_NAME])
+
+    def rerun(work, runs="g1,gN-data"):
+        return multi_gpu.main(["--out", str(out), "--work", str(tmp_path / work), "--steps", "10", "--runs", runs],
+                              root=ROOT)
+
+    assert rerun("w1", runs="g1") == 0
+    earlier = {name: (out / name).read_bytes() for name in names}
+    assert sorted(os.listdir(out)) == names and json.loads(earlier[multi_gpu.JSON_NAME])["finished"]
+
+    def stop_at_the_second(runner, run, *rest):
+        if run.name != "g1":
+            raise multi_gpu.Stopped(15)
+        return training(runner, run, *rest)
+    monkeypatch.setattr(multi_gpu.Runner, "execute", lambda self, *a: stop_at_the_second(self, *a))
+    capsys.readouterr()
+    assert rerun("w2") == 128 + 15
+    assert {name: (out / name).read_bytes() for name in names} == earlier
+    printed = capsys.readouterr().out
+    assert f"replacing {out / multi_gpu.JSON_NAME} (the results of an earlier run) when this run ends" in printed
+    assert f"{out / 'multi-gpu.partial.json'} has the runs that finished; {out / multi_gpu.JSON_NAME} keeps" in printed
+    partial = json.loads((out / "multi-gpu.partial.json").read_text())
+    assert not partial["finished"] and partial["runs"]["g2-data"]["status"] == "interrupted"
+    assert sorted(os.listdir(out)) == sorted(names + ["multi-gpu.partial.json", "multi-gpu.partial.log",
+                                                      "multi-gpu-logs.partial.tar.gz"])
+
+    def crash(runner, run, *rest):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(multi_gpu.Runner, "execute", lambda self, *a: crash(self, *a))
+    with pytest.raises(OSError, match="No space left"):
+        rerun("w3")
+    assert {name: (out / name).read_bytes() for name in names} == earlier
+
+    monkeypatch.setattr(multi_gpu.Runner, "execute", lambda self, *a: training(self, *a))
+    assert rerun("w4") == 0
+    assert sorted(os.listdir(out)) == names  # the partial files moved over the earlier ones
+    doc = json.loads((out / multi_gpu.JSON_NAME).read_text())
+    assert doc["finished"] and sorted(doc["runs"]) == ["g1", "g2-data"]
+    log = (out / multi_gpu.LOG_NAME).read_text()
+    assert "replacing" in log and "| g2-data | data=2 | 2 |" in log and "stopped by signal" not in log
+    with tarfile.open(out / multi_gpu.PACK_NAME) as tar:
+        assert {os.path.dirname(n) for n in tar.getnames()} == {"g1", "g2-data"}
 
 
 def test_a_run_past_its_time_is_killed(tmp_path):

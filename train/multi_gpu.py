@@ -38,7 +38,11 @@ saves, from the runs measured so far, else pessimistic defaults) ends before it;
 is skipped and recorded, and a later, cheaper one may still start.  A run still going at the budget's end
 is killed.  ``--out DIR`` gets ``multi-gpu.json`` (rewritten atomically after every run: a command cut off
 keeps what finished; the run in flight reads ``running``), ``multi-gpu.log`` (this runner's lines) and
-``multi-gpu-logs.tar.gz`` (every run's stdout log, metrics.jsonl and config.json).
+``multi-gpu-logs.tar.gz`` (every run's stdout log, metrics.jsonl and config.json).  Where ``DIR`` holds an
+earlier ``multi-gpu.json``, the command writes ``multi-gpu.partial.json``, ``.partial.log`` and
+``multi-gpu-logs.partial.tar.gz`` instead and moves them over the earlier three when it ends (every planned run
+made, failed or skipped): an interrupted or crashed rerun leaves the earlier results as they were
+(``benchmarks.common``'s suites write through the same :class:`~falcon_jax.train.rundir.ResultFiles`).
 
 Summary per run: tokens/s is the median over the speed records after the first (each record covers
 ``log_every`` steps; the first step, with the compilation, is never in one); tokens/s per GPU; scaling
@@ -66,7 +70,8 @@ import time
 
 from falcon_jax.train.launch import simulated_cpu_env
 from falcon_jax.train.memory import is_out_of_memory
-from falcon_jax.train.rundir import CONFIG, METRICS, checkpoint_steps, dumps_strict, parse_records, write_atomic
+from falcon_jax.train.rundir import (CONFIG, METRICS, ResultFiles, checkpoint_steps, dumps_strict, parse_records,
+                                     write_atomic)
 
 JSON_NAME, LOG_NAME, PACK_NAME = "multi-gpu.json", "multi-gpu.log", "multi-gpu-logs.tar.gz"
 RUN_LOG = "stdout.log"
@@ -472,7 +477,10 @@ class Runner:
         self.t0 = now()
         self.deadline = self.t0 + args.budget if args.budget else None
         os.makedirs(args.out, exist_ok=True)
-        self.log_path = os.path.join(args.out, LOG_NAME)
+        # with an earlier result in --out, this command writes multi-gpu.partial.* and replaces it when it ends
+        self.files = ResultFiles(os.path.join(args.out, JSON_NAME), others=(os.path.join(args.out, PACK_NAME),))
+        self.log_path = self.files.log_now
+        open(self.log_path, "w").close()
         self.work = os.path.join(root, args.work)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.base = os.path.join(self.work, stamp)
@@ -490,8 +498,8 @@ class Runner:
 
     def save(self) -> None:
         self.doc["elapsed_s"] = now() - self.t0
-        write_atomic(os.path.join(self.args.out, JSON_NAME), dumps_strict(self.doc, indent=1).encode())
-        pack(os.path.join(self.args.out, PACK_NAME), self.run_dirs)
+        write_atomic(self.files.json_now, dumps_strict(self.doc, indent=1).encode())
+        pack(self.files.now(os.path.join(self.args.out, PACK_NAME)), self.run_dirs)
 
     def env(self, gpus: int, visible: list[str]) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -625,11 +633,13 @@ class Runner:
                 if r.get("status") == "running":
                     r["status"] = "interrupted"
             self.save()
-            self.say(f"stopped by signal {signum}: {os.path.join(args.out, JSON_NAME)} has the runs that finished")
+            kept = f"; {self.files.json} keeps the earlier results" if self.files.earlier else ""
+            self.say(f"stopped by signal {signum}: {self.files.json_now} has the runs that finished{kept}")
             return 128 + signum
         self.doc["finished"] = True
         self.save()
         self.report(steps)
+        self.files.finish()
         failed = [n for n, r in self.doc["runs"].items() if r["status"] not in ("ok", "skipped")]
         return 1 if failed else 0
 
@@ -662,7 +672,7 @@ class Runner:
                 self.say(f"{name}: resumed at step {r['restored_step']} on one GPU; first step {v['first_step']} loss "
                          f"{fmt(v['first_loss'], '.4f')} vs {v['source']}'s {fmt(v['source_first_loss'], '.4f')}; "
                          f"mean |Δ| {fmt(v['mean_abs_diff'], '.4f')}, largest {fmt(v['max_abs_diff'], '.4f')}")
-        self.say(f"wrote {os.path.join(args.out, JSON_NAME)}, {self.log_path}, {os.path.join(args.out, PACK_NAME)}")
+        self.say(f"wrote {self.files.json}, {self.files.log}, {os.path.join(args.out, PACK_NAME)}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -725,6 +735,8 @@ def main(argv=None, *, root: str | None = None) -> int:
                   + " ".join(command(r, os.path.join(args.work, "<time>", r.name), sets)[2:]))
         return 0
     runner = Runner(args, root)
+    if runner.files.note():
+        runner.say(runner.files.note())
     label = {"device_kind": info["kind"], "platform": info["platform"], "gpus": n, "jax": info["jax"],
              "date": datetime.date.today().isoformat(), "commit": args.commit or git_commit(root),
              "python": sys.version.split()[0]}

@@ -18,7 +18,8 @@ Layout of ``<run_dir>`` (``train.run_dir``)::
     report.txt              the end-of-run table
     loss.png, accuracy_vs_width.png   plots (matplotlib, the ``train`` extra)
 
-Only the standard library here: the command line uses it before it imports JAX.
+Only the standard library here: the command line uses it before it imports JAX, and ``benchmarks.common``
+loads this file by its path (for :class:`ResultFiles`), without the package.
 """
 
 from __future__ import annotations
@@ -165,6 +166,62 @@ def write_atomic(path: str, data: str | bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class ResultFiles:
+    """Where a command writes its results ``NAME.json``, its log ``NAME.log`` beside it, and the files ``others``
+    (paths; ``benchmarks.run``'s suites and ``benchmarks.context_parallel`` have none, the multi-GPU runner its pack
+    of run logs).  Without an earlier ``NAME.json``, straight to those names (a command cut by a time limit keeps
+    what it measured).  With one, to ``NAME.partial.json`` / ``.partial.log`` (``X.partial.tar.gz`` for
+    ``X.tar.gz``) until :meth:`finish` (the command ended without an exception) moves them over the earlier files:
+    an interrupted or failed rerun leaves the earlier results as they were.  Standard library only:
+    ``benchmarks.common`` loads this module from its file, without an install or JAX."""
+
+    def __init__(self, json_path: str, others: tuple[str, ...] = ()):
+        stem = os.path.splitext(json_path)[0]
+        self.json, self.log = json_path, stem + ".log"
+        self.earlier = _result_date(self.json) if os.path.isfile(self.json) else None
+        if self.earlier is None:
+            self.json_now, self.log_now = self.json, self.log
+            self.others = {p: p for p in others}
+        else:
+            self.json_now, self.log_now = stem + ".partial.json", stem + ".partial.log"
+            self.others = {p: _partial_name(p) for p in others}
+
+    def now(self, path: str) -> str:
+        """Where this command writes ``path``, one of ``others``."""
+        return self.others[path]
+
+    def note(self) -> str | None:
+        """The line that says an earlier result is replaced once this run ends (None when there is none)."""
+        if self.earlier is None:
+            return None
+        return (f"replacing {self.json} (the results of {self.earlier}) when this run ends; until then it writes "
+                f"{self.json_now}, which an interrupted run leaves beside it. Keep the earlier one with another --out")
+
+    def finish(self) -> str:
+        """Move this run's files over the earlier ones (those of ``others`` it wrote); the path of the results."""
+        if self.json_now != self.json:
+            os.replace(self.json_now, self.json)
+            os.replace(self.log_now, self.log)
+            for path, now in self.others.items():
+                if os.path.exists(now):
+                    os.replace(now, path)
+        return self.json
+
+
+def _partial_name(path: str) -> str:
+    """``X.partial.EXT`` for ``X.EXT`` (``.tar.gz`` counts as one extension)."""
+    ext = ".tar.gz" if path.endswith(".tar.gz") else os.path.splitext(path)[1]
+    return path[:len(path) - len(ext)] + ".partial" + ext
+
+
+def _result_date(path: str) -> str:
+    try:
+        with open(path) as f:
+            return json.load(f).get("date") or "an earlier run"
+    except (OSError, ValueError, AttributeError):
+        return "an earlier run"
 
 
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
