@@ -165,6 +165,33 @@ def test_flipped_bits_fall_back_then_resume_refuses_or_starts_over(tmp_path):
     assert sorted(train) == [1, 2] and [e["step"] for e in evals] == [2]
 
 
+_SLOW_CLEANUP = """
+import asyncio, sys
+from orbax.checkpoint import checkpoint_manager
+original = checkpoint_manager.temporary_paths.cleanup_temporary_paths
+
+async def slow(*args, **kwargs):  # the manager's start-up clean-up of temporary folders, in its thread, takes 1 s
+    await asyncio.sleep(1.0)
+    return await original(*args, **kwargs)
+
+checkpoint_manager.temporary_paths.cleanup_temporary_paths = slow
+from falcon_jax.train.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], every=1, keep=1)
+ckpt._quarantine(3)  # a broken step moved aside: the manager is closed and opened again
+ckpt.close()
+print("closed", flush=True)
+"""
+
+
+def test_closing_waits_for_the_managers_cleanup_thread(tmp_path):
+    """A process that exits right after closing its checkpoints (a refused --resume: "no usable checkpoint") printed
+    an orbax traceback after its last line when the clean-up thread of a manager was still running at exit."""
+    res = subprocess.run([sys.executable, "-c", _SLOW_CLEANUP, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0 and res.stdout == "closed\n", res.stdout + res.stderr
+    assert "cannot schedule new futures" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_resume_with_another_model_refuses_and_moves_nothing(tmp_path):
     """The failures this guards against: a wider model quarantining every good checkpoint as "corrupt" (then
     --resume-or-start begins a new run over the old config.json), and another rule with the same parameter shapes

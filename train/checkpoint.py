@@ -192,6 +192,16 @@ class Checkpointer:
                                             enable_async_checkpointing=self.async_save)
         self.manager = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
 
+    def _close_manager(self):
+        """Close the orbax manager once the clean-up of temporary folders that its constructor started in a thread
+        has ended: ``CheckpointManager.close`` does not wait for that thread (only ``save`` does), and one still
+        running when the interpreter exits prints a traceback ("cannot schedule new futures after interpreter
+        shutdown") after the command's own last line, e.g. after a refused ``--resume``."""
+        await_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)  # orbax's, private
+        if await_cleanup is not None:
+            await_cleanup()
+        self.manager.close()
+
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
@@ -352,7 +362,7 @@ class Checkpointer:
         return None
 
     def _quarantine(self, step: int):
-        self.manager.close()
+        self._close_manager()
         os.makedirs(self.corrupt_dir, exist_ok=True)
         src = os.path.join(self.dir, str(step))
         if os.path.exists(src):
@@ -370,4 +380,4 @@ class Checkpointer:
             self.poll(wait=True)
         finally:
             self._closed = True
-            self.manager.close()
+            self._close_manager()
