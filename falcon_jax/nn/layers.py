@@ -69,10 +69,11 @@ def check_size(owner: str, field: str, value) -> int:
     return int(value)
 
 
-# Rows whose largest |x| reaches 2^_SCALE_FROM are divided by a power of two that brings it below 2^_SCALE_TO before
-# squaring: a float32 square overflows from |x| ≈ 1.8e19 (the unscaled formula gives 0 for the whole row), and the sum of n squares below 2^32
-# stays finite for any n < 2^96.  Rows below 2^_SCALE_FROM keep the factor 1, so their results are unchanged bit for
-# bit; above it the power of two divides exactly and only eps's share (negligible there) is rounded differently.
+# Rows whose largest |x| reaches 2^_SCALE_FROM are divided by a power of two that brings it below 2^_SCALE_TO
+# before squaring: a float32 square overflows from |x| ≈ 1.8e19 (the plain formula gives 0 for the whole row), and
+# the sum of n squares below 2^32 stays finite for any n < 2^96.  Rows below 2^_SCALE_FROM keep the factor 1: their
+# results are the plain formula's, bit for bit; above it the power of two divides exactly, and only eps's share
+# (negligible there) is rounded differently.
 _SCALE_FROM = 32
 _SCALE_TO = 16
 
