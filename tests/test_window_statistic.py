@@ -1,5 +1,6 @@
 """Falcon-3's window statistic: the window Gram and its top eigenvalue (``rules.window_gram``,
-``rules.top_eigenvector_jacobi``, ``rules.window_lambda_max``) against float64 numpy."""
+``forms.stream.window_grams``, ``rules.top_eigenvector_jacobi``, ``rules.window_lambda_max``) against float64
+numpy."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 
 from falcon_jax import rules
+from falcon_jax.forms.stream import window_grams, write_stream
+from falcon_jax.state import empty_state
 
 
 def _windows(rng, kind, n, batch=400, d=16):
@@ -136,3 +139,52 @@ def test_window_lambda_max_of_bf16_keys_is_fp32(rng):
 def test_jacobi_rejects_a_non_square_gram():
     with pytest.raises(ValueError, match="square"):
         rules.top_eigenvector_jacobi(jnp.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("W", [1, 2, 4, 5])
+@pytest.mark.parametrize("time_axis", [1, 2])
+def test_window_grams_of_the_stream_equal_each_windows_gram(rng, W, time_axis):
+    """The lagged products give every window's Gram: ``gram[t, i, j] = x_ext[t+i]·x_ext[t+j]`` against float64
+    products of the stacked windows, in either token layout (odd T, keys of mixed scale)."""
+    B, H, T, d = 2, 3, 13, 16
+    x = rng.normal(size=(B, T + W - 1, H, d)) * rng.uniform(0.1, 10, size=(B, T + W - 1, H, 1))
+    windows = np.stack([x[:, i:i + T] for i in range(W)], axis=3)  # [B, T, H, W, d]
+    ref = np.einsum("bthik,bthjk->bthij", windows, windows)
+    x_in = x if time_axis == 1 else np.swapaxes(x, 1, 2)
+    gram = np.asarray(window_grams(jnp.asarray(x_in, jnp.float32), W, T, time_axis), np.float64)
+    if time_axis == 2:
+        gram = np.swapaxes(gram, 1, 2)
+    assert gram.shape == (B, T, H, W, W)
+    np.testing.assert_allclose(gram, ref, rtol=2e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["3", "3A"])
+def test_gates_of_a_sequence_stack_no_window_of_keys(variant):
+    """The write stream's gates and their gradient never hold a ``[..., W, dk]`` array (every step's window of keys,
+    W × the keys' memory): its Gram comes from lagged products.  The values and gradients are checked against the
+    recurrence in tests/test_forms.py and tests/test_gradients.py; this guards the cost."""
+    B, H, T, dk, dv, W = 2, 3, 16, 8, 4, 4
+    rule = rules.falcon_rule(variant, window=W)
+    state = empty_state(B, H, dk, dv, W - 1, jnp.float32)
+    v = jnp.ones((B, H, T, dv))
+    inputs = {"beta": jnp.ones((B, H, T)), "lam": jnp.full((B, H, T), 0.01)}
+
+    def gates(k):
+        stream = write_stream(rule, k, v, inputs, jnp.zeros((B, T), bool), state)
+        return jnp.sum(stream.w) + jnp.sum(stream.log_gamma)
+
+    jaxpr = jax.make_jaxpr(jax.grad(gates))(jnp.ones((B, H, T, dk)))
+    shapes = set()
+
+    def collect(jaxpr):
+        for eqn in jaxpr.eqns:
+            shapes.update(tuple(getattr(o.aval, "shape", ())) for o in eqn.outvars)
+            for value in eqn.params.values():  # the bodies of scans, loops, custom derivatives, pjit
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        collect(sub)
+
+    collect(jaxpr.jaxpr)
+    stacked = [s for s in shapes if len(s) >= 2 and s[-2:] == (W, dk)]
+    assert not stacked, f"a window of keys was stacked: {stacked}"
