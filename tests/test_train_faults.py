@@ -24,7 +24,7 @@ from jax.errors import JaxRuntimeError
 
 from falcon_jax.train import checkpoint, cli, trainer
 from falcon_jax.train.checkpoint import CHECKSUMS, CheckpointError, Checkpointer
-from falcon_jax.train.config import ConfigError, build_config, resume_mismatch
+from falcon_jax.train.config import ConfigError, build_config, resume_mismatch, split_mismatch
 from falcon_jax.train.memory import DeviceMemoryError, explain, is_out_of_memory, requested_size, suggest_grad_accum
 from falcon_jax.train.preemption import Interrupted
 from falcon_jax.train.rundir import RunDirError, checkpoint_steps, read_metrics
@@ -904,3 +904,39 @@ def test_settings_of_the_other_data_kind_are_named_as_not_read():
                for ln in start_lines(cfg))
     for preset, extra in (("addition-tiny", []), ("addition-packed", []), ("lm-tiny", ["data.paths=corpus"])):
         assert not any("not read with" in ln for ln in start_lines(build_config(preset=preset, overrides=extra)))
+
+
+def test_resume_with_another_evaluation_split_is_refused_and_changes_nothing(tmp_path):
+    """The failure this guards against: --resume with another data.split_seed or data.heldout_frac (addition), or
+    data.val_frac or data.text_key (text), was accepted with a "settings changed" line, and every evaluation from
+    there on was drawn from problems (documents) that the run had trained on, compared with the earlier ones."""
+    run_dir = tmp_path / "run"
+
+    def cfg(*extra):
+        return build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=3",
+                                                                      *extra])
+
+    trainer.run(cfg(), log=lambda line: None)
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for extra, named in ((["data.split_seed=5"], r"data.split_seed: 1234 in the run, 5 here\).*--set data.split_seed=1234"),
+                         (["data.heldout_frac=0.2"], r"data.heldout_frac: 0.05 in the run, 0.2 here\).*--set "
+                                                     r"data.heldout_frac=0.05")):
+        with pytest.raises(RunDirError, match=rf"--resume: the run in {run_dir} split its data with other settings.*"
+                                              rf"{named}.*Nothing was changed"):
+            trainer.run(cfg("train.steps=6", *extra), resume=True, log=lambda line: None)
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+    # config.json edited (or gone): the config saved in the checkpoint is compared too
+    saved = json.loads(files["config.json"])
+    saved["data"]["heldout_frac"] = 0.3
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(RunDirError, match=r"--resume: checkpoint 3 in .* split its data .*data.heldout_frac: 0.05 in "
+                                          r"the run, 0.3 here"):
+        trainer.run(cfg("train.steps=6", "data.heldout_frac=0.3"), resume=True, log=lambda line: None)
+    assert checkpoint_steps(str(run_dir)) == [3] and not (run_dir / "checkpoints_corrupt").exists()
+    assert sorted(read_metrics(str(run_dir))[0]) == [1, 2, 3]
+    # text: the validation share and the field read from JSON lines
+    text = build_config(preset="lm-tiny", overrides=["data.paths=a.txt"]).to_dict()
+    for key, value in (("val_frac", 0.2), ("text_key", "body")):
+        other = build_config(preset="lm-tiny", overrides=["data.paths=a.txt", f"data.{key}={value}"])
+        assert [d.split(":")[0] for d in split_mismatch(text, other)] == [f"data.{key}"]
+    assert split_mismatch(text, build_config(preset="lm-tiny", overrides=["data.paths=a.txt", "data.seed=3"])) == []

@@ -540,6 +540,35 @@ def resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
     return out
 
 
+# the data settings that choose the held-out problems (addition: every evaluation draws from them) or the documents and
+# their validation share (text): changed on --resume, the evaluations from there on would include what the run trained on
+SPLIT_KEYS = {"addition": ("split_seed", "heldout_frac"), "text": ("val_frac", "text_key")}
+
+
+def split_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The settings of :data:`SPLIT_KEYS` that differ between the run's ``saved`` config and ``cfg``, as
+    ``"data.key: <there> in the run, <here> here"`` (none when the data kinds differ: :func:`resume_mismatch` names
+    that).  ConfigError if ``saved`` is not a config."""
+    before = TrainConfig.from_dict(saved)
+    if before.data.kind != cfg.data.kind:
+        return []
+    return [f"data.{k}: {getattr(before.data, k)!r} in the run, {getattr(cfg.data, k)!r} here"
+            for k in SPLIT_KEYS.get(cfg.data.kind, ()) if getattr(before.data, k) != getattr(cfg.data, k)]
+
+
+def split_error(where: str, differences: list[str], saved: dict) -> str:
+    """The message that refuses a --resume whose ``differences`` (:func:`split_mismatch`) change the evaluation split;
+    ``where``: the run or checkpoint compared with, ``saved`` its config (for the values to resume with)."""
+    before = TrainConfig.from_dict(saved).data
+    values = [getattr(before, d.split(":")[0].split(".", 1)[1]) for d in differences]
+    fix = " ".join(f"--set {d.split(':')[0]}={v if isinstance(v, str) else json.dumps(v)}"
+                   for d, v in zip(differences, values))
+    return (f"--resume: {where} split its data with other settings than this command's ({'; '.join(differences)}): "
+            f"the held-out problems or validation documents would change, and the evaluations from here on would "
+            f"include data the run has trained on. Resume with the run's settings ({fix}, or leave these keys "
+            f"unset), or train with the new split in another --run-dir. Nothing was changed.")
+
+
 # what draws the batches: a change on --resume makes the batches from there on differ from an uninterrupted run's
 DATA_STREAM_KEYS = ("train.batch_size", "train.seed")
 

@@ -29,7 +29,8 @@ from falcon_jax.sharding import kernel_sharding
 from falcon_jax.train import evaluate as ev
 from falcon_jax.train.addition import ADDITION_VOCAB_SIZE, AdditionData
 from falcon_jax.train.checkpoint import Checkpointer
-from falcon_jax.train.config import ConfigError, TrainConfig, resume_mismatch, settings_changed, validate
+from falcon_jax.train.config import (ConfigError, TrainConfig, resume_mismatch, settings_changed, split_error,
+                                     split_mismatch, validate)
 from falcon_jax.train.loader import make_loader
 from falcon_jax.train.memory import EVALUATION, GREEDY, TRAIN_STEP, VALIDATION, explain, is_out_of_memory
 from falcon_jax.train.mesh import (BATCH_AXES, SEQ_AXIS, batch_shards, check_batch, check_sequence, host_shard,
@@ -289,6 +290,11 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
                     raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was saved from another model than "
                                       f"this command's ({'; '.join(differences)}). Resume with the run's model, or "
                                       f"train the new model in another --run-dir. Nothing was moved.")
+                other_split = saved_split_mismatch(meta, cfg)
+                if other_split:  # the evaluations from here on would draw on problems or documents trained on
+                    ckpt.close()
+                    loader.close()
+                    raise RunDirError(split_error(f"checkpoint {step0} in {ckpt.dir}", other_split, meta["config"]))
                 saved_tok, tok = meta.get("tokenizer"), getattr(getattr(data, "tok", None), "fingerprint", None)
                 if saved_tok is not None and saved_tok != tok:  # a BPE trained on a corpus that changed since
                     ckpt.close()
@@ -625,7 +631,9 @@ def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
     path = os.path.join(run_dir, CONFIG)
     try:
         with open(path) as f:
-            differences = resume_mismatch(json.load(f), cfg)
+            saved = json.load(f)
+        differences = resume_mismatch(saved, cfg)
+        other_split = split_mismatch(saved, cfg)
     except (OSError, ValueError, TypeError):
         return  # no config.json, or one cut by a kill: nothing to compare with
     if differences:
@@ -633,6 +641,8 @@ def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
                           f"command's ({'; '.join(differences)}). Resume with the run's own config "
                           f"(falcon-train --run-dir {run_dir} --resume, without --preset, --config or --set for "
                           f"these keys), or train the new model in another --run-dir. Nothing was changed.")
+    if other_split:
+        raise RunDirError(split_error(f"the run in {os.path.abspath(run_dir)}", other_split, saved))
 
 
 def saved_model_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
@@ -644,6 +654,19 @@ def saved_model_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
         return []
     try:
         return resume_mismatch(saved, cfg)
+    except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
+        return []
+
+
+def saved_split_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
+    """The settings that split the data (:data:`~falcon_jax.train.config.SPLIT_KEYS`) in which ``cfg`` differs from
+    the config a checkpoint was saved with (its ``meta["config"]``), as :func:`~falcon_jax.train.config.split_mismatch`;
+    nothing when the saved config is absent or unreadable.  Covers a ``config.json`` edited or gone since."""
+    saved = meta.get("config")
+    if not isinstance(saved, dict):
+        return []
+    try:
+        return split_mismatch(saved, cfg)
     except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
         return []
 
