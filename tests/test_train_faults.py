@@ -940,3 +940,31 @@ def test_resume_with_another_evaluation_split_is_refused_and_changes_nothing(tmp
         other = build_config(preset="lm-tiny", overrides=["data.paths=a.txt", f"data.{key}={value}"])
         assert [d.split(":")[0] for d in split_mismatch(text, other)] == [f"data.{key}"]
     assert split_mismatch(text, build_config(preset="lm-tiny", overrides=["data.paths=a.txt", "data.seed=3"])) == []
+
+
+def test_a_checkpoint_that_cannot_be_read_is_refused_not_moved_aside_as_corrupt(tmp_path, monkeypatch):
+    """The failure this guards against: a read error while verifying (permissions, a file system error) counted as
+    corruption: every checkpoint was moved to checkpoints_corrupt, and --resume-or-start (a scheduler's restart)
+    trained the run again from step 0."""
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    for s in (3, 6):
+        assert ck.save(s, {"w": jnp.arange(4.0) + s}, {"data": {"step": s}})
+    ck.close()
+    real = checkpoint._file_digests
+
+    def denied(step_dir):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(step_dir, "state", "_METADATA"))
+
+    monkeypatch.setattr(checkpoint, "_file_digests", denied)
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    with pytest.raises(RunDirError, match=r"checkpoint 6 in .* cannot be read \(PermissionError: .*Permission denied: "
+                                          r"'.*/6/state/_METADATA'\); fix the cause .* Nothing was moved"):
+        ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"] and not (tmp_path / "checkpoints_corrupt").exists()
+    monkeypatch.setattr(checkpoint, "_file_digests", real)  # readable again: the newest one restores
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    step, got, _ = ck.restore_latest({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    ck.close()
+    assert step == 6
+    np.testing.assert_array_equal(got["w"], np.arange(4.0) + 6)

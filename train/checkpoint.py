@@ -14,7 +14,8 @@ truncated files *and* flipped bits are caught.  A checkpoint that fails to verif
 reported, moved to ``<run_dir>/checkpoints_corrupt/<step>-<time>`` (kept for inspection, never deleted) and
 the next older one is tried; one that verifies but does not fit the model asked for (another config) stays
 where it is and the restore refuses (:class:`~falcon_jax.train.rundir.RunDirError`).  A step without ``checksums.json`` (the process stopped between orbax's
-rename and the checksum write) cannot be verified and is treated the same way.
+rename and the checksum write) cannot be verified and is treated the same way.  A file that cannot be read
+(permissions, a file-system error) is not taken for corruption: the restore stops (RunDirError) and moves nothing.
 
 A failed save is a :class:`CheckpointError` in the training loop: with ``async_save=False`` (the default)
 at the step being saved; with ``async_save=True`` (the write overlaps the next steps) at the first step
@@ -98,14 +99,16 @@ def write_checksums(step_dir: str) -> None:
 
 
 def verify_checksums(step_dir: str) -> str | None:
-    """None if every file of the step matches its recorded size and SHA-256, else what is wrong."""
+    """None if every file of the step matches its recorded size and SHA-256, else what is wrong.  OSError (other
+    than a missing file) when a file cannot be read: that says nothing about the content (permissions, a file
+    system error), so the caller must not take the step for corrupt."""
     path = os.path.join(step_dir, CHECKSUMS)
     if not os.path.exists(path):
         return f"it has no {CHECKSUMS} (the save did not finish), so its content cannot be verified"
     try:
-        with open(path) as f:
-            want = json.load(f)["sha256"]
-    except (OSError, ValueError, KeyError) as e:
+        with open(path, "rb") as f:
+            want = json.loads(f.read())["sha256"]
+    except (ValueError, KeyError, TypeError) as e:
         return f"its {CHECKSUMS} is unreadable ({type(e).__name__})"
     got = _file_digests(step_dir)
     missing = sorted(set(want) - set(got))
@@ -332,9 +335,16 @@ class Checkpointer:
         the target shardings.  Broken checkpoints are reported and moved aside.
         """
         for step in reversed(self.steps()):
-            intact = False
             try:
                 problem = verify_checksums(os.path.join(self.dir, str(step)))
+            except FileNotFoundError as e:  # removed while it was read
+                problem = f"files are missing: {e.filename}"
+            except OSError as e:  # unreadable is not corrupt: moved aside, the run would fall back or start over
+                raise RunDirError(f"checkpoint {step} in {self.dir} cannot be read ({type(e).__name__}: {e}); fix "
+                                  f"the cause (the files' permissions, the file system) and resume again. Nothing "
+                                  f"was moved.") from None
+            intact = False
+            try:
                 if problem is not None:
                     raise ValueError(problem)
                 intact = True
