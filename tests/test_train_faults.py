@@ -8,6 +8,7 @@ of device memory stops the run with the batch and the fixes, keeping what the ru
 save keeps the previous checkpoints (keep-N deletes only after the new step is checksummed).
 (SIGTERM mid-run and the exact continuation after it: test_train_resume.py.)"""
 import errno
+import importlib.util
 import json
 import os
 import signal
@@ -968,3 +969,38 @@ def test_a_checkpoint_that_cannot_be_read_is_refused_not_moved_aside_as_corrupt(
     ck.close()
     assert step == 6
     np.testing.assert_array_equal(got["w"], np.arange(4.0) + 6)
+
+
+
+_REPORT_ON_A_FULL_DISK = """
+import resource, sys
+from falcon_jax.train import report
+from falcon_jax.train.config import build_config
+from falcon_jax.train.rundir import read_metrics
+run_dir, part = sys.argv[1:]
+cfg = build_config(config_file=run_dir + "/config.json", overrides=["train.plots=true"])
+last_eval = read_metrics(run_dir)[1][-1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # writes past 64 bytes fail (EFBIG, as ENOSPC on a full disk)
+try:
+    report.finish(cfg, last_eval, say=lambda line: None) if part == "report" else report.make_plots(run_dir, cfg)
+except OSError as e:
+    print(e.strerror)
+"""
+
+
+def test_a_report_or_plot_that_cannot_be_written_leaves_the_earlier_one(tmp_path):
+    """The failure this guards against: report.txt was opened for writing (emptied) before the new table was written,
+    so a full disk at the end of a resumed run left a cut report in place of the earlier run's; the same for the
+    plots, which matplotlib wrote straight to their names."""
+    run_dir = tmp_path / "run"
+    trainer.run(build_config(preset="addition-tiny", overrides=TINY + [f"train.run_dir={run_dir}", "train.steps=3"]),
+                log=lambda line: None)
+    earlier = {"report.txt": (run_dir / "report.txt").read_bytes(), "loss.png": b"the earlier plot " * 8}
+    (run_dir / "loss.png").write_bytes(earlier["loss.png"])
+    parts = ["report"] + (["plots"] if importlib.util.find_spec("matplotlib") is not None else [])
+    for part, name in zip(parts, ["report.txt", "loss.png"]):
+        res = subprocess.run([sys.executable, "-c", _REPORT_ON_A_FULL_DISK, str(run_dir), part], capture_output=True,
+                             text=True, timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert res.returncode == 0 and res.stdout == "File too large\n", res.stdout + res.stderr[-3000:]
+        assert (run_dir / name).read_bytes() == earlier[name] and len(earlier[name]) > 64
+        assert not (run_dir / (name + ".tmp")).exists()

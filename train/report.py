@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 from falcon_jax.train.rundir import (ACCURACY_PLOT, CHECKPOINTS, CONFIG, LOSS_PLOT, METRICS, REPORT, checkpoint_steps,
-                                     read_metrics)
+                                     read_metrics, write_atomic)
 NO_MATPLOTLIB = ('[plots] matplotlib is not installed, so no plots are written; to get them install the '
                  'train extra: pip install -e ".[train]" (in the falcon-jax checkout), or pip install matplotlib.')
 
@@ -131,7 +131,7 @@ def make_plots(run_dir: str, cfg) -> tuple[list[str], str | None]:
         ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)"), ax.set_yscale("log"), ax.legend()
         ax.set_title(f"{cfg.model.get('mixer', '')} — {os.path.basename(os.path.abspath(run_dir))}")
         written.append(os.path.join(run_dir, LOSS_PLOT))
-        fig.tight_layout(), fig.savefig(written[-1], dpi=120), plt.close(fig)
+        fig.tight_layout(), _save_figure(fig, written[-1]), plt.close(fig)
     acc = [e for e in evals if "teacher_forced" in e]
     if acc:
         e = acc[-1]
@@ -147,8 +147,20 @@ def make_plots(run_dir: str, cfg) -> tuple[list[str], str | None]:
         ax.set_xlabel("digits per operand"), ax.set_ylabel("accuracy (%)"), ax.set_ylim(-2, 102), ax.legend()
         ax.set_title(f"step {e['step']}: trained on widths {cfg.data.train_min_width}-{cfg.data.train_max_width}")
         written.append(os.path.join(run_dir, ACCURACY_PLOT))
-        fig.tight_layout(), fig.savefig(written[-1], dpi=120), plt.close(fig)
+        fig.tight_layout(), _save_figure(fig, written[-1]), plt.close(fig)
     return written, None
+
+
+def _save_figure(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, whole or not at all (like :func:`~falcon_jax.train.rundir.write_atomic`): a
+    full disk or a kill while saving leaves the earlier plot of a resumed run."""
+    tmp = path + ".tmp"
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def finish(cfg, last_eval: dict | None, say=print) -> list[str]:
@@ -162,8 +174,7 @@ def finish(cfg, last_eval: dict | None, say=print) -> list[str]:
         for line in table:
             say(line)
         written.append(os.path.join(run_dir, REPORT))
-        with open(written[-1], "w") as f:
-            f.write("\n".join(table) + "\n")
+        write_atomic(written[-1], "\n".join(table) + "\n")  # a full disk or a kill leaves the earlier report
     if cfg.train.plots:
         plots, note = make_plots(run_dir, cfg)
         written += plots

@@ -161,11 +161,18 @@ def write_atomic(path: str, data: str | bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: into ``path + ".tmp"``, flushed to disk, then renamed over
     ``path`` (a kill or a full disk mid-write leaves the previous file)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)  # the part written before the failure
+        except OSError:
+            pass
+        raise
 
 
 class ResultFiles:
