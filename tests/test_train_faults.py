@@ -971,6 +971,37 @@ def test_a_checkpoint_that_cannot_be_read_is_refused_not_moved_aside_as_corrupt(
     np.testing.assert_array_equal(got["w"], np.arange(4.0) + 6)
 
 
+def test_a_verified_checkpoint_that_fails_to_load_for_a_resource_is_not_called_another_model(tmp_path, monkeypatch):
+    """A read error or an out-of-memory while restoring a checkpoint whose checksums match says so: it read "does
+    not fit this model", which sends the user to change a config that is right.  Nothing is moved either way."""
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    for s in (3, 6):
+        assert ck.save(s, {"w": jnp.arange(4.0) + s}, {"data": {"step": s}})
+    ck.close()
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    for failure, named in ((OSError(errno.EIO, "Input/output error"), "OSError"),
+                           (MemoryError("out of host memory"), "MemoryError"),
+                           (RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 bytes"), "RuntimeError")):
+        ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+
+        def failing_restore(*args, failure=failure, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(ck.manager, "restore", failing_restore)
+        with pytest.raises(RunDirError) as info:
+            ck.restore_latest(abstract)
+        ck.close()
+        message = str(info.value)
+        assert "checkpoint 6 in " in message and f"could not be restored ({named}" in message, message
+        assert "does not fit" not in message and "Nothing was moved" in message
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
+        assert not (tmp_path / "checkpoints_corrupt").exists()
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)  # a real mismatch still says so
+    with pytest.raises(RunDirError, match="does not fit this model"):
+        ck.restore_latest({"w": jax.ShapeDtypeStruct((5,), jnp.float32)})
+    ck.close()
+
+
 
 _REPORT_ON_A_FULL_DISK = """
 import resource, sys

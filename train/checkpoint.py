@@ -15,7 +15,8 @@ reported, moved to ``<run_dir>/checkpoints_corrupt/<step>-<time>`` (kept for ins
 the next older one is tried; one that verifies but does not fit the model asked for (another config) stays
 where it is and the restore refuses (:class:`~falcon_jax.train.rundir.RunDirError`).  A step without ``checksums.json`` (the process stopped between orbax's
 rename and the checksum write) cannot be verified and is treated the same way.  A file that cannot be read
-(permissions, a file-system error) is not taken for corruption: the restore stops (RunDirError) and moves nothing.
+(permissions, a file-system error) is not taken for corruption: the restore stops (RunDirError) and moves nothing;
+so does a verified checkpoint whose restore fails for a resource (a read error, memory), named as such.
 
 A failed save is a :class:`CheckpointError` in the training loop: with ``async_save=False`` (the default)
 at the step being saved; with ``async_save=True`` (the write overlaps the next steps) at the first step
@@ -169,6 +170,16 @@ def _stderr_captured():
                 os.dup2(saved, 2)  # _divert_stderr starts from the terminal: no gap in between
                 os.close(saved)
                 captured.terminal = _divert_stderr(captured.divert_to)
+
+
+def _resource_failure(e: BaseException) -> bool:
+    """Whether restoring failed for want of a resource (a read error, memory) rather than for the content: an
+    ``OSError`` or ``MemoryError`` (also as the cause of orbax's own exception), or XLA's RESOURCE_EXHAUSTED."""
+    while e is not None:
+        if isinstance(e, (OSError, MemoryError)) or "RESOURCE_EXHAUSTED" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class Checkpointer:
@@ -357,6 +368,10 @@ class Checkpointer:
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
                 cause = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                if intact and _resource_failure(e):  # the bytes verified: reading them failed, not the model
+                    raise RunDirError(f"checkpoint {step} in {self.dir} is intact (its checksums match) but could "
+                                      f"not be restored ({type(e).__name__}: {cause}); fix the cause (the file "
+                                      f"system, free memory) and resume again. Nothing was moved.") from None
                 if intact and "metadata item" not in cause:
                     # the bytes are the ones written: the model asked for is not the one saved, so the
                     # checkpoint stays where it is (the older ones were saved from the same model)
