@@ -283,14 +283,14 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
                                       f"state of step {start} (its data position), not of step {step0}: was it "
                                       f"renamed or copied from another step? Give it back its name "
                                       f"({start}), or move it out of {ckpt.dir}. Nothing was moved.")
-                differences = saved_model_mismatch(meta, cfg)
+                differences = saved_mismatch(meta, cfg)
                 if differences:  # a model with the same parameter shapes restores without an error
                     ckpt.close()
                     loader.close()
                     raise RunDirError(f"--resume: checkpoint {step0} in {ckpt.dir} was saved from another model than "
                                       f"this command's ({'; '.join(differences)}). Resume with the run's model, or "
                                       f"train the new model in another --run-dir. Nothing was moved.")
-                other_split = saved_split_mismatch(meta, cfg)
+                other_split = saved_mismatch(meta, cfg, split_mismatch)
                 if other_split:  # the evaluations from here on would draw on problems or documents trained on
                     ckpt.close()
                     loader.close()
@@ -645,28 +645,17 @@ def check_same_model(run_dir: str, cfg: TrainConfig) -> None:
         raise RunDirError(split_error(f"the run in {os.path.abspath(run_dir)}", other_split, saved))
 
 
-def saved_model_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
-    """What makes ``cfg``'s model another than the one a checkpoint was saved from (its ``meta["config"]``), as
-    :func:`~falcon_jax.train.config.resume_mismatch`; nothing when the saved config is absent or unreadable
-    (then only the restore's shapes are compared).  Covers runs whose ``config.json`` is gone."""
+def saved_mismatch(meta: dict, cfg: TrainConfig, compare=resume_mismatch) -> list[str]:
+    """``compare(saved, cfg)`` against the config a checkpoint was saved with (its ``meta["config"]``):
+    :func:`~falcon_jax.train.config.resume_mismatch` (what makes ``cfg``'s model another) or
+    :func:`~falcon_jax.train.config.split_mismatch` (the settings that split the data); nothing when the saved
+    config is absent or unreadable (then only the restore's shapes are compared).  Covers runs whose
+    ``config.json`` is gone or was edited."""
     saved = meta.get("config")
     if not isinstance(saved, dict):
         return []
     try:
-        return resume_mismatch(saved, cfg)
-    except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
-        return []
-
-
-def saved_split_mismatch(meta: dict, cfg: TrainConfig) -> list[str]:
-    """The settings that split the data (:data:`~falcon_jax.train.config.SPLIT_KEYS`) in which ``cfg`` differs from
-    the config a checkpoint was saved with (its ``meta["config"]``), as :func:`~falcon_jax.train.config.split_mismatch`;
-    nothing when the saved config is absent or unreadable.  Covers a ``config.json`` edited or gone since."""
-    saved = meta.get("config")
-    if not isinstance(saved, dict):
-        return []
-    try:
-        return split_mismatch(saved, cfg)
+        return compare(saved, cfg)
     except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
         return []
 
