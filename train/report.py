@@ -152,15 +152,9 @@ def make_plots(run_dir: str, cfg) -> tuple[list[str], str | None]:
 
 
 def _save_figure(fig, path: str) -> None:
-    """``fig`` as a PNG at ``path``, whole or not at all (like :func:`~falcon_jax.train.rundir.write_atomic`): a
-    full disk or a kill while saving leaves the earlier plot of a resumed run."""
-    tmp = path + ".tmp"
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """``fig`` as a PNG at ``path``, whole or not at all: a full disk or a kill while saving leaves the earlier
+    plot of a resumed run."""
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
 
 
 def finish(cfg, last_eval: dict | None, say=print) -> list[str]:

@@ -28,6 +28,7 @@ import fcntl
 import json
 import math
 import os
+from typing import BinaryIO, Callable
 
 CONFIG = "config.json"
 WIDTH_SHARES = "width_shares.json"
@@ -157,13 +158,17 @@ def check_checkpoint_folder(run_dir: str) -> None:
                           f"(train.run_dir).") from None
 
 
-def write_atomic(path: str, data: str | bytes) -> None:
+def write_atomic(path: str, data: str | bytes | Callable[[BinaryIO], object]) -> None:
     """Write ``data`` to ``path`` whole or not at all: into ``path + ".tmp"``, flushed to disk, then renamed over
-    ``path`` (a kill or a full disk mid-write leaves the previous file)."""
+    ``path`` (a kill or a full disk mid-write leaves the previous file).  ``data`` is text, bytes, or a function
+    that writes to the open binary file (a plot's ``savefig``)."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
