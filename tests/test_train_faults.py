@@ -1035,3 +1035,27 @@ def test_a_report_or_plot_that_cannot_be_written_leaves_the_earlier_one(tmp_path
         assert res.returncode == 0 and res.stdout == "File too large\n", res.stdout + res.stderr[-3000:]
         assert (run_dir / name).read_bytes() == earlier[name] and len(earlier[name]) > 64
         assert not (run_dir / (name + ".tmp")).exists()
+
+
+def test_resume_with_other_eval_widths_chooses_among_evaluations_of_the_new_widths(tmp_path):
+    """The failure this guards against: a run resumed with another ``data.eval_widths`` chose its best checkpoint by
+    comparing in-distribution means over different widths (an earlier mean over widths 1-2 against a later one over
+    width 1 alone).  The earlier evaluation's mean is raised to 100 % so that the old choice would pick it."""
+    run_dir = tmp_path / "run"
+    common = TINY + [f"train.run_dir={run_dir}", "checkpoint.every=2"]
+    trainer.run(build_config(preset="addition-tiny", overrides=common + ["train.steps=2", "data.eval_widths=[1,2]"]),
+                log=lambda line: None)
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    for r in records:
+        if r.get("kind") == "eval":
+            assert r["in_dist_widths"] == [1, 2]
+            r["in_dist_exact"] = 1.0
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = []
+    trainer.run(build_config(preset="addition-tiny", overrides=common + ["train.steps=4", "data.eval_widths=[1]"]),
+                resume=True, log=lines.append)
+    assert any("evaluations on other in-distribution widths than 1 are left out" in ln for ln in lines), lines
+    last = [json.loads(ln) for ln in metrics.read_text().splitlines() if '"eval"' in ln][-1]
+    assert last["step"] == 4 and last["in_dist_widths"] == [1]
+    assert last["best_in_dist"]["step"] == 4 and last["best_in_dist"]["in_dist_widths"] == [1]

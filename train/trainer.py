@@ -391,7 +391,11 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         return out
 
     earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
-    best = best_in_dist(earlier_evals)  # the checkpoint choice so far, kept up to date by do_eval
+    in_dist = in_dist_widths(cfg)
+    best = best_in_dist(earlier_evals, in_dist)  # the checkpoint choice so far, kept up to date by do_eval
+    if cfg.data.kind == "addition" and best_in_dist(earlier_evals) != best:
+        say(f"[resume] the earlier evaluations on other in-distribution widths than {compact_widths(in_dist)} are "
+            f"left out of the checkpoint choice (their means are of other widths)")
 
     def do_eval(step, final=False):
         nonlocal best
@@ -403,12 +407,13 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         if cfg.data.kind == "addition":
             acc = ev.addition_accuracy(gd, st, data, cfg.data.eval_widths, put=put)
             rec["teacher_forced"] = {str(k): v for k, v in acc.items()}
+            rec["in_dist_widths"] = in_dist
             for metric in ("exact", "digit"):
                 ind = [v[metric] for k, v in acc.items() if k <= cfg.data.train_max_width]
                 ood = [v[metric] for k, v in acc.items() if k > cfg.data.train_max_width]
                 rec[f"in_dist_{metric}"] = float(np.mean(ind)) if ind else None
                 rec[f"heldout_width_{metric}"] = float(np.mean(ood)) if ood else None
-            best = rec["best_in_dist"] = best_in_dist([rec] + ([best] if best else []))
+            best = rec["best_in_dist"] = best_in_dist([rec] + ([best] if best else []), in_dist)
             say(f"[eval step {step}] teacher-forced exact (per digit): in-distribution widths "
                 f"{percent(rec['in_dist_exact'])} ({percent(rec['in_dist_digit'])}), longer-than-trained widths "
                 f"{percent(rec['heldout_width_exact'])} ({percent(rec['heldout_width_digit'])}); best in-distribution "
@@ -660,15 +665,38 @@ def saved_mismatch(meta: dict, cfg: TrainConfig, compare=resume_mismatch) -> lis
         return []
 
 
-def best_in_dist(evals: list[dict]) -> dict | None:
+def in_dist_widths(cfg: TrainConfig) -> list[int]:
+    """The evaluated widths an addition run trained on (``data.eval_widths`` up to ``data.train_max_width``): the
+    widths its in-distribution means average over."""
+    if cfg.data.kind != "addition":
+        return []
+    return sorted(w for w in set(cfg.data.eval_widths) if w <= cfg.data.train_max_width)
+
+
+def compact_widths(widths: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    runs = []
+    for w in widths:
+        if runs and w == runs[-1][1] + 1:
+            runs[-1][1] = w
+        else:
+            runs.append([w, w])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def best_in_dist(evals: list[dict], widths: list[int] | None = None) -> dict | None:
     """The evaluation with the best in-distribution exact match (the later one on a tie): the checkpoint
-    choice, made without looking at the longer widths.  Returns its step and its summary numbers."""
-    evals = [e for e in evals if e.get("in_dist_exact") is not None]
+    choice, made without looking at the longer widths.  With ``widths``, only among the evaluations whose
+    in-distribution means are over those widths (a resumed run may evaluate others; a record written before
+    evaluations named their widths counts as theirs).  Returns its step and its summary numbers."""
+    evals = [e for e in evals if e.get("in_dist_exact") is not None
+             and (widths is None or e.get("in_dist_widths", widths) == widths)]
     if not evals:
         return None
     e = max(evals, key=lambda r: (r["in_dist_exact"], r["step"]))
-    return {k: e.get(k) for k in ("step", "in_dist_exact", "in_dist_digit", "heldout_width_exact",
-                                  "heldout_width_digit")}
+    out = {k: e.get(k) for k in ("step", "in_dist_exact", "in_dist_digit", "heldout_width_exact",
+                                 "heldout_width_digit")}
+    return out | ({"in_dist_widths": e["in_dist_widths"]} if "in_dist_widths" in e else {})
 
 
 def write_width_shares(data: AdditionData, run_dir: str, say, run_rows: int | None = None) -> dict:
