@@ -1059,3 +1059,21 @@ def test_resume_with_other_eval_widths_chooses_among_evaluations_of_the_new_widt
     last = [json.loads(ln) for ln in metrics.read_text().splitlines() if '"eval"' in ln][-1]
     assert last["step"] == 4 and last["in_dist_widths"] == [1]
     assert last["best_in_dist"]["step"] == 4 and last["best_in_dist"]["in_dist_widths"] == [1]
+
+
+def test_resume_without_config_json_uses_the_config_saved_in_the_checkpoint(tmp_path, capsys):
+    """The failure this guards against: with config.json deleted, ``--run-dir DIR --resume`` said the folder held no
+    run, although every checkpoint carries the run's config."""
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "addition-tiny", "--run-dir", str(run_dir)] + \
+        sum((["--set", o] for o in TINY + ["train.steps=2", "checkpoint.every=2", "model.d_model=48"]), [])
+    assert _cli(argv, capsys)[0] == 0
+    original = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").unlink()
+    rc, out, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=3"], capsys)
+    assert rc == 0, err[-3000:]
+    assert f"{run_dir / 'config.json'} is missing; resuming with the config saved in checkpoint 2" in err
+    restored = json.loads((run_dir / "config.json").read_text())
+    assert restored["model"]["d_model"] == 48 and restored["train"]["steps"] == 3
+    assert {**restored, "train": {**restored["train"], "steps": 2}} == original
+    assert max(read_metrics(str(run_dir))[0]) == 3

@@ -23,7 +23,7 @@ import sys
 from falcon_jax.train.config import PRESETS, ConfigError, TrainConfig, build_config
 from falcon_jax.train.memory import DeviceMemoryError
 from falcon_jax.train.preemption import Interrupted
-from falcon_jax.train.rundir import CONFIG, RunDirError, checkpoint_steps
+from falcon_jax.train.rundir import CONFIG, RunDirError, checkpoint_config, checkpoint_steps
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +55,11 @@ def resolve(args) -> TrainConfig:
             saved = os.path.join(args.run_dir, CONFIG)
             if os.path.exists(saved):
                 return build_config(config_file=saved, model=args.model, overrides=overrides)
+            found = checkpoint_config(args.run_dir)
+            if found:  # config.json deleted or lost: every checkpoint carries the run's config
+                print(f"falcon-train: {saved} is missing; resuming with the config saved in checkpoint {found[0]} "
+                      f"(written back to {CONFIG} once the run is accepted)", file=sys.stderr)
+                return build_config(saved=found[1], model=args.model, overrides=overrides)
             where = (f"{args.run_dir} holds no {CONFIG}" if os.path.isdir(args.run_dir)
                      else f"{args.run_dir} does not exist")
             flag = "--resume" if args.resume else "--resume-or-start"

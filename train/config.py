@@ -592,8 +592,9 @@ def settings_changed(saved: dict, cfg: TrainConfig) -> tuple[list[str], bool]:
 
 
 def build_config(preset: str | None = None, config_file: str | None = None, model: str | None = None,
-                 overrides: list[str] = ()) -> TrainConfig:
-    """Assemble a config from its sources (see the module docstring) and check every value (:func:`validate`)."""
+                 overrides: list[str] = (), saved: dict | None = None) -> TrainConfig:
+    """Assemble a config from its sources (see the module docstring) and check every value (:func:`validate`).
+    ``saved``: a config as a dict (a checkpoint's), in place of a file."""
     cfg = TrainConfig()
     if preset is not None:
         if preset not in PRESETS:
@@ -602,6 +603,8 @@ def build_config(preset: str | None = None, config_file: str | None = None, mode
         apply_dict(cfg, json.loads(json.dumps(PRESETS[preset])))
     if config_file is not None:
         apply_dict(cfg, load_file(config_file))
+    if saved is not None:
+        apply_dict(cfg, json.loads(json.dumps(saved)))
     if model is not None:
         set_key(cfg, "model.mixer", model)
     for o in overrides:

@@ -54,6 +54,20 @@ def checkpoint_steps(run_dir: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d)))
 
 
+def checkpoint_config(run_dir: str) -> tuple[int, dict] | None:
+    """``(step, config)``: the config saved in the newest checkpoint whose metadata reads (each checkpoint's
+    ``meta`` item holds the run's full config), or None.  For a run whose ``config.json`` is gone."""
+    for step in reversed(checkpoint_steps(run_dir)):
+        try:
+            with open(os.path.join(run_dir, CHECKPOINTS, str(step), "meta", "metadata")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+            return step, meta["config"]
+    return None
+
+
 def check_can_start(run_dir: str, resume: bool, must_exist: bool = False) -> None:
     """Refuse to start a new run over an earlier one: over its checkpoints (``--resume`` continues it), or,
     without checkpoints, over its ``config.json`` or ``metrics.jsonl`` (a new run would replace the one and
