@@ -1077,3 +1077,21 @@ def test_resume_without_config_json_uses_the_config_saved_in_the_checkpoint(tmp_
     assert restored["model"]["d_model"] == 48 and restored["train"]["steps"] == 3
     assert {**restored, "train": {**restored["train"], "steps": 2}} == original
     assert max(read_metrics(str(run_dir))[0]) == 3
+
+
+def test_a_step_moved_aside_twice_in_one_second_keeps_both_copies_side_by_side(tmp_path, monkeypatch):
+    """The failure this guards against: the second copy of a step moved aside within the same second went *into*
+    the first one's folder (``checkpoints_corrupt/3-<time>/3``), where nothing looks for it."""
+    monkeypatch.setattr(checkpoint.time, "time", lambda: 1_800_000_000.25)  # both moves in one second
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=3)
+    try:
+        for text in ("first", "second"):
+            step_dir = tmp_path / "checkpoints" / "3"
+            step_dir.mkdir(parents=True)
+            (step_dir / "note").write_text(text)
+            ckpt._quarantine(3)
+    finally:
+        ckpt.close()
+    moved = sorted((tmp_path / "checkpoints_corrupt").iterdir())
+    assert len(moved) == 2 and [p.name.split("-")[0] for p in moved] == ["3", "3"]
+    assert sorted((p / "note").read_text() for p in moved) == ["first", "second"]

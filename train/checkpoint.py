@@ -391,7 +391,11 @@ class Checkpointer:
         os.makedirs(self.corrupt_dir, exist_ok=True)
         src = os.path.join(self.dir, str(step))
         if os.path.exists(src):
-            dst = os.path.join(self.corrupt_dir, f"{step}-{int(time.time())}")
+            stem = os.path.join(self.corrupt_dir, f"{step}-{int(time.time())}")
+            dst, n = stem, 1
+            while os.path.exists(dst):  # the same step moved aside twice within a second: moved into the first
+                n += 1
+                dst = f"{stem}-{n}"
             shutil.move(src, dst)
         self._open()
 
