@@ -9,6 +9,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -57,6 +58,73 @@ LAYOUTS = ("BHTD", "BTHD")  # the ops' token layouts: [B, H, T, d] or the model'
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS} (the order of the axes of q, x, y); got {layout!r}.")
+
+
+def check_operands(op: str, q, x, y, gates: dict, run, initial_state, *, chunk_size, layout: str = "BHTD",
+                   per_column: bool = False, extra: int = 0) -> tuple[int, int, int, int, int]:
+    """A kernel op's operands checked on their static shapes and dtypes (Python, at trace time: nothing is added
+    to the computation), before a lowering is chosen.  Without these checks mismatched operands broadcast, or the
+    kernels read past an operand's end, and the op returns numbers without an error.
+
+    ``gates``: ``{name: array}``, each ``[B, H, T]`` (``[B, T, H]`` under ``"BTHD"``), also ``[..., dv]`` when
+    ``per_column``; ``extra``: how many more rows x and y have than q (the windowed op's W − 1 older pairs).
+    Returns ``(B, T, H, dk, dv)``; errors name the op, the argument and the shape wanted."""
+    check_layout(layout)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"{op}: `chunk_size` must be an int >= 1 (the kernels take a power of two >= 16, e.g. 64); "
+                         f"got {chunk_size!r}.")
+    time_major = layout == "BTHD"
+    axes = "B, T, H" if time_major else "B, H, T"
+
+    def lead(B, T, H):
+        return (B, T, H) if time_major else (B, H, T)
+
+    for name, a in (("q", q), ("x", x), ("y", y), ("initial_state", initial_state)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{op}: `{name}` must be an array; got {type(a).__name__}.")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{op}: `{name}` must be a floating-point array (bf16, fp16 or fp32); got dtype {a.dtype}.")
+    if q.ndim != 4:
+        raise ValueError(f"{op}: `q` must be [{axes}, dk] (rank 4, layout={layout!r}); got shape {tuple(q.shape)}.")
+    B, T, H, dk = (q.shape if time_major else (q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+    if T < 1:
+        raise ValueError(f"{op}: `q` must have at least one time step; got shape {tuple(q.shape)}.")
+    rows = f"T + {extra} = {T + extra}" if extra else "T"
+    want_x = (*lead(B, T + extra, H), dk)
+    if tuple(x.shape) != want_x:
+        raise ValueError(f"{op}: `x` must be [{axes}{' + ' + str(extra) if extra else ''}, dk] = {list(want_x)} "
+                         f"(B, H, dk of `q`, {rows} rows, layout={layout!r}); got {tuple(x.shape)}.")
+    if y.ndim != 4 or tuple(y.shape[:3]) != want_x[:3]:
+        raise ValueError(f"{op}: `y` must be [{axes}{' + ' + str(extra) if extra else ''}, dv] with the leading "
+                         f"dims {list(want_x[:3])} of `x`; got {tuple(y.shape)}.")
+    dv = y.shape[3]
+    if dk < 1 or dv < 1:
+        raise ValueError(f"{op}: the head dims must be >= 1; got dk = {dk}, dv = {dv}.")
+    dtypes = {name: jnp.dtype(a.dtype) for name, a in (("q", q), ("x", x), ("y", y))}
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+        raise TypeError(f"{op}: `q`, `x` and `y` must have one dtype (the kernels' input dtype); got {got}. Cast "
+                        f"them with .astype(q.dtype).")
+    gate_shape = lead(B, T, H)
+    allowed = [gate_shape] + ([(*gate_shape, dv)] if per_column else [])
+    for name, a in gates.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{op}: `{name}` must be a floating-point array; got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}.")
+        if tuple(a.shape) not in allowed:
+            wants = " or ".join(str(list(s)) for s in allowed)
+            raise ValueError(f"{op}: `{name}` must be [{axes}]{' or [' + axes + ', dv]' if per_column else ''} = "
+                             f"{wants} (layout={layout!r}); got {tuple(a.shape)}.")
+    if not hasattr(run, "shape") or not hasattr(run, "dtype") or not jnp.issubdtype(run.dtype, jnp.integer):
+        raise TypeError(f"{op}: `run` must be an integer array [{axes}] (the number of segment starts up to each "
+                        f"step, e.g. jnp.zeros(..., jnp.int32)); got {getattr(run, 'dtype', type(run).__name__)}.")
+    if tuple(run.shape) != gate_shape:
+        raise ValueError(f"{op}: `run` must be [{axes}] = {list(gate_shape)} (layout={layout!r}); got "
+                         f"{tuple(run.shape)}.")
+    if tuple(initial_state.shape) != (B, H, dk, dv):
+        raise ValueError(f"{op}: `initial_state` must be [B, H, dk, dv] = {[B, H, dk, dv]} (whatever the layout); "
+                         f"got {tuple(initial_state.shape)}.")
+    return B, T, H, dk, dv
 
 
 def swap_time_heads(a):
@@ -403,7 +471,7 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "chunk_local", "chunk_specs", "chunk_state_dtype", "column_block",
+__all__ = ["call", "check_layout", "check_operands", "chunk_local", "chunk_specs", "chunk_state_dtype", "column_block",
            "default_gpu_major", "dot", "flatten_pad", "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2",
            "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for", "reverse_chunk_cumsum",
            "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_layout, chunk_local, kernel_operands, next_pow2, pieces_for,
+from falcon_jax.kernels.common import (check_layout, check_operands, chunk_local, kernel_operands, next_pow2, pieces_for,
                                        reverse_chunk_cumsum, swap_time_heads, token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
 from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
@@ -150,7 +150,8 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    check_layout(layout)
+    check_operands("decayed_attention", q, x, y, {"log_decay": log_decay}, run, initial_state, chunk_size=chunk_size,
+                   layout=layout)
     name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                          interpret))
     in_place = layout == "BTHD"

@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import check_layout, kernel_operands, next_pow2, shift_time, swap_time_heads
+from falcon_jax.kernels.common import check_operands, kernel_operands, next_pow2, shift_time, swap_time_heads
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -72,7 +72,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    check_layout(layout)
+    check_operands("decayed_delta_rule", q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
+                   chunk_size=chunk_size, layout=layout, per_column=True)
     if first_key is not None:
         if not shifted_keys:
             raise ValueError("decayed_delta_rule: first_key is row 0's write feature under shifted_keys=True; pass "

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_layout, chunk_local, kernel_operands, layout_kw, next_pow2, pieces_for,
+from falcon_jax.kernels.common import (check_operands, chunk_local, kernel_operands, layout_kw, next_pow2, pieces_for,
                                        reverse_chunk_cumsum, swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
@@ -183,7 +183,8 @@ _attention_op.defvjp(_attention_forward, _attention_backward)
 
 def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, implementation, config, interpret,
                 residual, layout, pieces=None):
-    check_layout(layout)
+    check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state, chunk_size=chunk_size,
+                   layout=layout, per_column=True)
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
     attention_kernels = name == "triton" and not residual
     in_place = layout == "BTHD"

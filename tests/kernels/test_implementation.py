@@ -367,3 +367,62 @@ def test_residual_on_the_decayed_state_is_served_by_the_scalar_gate_op_only():
     assert got.endswith("has a Pallas kernel for scalar gates and window 1 only (decayed_delta_rule), not "
                         "windowed_delta_rule"), got
     assert supports(baseline_rule("gated_deltanet"), {}, "triton", 16, 16, jnp.float32, 16) is None
+
+
+def _op_operands(T=32, d=16, W=None):
+    """Well-formed [B, H, T, d] operands of the four kernel ops (seeded)."""
+    q = jax.random.normal(jax.random.key(0), (1, 2, T, d))
+    x = jnp.zeros((1, 2, T + (W - 1 if W else 0), d))
+    gate = jnp.full((1, 2, T), -0.1)
+    return q, x, gate, jnp.zeros((1, 2, T), jnp.int32), jnp.zeros((1, 2, d, d))
+
+
+def _call_op(op, implementation, **bad):
+    q, x, gate, run, s0 = _op_operands(W=4 if op == "windowed" else None)
+    args = dict(q=q, x=x, y=x, gate=gate, run=run, initial_state=s0)
+    chunk_size = bad.pop("chunk_size", 16)
+    args.update(bad)
+    a = args
+    kw = dict(chunk_size=chunk_size, implementation=implementation)
+    if op == "attention":
+        return decayed_attention(a["q"], a["x"], a["y"], a["gate"], a["run"], a["initial_state"], **kw)
+    if op == "windowed":
+        w = a.get("w", jnp.full((1, 2, 32, 4), 0.1))
+        return windowed_delta_rule(a["q"], a["x"], a["y"], w, a["gate"], a["run"], a["initial_state"], **kw)
+    fn = {"delta_rule": decayed_delta_rule, "per_column": decayed_delta_rule_per_column,
+          "attention_per_column": decayed_attention_per_column}[op]
+    return fn(a["q"], a["x"], a["y"], jnp.abs(a["gate"]), a["gate"], a["run"], a["initial_state"], **kw)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("op", ["attention", "delta_rule", "windowed", "per_column", "attention_per_column"])
+def test_kernel_ops_refuse_operands_of_the_wrong_shape_or_dtype(op, implementation):
+    """Each op checks its operands' static shapes and dtypes before a lowering runs, naming the argument.
+
+    The failure this guards against: operands that disagree in T, B or dk, gates in the other layout, a float
+    run index or a mixed dtype computed without an error (the interpreted Triton kernels read past a short
+    operand's end; XLA broadcast a y or a state whose B and H were swapped), and ``chunk_size=0`` ran on XLA."""
+    q, x, gate, run, s0 = _op_operands(W=4 if op == "windowed" else None)
+    cases = [
+        (ValueError, "`x` must be", dict(x=x[:, :, :16])),
+        (ValueError, "`y` must be", dict(y=jnp.concatenate([x, x]))),
+        (ValueError, "`x` must be", dict(x=jnp.zeros((*x.shape[:3], 32)))),
+        (ValueError, "`run` must be", dict(run=run[:, :, :16])),
+        (TypeError, "`run` must be an integer array", dict(run=run.astype(jnp.float32))),
+        (ValueError, r"`initial_state` must be \[B, H, dk, dv\] = \[1, 2, 16, 16\]", dict(initial_state=s0[:, :1])),
+        (ValueError, "`initial_state` must be", dict(initial_state=jnp.swapaxes(s0, 0, 1))),
+        (TypeError, "`q` must be a floating-point array", dict(q=q.astype(jnp.int32))),
+        (TypeError, "must have one dtype", dict(q=q.astype(jnp.bfloat16))),
+        (ValueError, "`q` must be", dict(q=q[0])),
+        (ValueError, "`chunk_size` must be an int >= 1", dict(chunk_size=0)),
+        (ValueError, "`chunk_size` must be an int >= 1", dict(chunk_size=16.0)),
+    ]
+    gate_name = {"attention": "log_decay", "windowed": "log_gamma"}.get(op, "eta")
+    if op == "windowed":
+        cases.append((ValueError, "`w` must be", dict(w=jnp.full((1, 2, 16, 4), 0.1))))
+        cases.append((ValueError, "`w` must be", dict(w=jnp.full((1, 2, 32), 0.1))))
+    cases.append((ValueError, f"`{gate_name}` must be", dict(gate=gate[:, :, :16])))
+    cases.append((ValueError, f"`{gate_name}` must be", dict(gate=jnp.swapaxes(gate, 1, 2))))
+    for error, match, bad in cases:
+        with pytest.raises(error, match=match):
+            _call_op(op, implementation, **bad)
