@@ -127,6 +127,15 @@ def check_operands(op: str, q, x, y, gates: dict, run, initial_state, *, chunk_s
     return B, T, H, dk, dv
 
 
+def check_pieces(op: str, pieces) -> None:
+    """``pieces``: None (chosen by the program count) or a power of two >= 1.  The piece scans reshape the
+    chunks into ``pieces`` equal groups; another count fails deep inside, or cuts them unevenly."""
+    if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 1
+                               or pieces & (pieces - 1)):
+        raise ValueError(f"{op}: `pieces` must be a power of two >= 1 (or None: chosen by the program count); got "
+                         f"{pieces!r}.")
+
+
 def swap_time_heads(a):
     """``[B, T, H, ...]`` <-> ``[B, H, T, ...]``."""
     return jnp.swapaxes(a, 1, 2)
@@ -471,10 +480,10 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "check_operands", "chunk_local", "chunk_specs", "chunk_state_dtype", "column_block",
-           "default_gpu_major", "dot", "flatten_pad", "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2",
-           "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for", "reverse_chunk_cumsum",
-           "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
+__all__ = ["call", "check_layout", "check_operands", "check_pieces", "chunk_local", "chunk_specs", "chunk_state_dtype",
+           "column_block", "default_gpu_major", "dot", "flatten_pad", "kernel_operands", "layout_kw", "LAYOUTS",
+           "next_pow2", "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for",
+           "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
            "unsupported_dims_reason", "walk_layout"]
 
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_layout, check_operands, chunk_local, kernel_operands, next_pow2, pieces_for,
-                                       reverse_chunk_cumsum, swap_time_heads, token_dims)
+from falcon_jax.kernels.common import (check_layout, check_operands, check_pieces, chunk_local, kernel_operands,
+                                       next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads, token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
 from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
 from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
@@ -142,7 +142,8 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
       implementation: ``"auto"``, ``"triton"``, ``"mosaic_tpu"``, ``"xla"`` or a sequence of them
         (:mod:`falcon_jax.kernels.implementation`; ``"mosaic_gpu"`` declines).
       config: :class:`KernelConfig` (None: tuned).  pieces: cut the sequence into this many pieces (GPU; None: by
-        the program count).  interpret: Pallas interpret mode (None: off the kernel's accelerator).
+        the program count), a power of two; more pieces than chunks run as one piece per chunk.  interpret: Pallas
+        interpret mode (None: off the kernel's accelerator).
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         log_decay and run ``[B, T, H]``, o ``[B, T, H, dv]`` — the usual layout of a model's projections.  The
         Triton kernels read and write it in place (no transposed copies of the tokens or their gradients); the
@@ -152,6 +153,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     """
     check_operands("decayed_attention", q, x, y, {"log_decay": log_decay}, run, initial_state, chunk_size=chunk_size,
                    layout=layout)
+    check_pieces("decayed_attention", pieces)
     name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                          interpret))
     in_place = layout == "BTHD"
@@ -174,7 +176,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     if name == "mosaic_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
-        P = pieces or pieces_for(B * H, dv // config.block_v, n_chunks, config.pieces_below)
+        P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.block_v, n_chunks, config.pieces_below)
     # padding: zero pairs, zero log decay (identity steps), run continued.  In place the tokens stay
     # [B, L, H, d] (padded in time only); the gates are [B·H, L] either way (they are small).
     tokens, gates = kernel_operands(in_place, L)

@@ -15,7 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import check_operands, kernel_operands, next_pow2, shift_time, swap_time_heads
+from falcon_jax.kernels.common import (check_operands, check_pieces, kernel_operands, next_pow2, shift_time,
+                                       swap_time_heads)
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -57,7 +58,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         them (:mod:`falcon_jax.kernels.implementation`).
       config: launch parameters and precision (:class:`KernelConfig`); None: the tuned row for this device and
         dtype (:func:`.tuned.tuned_config`).
-      pieces: cut the sequence into this many pieces walked in parallel (GPU; None: by the program count).
+      pieces: cut the sequence into this many pieces walked in parallel (GPU; None: by the program count), a
+        power of two; more pieces than chunks run as one piece per chunk.
       interpret: run the kernels in Pallas's interpret mode (None: off their accelerator).
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``.  The GPU kernels read
@@ -74,6 +76,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     """
     check_operands("decayed_delta_rule", q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
                    chunk_size=chunk_size, layout=layout, per_column=True)
+    check_pieces("decayed_delta_rule", pieces)
     if first_key is not None:
         if not shifted_keys:
             raise ValueError("decayed_delta_rule: first_key is row 0's write feature under shifted_keys=True; pass "
@@ -131,7 +134,8 @@ def _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, conf
     config = config or tuned_config(dtype)
     config = dataclasses.replace(config, block_v=config.block_v_for(B * H, dv, dtype, dk),
                                  grad_block_v=min(config.grad_block_v, dv))
-    P = 1 if name == "mosaic_tpu" else pieces or config.pieces(B * H, dv // config.block_v, n_chunks)
+    P = 1 if name == "mosaic_tpu" else (min(pieces, n_chunks) if pieces else
+                                         config.pieces(B * H, dv // config.block_v, n_chunks))
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued.  In place the
     # tokens stay [B, L, H, d] (padded in time only); the gates are [B·H, L] either way.
     tokens, gates = kernel_operands(in_place, L, gate_kernel=True, interpret=interpret)

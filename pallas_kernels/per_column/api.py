@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_operands, chunk_local, kernel_operands, layout_kw, next_pow2, pieces_for,
-                                       reverse_chunk_cumsum, swap_time_heads)
+from falcon_jax.kernels.common import (check_operands, check_pieces, chunk_local, kernel_operands, layout_kw,
+                                       next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -261,9 +261,7 @@ def decayed_attention_per_column(q, x, y, eta, log_gamma, run, initial_state, *,
     ``s_{t,c} = e^{a_{t,c}} s'_{t-1,c} + η_{t,c} y_{t,c} x_t``, ``o_t = S_tᵀ q_t``.  Arguments and returns as
     :func:`decayed_delta_rule_per_column`; ``pieces``: on a GPU, cut the sequence into this many pieces walked in
     parallel (None: by the program count, ``KernelConfig.pieces_below``)."""
-    if pieces is not None and (not isinstance(pieces, int) or pieces < 1 or pieces & (pieces - 1)):
-        raise ValueError(f"`pieces` must be a power of two >= 1 (or None: chosen by the program count), got "
-                         f"{pieces!r}.")
+    check_pieces("decayed_attention_per_column", pieces)
     return _per_column("decayed_attention_per_column", q, x, y, eta, log_gamma, run, initial_state,
                        chunk_size=chunk_size, implementation=implementation, config=config, interpret=interpret,
                        residual=False, layout=layout, pieces=pieces)

@@ -426,3 +426,32 @@ def test_kernel_ops_refuse_operands_of_the_wrong_shape_or_dtype(op, implementati
     for error, match, bad in cases:
         with pytest.raises(error, match=match):
             _call_op(op, implementation, **bad)
+
+
+@pytest.mark.parametrize("op", ["attention", "delta_rule", "windowed", "attention_per_column"])
+def test_kernel_ops_take_pieces_as_a_power_of_two_and_at_most_one_per_chunk(op):
+    """``pieces`` must be None or a power of two; more pieces than chunks run as one piece per chunk.
+
+    The failure this guards against: ``decayed_delta_rule(..., pieces=3)`` cut 4 chunks unevenly and returned
+    outputs off by 4 without an error; other counts (0, -1, 2.0, more pieces than chunks) ran as the automatic
+    count or failed deep inside the piece scans."""
+    q, x, gate, run, s0 = _op_operands(W=4 if op == "windowed" else None)
+    x = 0.1 * jax.random.normal(jax.random.key(1), x.shape)
+
+    def call(pieces, implementation="triton"):
+        kw = dict(chunk_size=16, implementation=implementation, pieces=pieces)
+        if op == "attention":
+            return decayed_attention(q, x[..., :32, :], x[..., :32, :], gate, run, s0, **kw)
+        if op == "windowed":
+            return windowed_delta_rule(q, x, x, jnp.full((1, 2, 32, 4), 0.1), gate, run, s0, **kw)
+        if op == "delta_rule":
+            return decayed_delta_rule(q, x, x, jnp.full_like(gate, 0.5), gate, run, s0, **kw)
+        return decayed_attention_per_column(q, x, x, jnp.full_like(gate, 0.5), gate, run, s0, **kw)
+
+    for bad in (0, 3, -1, 2.0, True):
+        with pytest.raises(ValueError, match="`pieces` must be a power of two >= 1"):
+            call(bad)
+    if op != "windowed":  # (its interpreted kernels take seconds; they share the delta rule's piece count)
+        want, _ = call(None, implementation="xla")
+        got, _ = call(64)  # 32 steps in chunks of 16 rows: fewer chunks than pieces
+        assert jnp.allclose(got, want, rtol=1e-4, atol=1e-4)
