@@ -136,6 +136,19 @@ def check_pieces(op: str, pieces) -> None:
                          f"{pieces!r}.")
 
 
+def check_flag(op: str, name: str, value) -> None:
+    """A yes/no option must be a bool: a string such as "False" is truthy and would switch the option on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: `{name}` must be True or False; got {value!r}.")
+
+
+def check_config(op: str, config, expected: type) -> None:
+    """``config``: None (the tuned launch parameters) or the op's own ``KernelConfig``."""
+    if config is not None and not isinstance(config, expected):
+        raise TypeError(f"{op}: `config` must be a {expected.__module__}.{expected.__qualname__} (or None: the tuned "
+                        f"values); got {type(config).__name__}.")
+
+
 def swap_time_heads(a):
     """``[B, T, H, ...]`` <-> ``[B, H, T, ...]``."""
     return jnp.swapaxes(a, 1, 2)
@@ -480,11 +493,11 @@ def interpret_tpu(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-__all__ = ["call", "check_layout", "check_operands", "check_pieces", "chunk_local", "chunk_specs", "chunk_state_dtype",
-           "column_block", "default_gpu_major", "dot", "flatten_pad", "kernel_operands", "layout_kw", "LAYOUTS",
-           "next_pow2", "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for",
-           "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
-           "unsupported_dims_reason", "walk_layout"]
+__all__ = ["call", "check_config", "check_flag", "check_layout", "check_operands", "check_pieces", "chunk_local",
+           "chunk_specs", "chunk_state_dtype", "column_block", "default_gpu_major", "dot", "flatten_pad",
+           "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "on_hopper", "pad_time", "pieces_for",
+           "poisoned_outputs", "precision_for", "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims",
+           "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]
 
 
 WARPS = (1, 2, 4, 8, 16)

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_layout, check_operands, check_pieces, chunk_local, kernel_operands,
-                                       next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads, token_dims)
+from falcon_jax.kernels.common import (check_config, check_layout, check_operands, check_pieces, chunk_local,
+                                       kernel_operands, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads,
+                                       token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
 from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
 from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
@@ -154,6 +155,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     check_operands("decayed_attention", q, x, y, {"log_decay": log_decay}, run, initial_state, chunk_size=chunk_size,
                    layout=layout)
     check_pieces("decayed_attention", pieces)
+    check_config("decayed_attention", config, KernelConfig)
     name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                          interpret))
     in_place = layout == "BTHD"

@@ -15,8 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_operands, check_pieces, kernel_operands, next_pow2, shift_time,
-                                       swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_flag, check_operands, check_pieces, kernel_operands,
+                                       next_pow2, shift_time, swap_time_heads)
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -77,10 +77,16 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     check_operands("decayed_delta_rule", q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
                    chunk_size=chunk_size, layout=layout, per_column=True)
     check_pieces("decayed_delta_rule", pieces)
+    check_config("decayed_delta_rule", config, KernelConfig)
+    check_flag("decayed_delta_rule", "shifted_keys", shifted_keys)
+    check_flag("decayed_delta_rule", "decay_before_residual", decay_before_residual)
     if first_key is not None:
         if not shifted_keys:
             raise ValueError("decayed_delta_rule: first_key is row 0's write feature under shifted_keys=True; pass "
                              "shifted_keys=True, or put the feature into x's row 0 yourself.")
+        if not hasattr(first_key, "dtype") or not jnp.issubdtype(first_key.dtype, jnp.floating):
+            raise TypeError(f"decayed_delta_rule: first_key must be a floating-point array [B, H, dk]; got "
+                            f"{getattr(first_key, 'dtype', type(first_key).__name__)}.")
         want = initial_state.shape[:3]
         if first_key.shape != want:
             raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "

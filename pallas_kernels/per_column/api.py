@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_operands, check_pieces, chunk_local, kernel_operands, layout_kw,
-                                       next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, kernel_operands,
+                                       layout_kw, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -185,6 +185,7 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
                 residual, layout, pieces=None):
     check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state, chunk_size=chunk_size,
                    layout=layout, per_column=True)
+    check_config(op, config, KernelConfig)
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
     attention_kernels = name == "triton" and not residual
     in_place = layout == "BTHD"

@@ -19,7 +19,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import check_operands, check_pieces, flatten_pad, next_pow2
+from falcon_jax.kernels.common import check_config, check_operands, check_pieces, flatten_pad, next_pow2
 from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason as delta_rule_reason
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
@@ -62,6 +62,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     B, T, H, _, _ = check_operands("windowed_delta_rule", q, x, y, {"log_gamma": log_gamma}, run, initial_state,
                                    chunk_size=chunk_size, extra=W - 1)
     check_pieces("windowed_delta_rule", pieces)
+    check_config("windowed_delta_rule", config, KernelConfig)
     if not jnp.issubdtype(w.dtype, jnp.floating) or tuple(w.shape) != (B, H, T, W):
         raise ValueError(f"windowed_delta_rule: `w` must be floating-point [B, H, T, W] = {[B, H, T, W]} (the "
                          f"leading dims of `q`); got {tuple(w.shape)} {w.dtype}.")

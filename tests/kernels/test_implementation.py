@@ -455,3 +455,34 @@ def test_kernel_ops_take_pieces_as_a_power_of_two_and_at_most_one_per_chunk(op):
         want, _ = call(None, implementation="xla")
         got, _ = call(64)  # 32 steps in chunks of 16 rows: fewer chunks than pieces
         assert jnp.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_ops_refuse_options_of_the_wrong_type():
+    """Flags must be bools and ``config`` the op's own ``KernelConfig``, each error naming the option.
+
+    The failure this guards against: ``shifted_keys="no"`` (a truthy string) shifted the keys and returned other
+    outputs without an error, and another op's ``KernelConfig`` (or a dict) failed deep inside with an
+    ``AttributeError`` or a comparison with None."""
+    q, x, gate, run, s0 = _op_operands()
+    eta = jnp.full_like(gate, 0.5)
+    for name in ("shifted_keys", "decay_before_residual"):
+        with pytest.raises(TypeError, match=f"`{name}` must be True or False; got 'no'"):
+            decayed_delta_rule(q, x, x, eta, gate, run, s0, implementation="xla", **{name: "no"})
+    with pytest.raises(TypeError, match="first_key must be a floating-point array"):
+        decayed_delta_rule(q, x, x, eta, gate, run, s0, implementation="xla", shifted_keys=True,
+                           first_key=jnp.zeros((1, 2, 16), jnp.int32))
+    wrong = {"decayed_attention": delta_rule_op.KernelConfig(), "decayed_delta_rule": attention_op.KernelConfig(),
+             "per_column": delta_rule_op.KernelConfig(), "windowed_delta_rule": {"block_v": 16}}
+    calls = {
+        "decayed_attention": lambda c: decayed_attention(q, x, x, gate, run, s0, implementation="triton", config=c),
+        "decayed_delta_rule": lambda c: decayed_delta_rule(q, x, x, eta, gate, run, s0, implementation="triton",
+                                                           config=c),
+        "per_column": lambda c: decayed_attention_per_column(q, x, x, eta, gate, run, s0, implementation="triton",
+                                                             config=c),
+        "windowed_delta_rule": lambda c: windowed_delta_rule(
+            q, jnp.zeros((1, 2, 35, 16)), jnp.zeros((1, 2, 35, 16)), jnp.full((1, 2, 32, 4), 0.1), gate, run, s0,
+            implementation="triton", config=c),
+    }
+    for op, call in calls.items():
+        with pytest.raises(TypeError, match=r"`config` must be a falcon_jax\.kernels\..*KernelConfig"):
+            call(wrong[op])
