@@ -322,9 +322,12 @@ def column_block(j, width):
     return pl.ds(j * width if isinstance(j, int) else pl.multiple_of(j * width, width), width)
 
 
-def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int) -> int:
+def pieces_for(bh: int, nv: int, n_chunks: int, target_programs: int, requested: int | None = None) -> int:
     """Pieces (a power of two, at most a quarter of the chunks) to cut the sequence into so that
-    batch·heads · value blocks · pieces reaches ``target_programs``."""
+    batch·heads · value blocks · pieces reaches ``target_programs``; or the caller's ``requested`` count (a power
+    of two, :func:`check_pieces`), at most one piece per chunk."""
+    if requested:
+        return min(requested, n_chunks)
     P = 1
     while bh * nv * P < target_programs and P * 2 <= n_chunks // 2:
         P *= 2

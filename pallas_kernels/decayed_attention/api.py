@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_layout, check_operands, check_pieces, chunk_local,
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local,
                                        kernel_operands, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads,
                                        token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
@@ -178,7 +178,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     if name == "mosaic_tpu":
         P = 1  # TPU: batch·heads across cores, chunks sequential on each
     else:
-        P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.block_v, n_chunks, config.pieces_below)
+        P = pieces_for(B * H, dv // config.block_v, n_chunks, config.pieces_below, pieces)
     # padding: zero pairs, zero log decay (identity steps), run continued.  In place the tokens stay
     # [B, L, H, d] (padded in time only); the gates are [B·H, L] either way (they are small).
     tokens, gates = kernel_operands(in_place, L)

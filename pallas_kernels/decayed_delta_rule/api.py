@@ -140,8 +140,7 @@ def _kernels(q, x, y, eta, log_gamma, run, initial_state, chunk_size, name, conf
     config = config or tuned_config(dtype)
     config = dataclasses.replace(config, block_v=config.block_v_for(B * H, dv, dtype, dk),
                                  grad_block_v=min(config.grad_block_v, dv))
-    P = 1 if name == "mosaic_tpu" else (min(pieces, n_chunks) if pieces else
-                                         config.pieces(B * H, dv // config.block_v, n_chunks))
+    P = 1 if name == "mosaic_tpu" else config.pieces(B * H, dv // config.block_v, n_chunks, pieces)
     # padding: zero pairs, zero write weight and zero log decay (identity steps), run continued.  In place the
     # tokens stay [B, L, H, d] (padded in time only); the gates are [B·H, L] either way.
     tokens, gates = kernel_operands(in_place, L, gate_kernel=True, interpret=interpret)

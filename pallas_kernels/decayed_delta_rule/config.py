@@ -130,6 +130,7 @@ class KernelConfig:
         """Stages of a forward walk that writes no outputs (the piece maps, the backward's recompute walk)."""
         return 3 if self.fwd_stages is None else self.fwd_stages
 
-    def pieces(self, bh: int, value_blocks: int, n_chunks: int) -> int:
-        """Pieces of the sequence the GPU walks run in parallel (a power of two; 1 when enough programs walk)."""
-        return pieces_for(bh, value_blocks, n_chunks, self.pieces_below)
+    def pieces(self, bh: int, value_blocks: int, n_chunks: int, requested: int | None = None) -> int:
+        """Pieces of the sequence the GPU walks run in parallel (a power of two; 1 when enough programs walk), or
+        ``requested`` (at most one per chunk)."""
+        return pieces_for(bh, value_blocks, n_chunks, self.pieces_below, requested)

@@ -213,8 +213,7 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
     if attention_kernels:
         config = dataclasses.replace(config, **{f: min(getattr(config, f), dv)
                                                 for f in ("walk_block_v", "out_block_v", "grad_block_v")})
-        P = min(pieces, n_chunks) if pieces else pieces_for(B * H, dv // config.walk_block_v, n_chunks,
-                                                             config.pieces_below)
+        P = pieces_for(B * H, dv // config.walk_block_v, n_chunks, config.pieces_below, pieces)
         # the write weight folded into the values in XLA, as decayed_attention's callers do (η's and y's
         # gradients by autodiff of the product)
         u = tokens((eta.astype(f32) * y.astype(f32)).astype(dtype))

@@ -83,8 +83,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     config = config or tuned_config(dtype)
     config = dataclasses.replace(config, block_v=config.block_v_for(B * H, dv, dtype, dk),
                                  grad_block_v=min(config.grad_block_v, dv))
-    P = 1 if name == "mosaic_tpu" else (min(pieces, n_chunks) if pieces else
-                                         config.pieces(B * H, dv // config.block_v, n_chunks))
+    P = 1 if name == "mosaic_tpu" else config.pieces(B * H, dv // config.block_v, n_chunks, pieces)
     f32 = jnp.float32
 
     pad = flatten_pad  # [B,H,len,...] -> [BH, n, ...]
