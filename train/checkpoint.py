@@ -40,7 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from falcon_jax.train.rundir import RunDirError, write_atomic
+from falcon_jax.train.rundir import METADATA_ITEM, RunDirError, write_atomic
 
 CHECKSUMS = "checksums.json"
 
@@ -204,7 +204,7 @@ class Checkpointer:
         # max_to_keep=None: the old steps are deleted by _prune, after the new one's checksums are written
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=self.async_save)
-        self.manager = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+        self.manager = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", METADATA_ITEM))
 
     def _close_manager(self):
         """Close the orbax manager once the clean-up of temporary folders that its constructor started in a thread
@@ -235,7 +235,7 @@ class Checkpointer:
         with _stderr_captured() as captured:
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+                    state=ocp.args.StandardSave(state), **{METADATA_ITEM: ocp.args.JsonSave(meta)}), force=force)
                 if saved and not self.async_save:
                     self.manager.wait_until_finished()
                     self.manager.check_for_errors()
@@ -360,8 +360,8 @@ class Checkpointer:
                     raise ValueError(problem)
                 intact = True
                 out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-                state, meta = out["state"], out["meta"]
+                    state=ocp.args.StandardRestore(abstract_state), **{METADATA_ITEM: ocp.args.JsonRestore()}))
+                state, meta = out["state"], out[METADATA_ITEM]
                 if meta is None or "data" not in meta:
                     raise ValueError("the metadata item is missing or incomplete")
                 jax.block_until_ready(state)

@@ -39,6 +39,10 @@ LOSS_PLOT = "loss.png"
 ACCURACY_PLOT = "accuracy_vs_width.png"
 RESUME = "resume"  # the metrics record of a command that continued the run (see parse_records)
 LOCK = ".lock"
+# The checkpoint item holding the run's config and data position, and the file orbax's JsonSave writes it to
+# (``checkpoints/<step>/<METADATA_ITEM>/<METADATA_FILE>``); train.checkpoint saves it under this name.
+METADATA_ITEM = "meta"
+METADATA_FILE = "metadata"
 
 
 class RunDirError(RuntimeError):
@@ -56,10 +60,10 @@ def checkpoint_steps(run_dir: str) -> list[int]:
 
 def checkpoint_config(run_dir: str) -> tuple[int, dict] | None:
     """``(step, config)``: the config saved in the newest checkpoint whose metadata reads (each checkpoint's
-    ``meta`` item holds the run's full config), or None.  For a run whose ``config.json`` is gone."""
+    metadata item holds the run's full config), or None.  For a run whose ``config.json`` is gone."""
     for step in reversed(checkpoint_steps(run_dir)):
         try:
-            with open(os.path.join(run_dir, CHECKPOINTS, str(step), "meta", "metadata")) as f:
+            with open(os.path.join(run_dir, CHECKPOINTS, str(step), METADATA_ITEM, METADATA_FILE)) as f:
                 meta = json.load(f)
         except (OSError, ValueError):
             continue

@@ -409,8 +409,8 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
             rec["teacher_forced"] = {str(k): v for k, v in acc.items()}
             rec["in_dist_widths"] = in_dist
             for metric in ("exact", "digit"):
-                ind = [v[metric] for k, v in acc.items() if k <= cfg.data.train_max_width]
-                ood = [v[metric] for k, v in acc.items() if k > cfg.data.train_max_width]
+                ind = [v[metric] for k, v in acc.items() if k in in_dist]
+                ood = [v[metric] for k, v in acc.items() if k not in in_dist]
                 rec[f"in_dist_{metric}"] = float(np.mean(ind)) if ind else None
                 rec[f"heldout_width_{metric}"] = float(np.mean(ood)) if ood else None
             best = rec["best_in_dist"] = best_in_dist([rec] + ([best] if best else []), in_dist)
