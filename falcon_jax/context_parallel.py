@@ -48,7 +48,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from falcon_jax.forms.stream import final_state, segment_starts, write_pairs, write_stream
 from falcon_jax.rules import Rule
@@ -140,13 +140,20 @@ def run(plan: Plan, rule: Rule, forward_for, q, k, v, inputs: dict, segment_ids,
     pad = n * L - T
     if segment_ids is None:
         segment_ids = jnp.zeros((B, T), jnp.int32)
+    b, h = plan.batch, plan.heads
+    if pad:
+        # the un-padded arrays stay whole on the sequence axis, as the padded shard_map's operands and results are
+        # gathered over it anyway: left free, XLA's partitioner split them unevenly over it, and the transpose of
+        # an embedding lookup before them (a scatter-add) then added the padding positions' cotangents to the
+        # table's row 0
+        q, k, v, segment_ids = (_whole_on_seq(plan, a) for a in (q, k, v, jnp.asarray(segment_ids)))
+        inputs = {name: _whole_on_seq(plan, a) for name, a in inputs.items()}
     q, k, v = (_pad_time(a, pad) for a in (q, k, v))
     inputs = {name: _pad_time(a, pad) for name, a in inputs.items()}
     segment_ids = _pad_time(jnp.asarray(segment_ids), pad, mode="edge")
     # the call's state reaches every device (device 0 starts from it, every device composes the maps from its S)
     stacked = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[None], (n, *a.shape)), state)
 
-    b, h = plan.batch, plan.heads
     tok, rows = P(b, axis, h), P(b, axis)
     state_spec = FalconState(S=P(axis, b, h), last_key=P(axis, b, h), has_key=P(axis, b), tail_x=P(axis, b, h),
                              tail_y=P(axis, b, h), tail_valid=P(axis, b))
@@ -163,7 +170,15 @@ def run(plan: Plan, rule: Rule, forward_for, q, k, v, inputs: dict, segment_ids,
     fn = shard_map_nonempty(body, plan.ks.mesh, (tok, tok, tok, {name: tok for name in inputs}, rows, state_spec),
                             (tok, state_spec), plan.stack_axes)
     o, finals = fn(q, k, v, inputs, segment_ids, stacked)
-    return o[:, :T], jax.tree_util.tree_map(lambda a: a[last], finals)
+    o = _whole_on_seq(plan, o[:, :T]) if pad else o
+    return o, jax.tree_util.tree_map(lambda a: a[last], finals)
+
+
+def _whole_on_seq(plan: Plan, a):
+    """``a [B, T, ...]`` pinned to rows over the plan's batch axes and heads (axis 2) over its head axis, and whole
+    on the sequence axis."""
+    spec = P(plan.batch, None, plan.heads) if a.ndim > 2 else P(plan.batch, None)
+    return jax.lax.with_sharding_constraint(a, NamedSharding(plan.ks.mesh, spec))
 
 
 def _slice(rule: Rule, forward_for, q, k, v, inputs, segment_ids, state: FalconState, *, axis: str, slices: int,
