@@ -101,10 +101,23 @@ def kernel_sharding(mesh: Mesh, batch_axes=("data", "fsdp"), head_axis: str | No
     """Within this block ``falcon`` (and the baselines) run per shard of ``mesh``: the Pallas kernel path with
     batch rows split over ``batch_axes`` and heads over ``head_axis`` (see the module docstring); and, where
     ``seq_axis`` is in the mesh with size > 1, every form splits the sequence over it
-    (:mod:`falcon_jax.context_parallel`)."""
+    (:mod:`falcon_jax.context_parallel`).  ``batch_axes``: a mesh axis name, a sequence of them, or None; each axis
+    splits one dimension (TypeError or ValueError naming the argument otherwise)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"kernel_sharding: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    if not isinstance(batch_axes, (tuple, list)) or not all(isinstance(a, str) for a in batch_axes):
+        raise TypeError(f"kernel_sharding: batch_axes must be a mesh axis name or a sequence of them (e.g. "
+                        f"('data', 'fsdp')), or None; got {batch_axes!r}.")
+    batch_axes = tuple(batch_axes)
+    for name, axis in (("head_axis", head_axis), ("seq_axis", seq_axis)):
+        if axis is not None and not isinstance(axis, str):
+            raise TypeError(f"kernel_sharding: {name} must be one mesh axis name or None; got {axis!r}.")
+    if len(set(batch_axes)) < len(batch_axes):
+        raise ValueError(f"kernel_sharding: batch_axes={batch_axes!r} names an axis twice; name each mesh axis once.")
+    if head_axis is not None and head_axis in batch_axes:
+        raise ValueError(f"kernel_sharding: head_axis={head_axis!r} is also a batch axis; one mesh axis splits one "
+                         f"dimension (name the head axis apart, e.g. 'tensor', or head_axis=None).")
     if seq_axis is not None and (seq_axis in batch_axes or seq_axis == head_axis):
         raise ValueError(f"kernel_sharding: seq_axis={seq_axis!r} is also a batch or head axis; one mesh axis "
                          f"splits one dimension (name the sequence axis apart, e.g. 'seq').")

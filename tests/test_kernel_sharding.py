@@ -98,6 +98,20 @@ def test_kernel_sharding_argument_errors():
     with kernel_sharding(mesh, batch_axes=("x",), head_axis=None):  # all axes of size 1: a no-op
         from falcon_jax.sharding import current
         assert current() is None
+    with kernel_sharding(mesh, batch_axes=None, head_axis="y"):  # no batch axes
+        assert current() is None
+    # an axis named twice: the specs would name it twice (a DuplicateSpecError deep in the trace) or count its
+    # devices twice (a false "does not split" fallback)
+    with pytest.raises(ValueError, match="head_axis='x' is also a batch axis"):
+        with kernel_sharding(mesh, batch_axes=("x",), head_axis="x"):
+            pass
+    with pytest.raises(ValueError, match="names an axis twice"):
+        with kernel_sharding(mesh, batch_axes=("x", "x"), head_axis=None):
+            pass
+    for kw in (dict(head_axis=("y",)), dict(seq_axis=["y"]), dict(batch_axes=3)):  # not axis names: not ignored
+        with pytest.raises(TypeError, match="must be"):
+            with kernel_sharding(mesh, **kw):
+                pass
 
 
 NO_EMPTY_SCRIPT = textwrap.dedent(r"""
