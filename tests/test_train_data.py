@@ -376,3 +376,27 @@ def test_token_cache_writers_do_not_share_a_temporary_file(tmp_path):
     np.testing.assert_array_equal(again.splits["train"][0], first.splits["train"][0])
     assert all(o.read_bytes() == b"another writer, mid-write" for o in others)
     assert sorted((tmp_path / "cache").glob("*.npy")) == sorted(arrays + others)  # nothing else left behind
+
+
+def test_a_file_rewritten_while_it_is_read_is_refused_not_cached_under_its_new_contents(tmp_path, monkeypatch):
+    """The token cache is keyed by the files' digests: a file rewritten between reading its documents and hashing
+    it (another process finishing it) would store the old text's tokens under the new text's key, and every later
+    run over the new text would train on the old one.  Such a read is an error naming the file; the next run
+    tokenizes the text as it is."""
+    f = tmp_path / "rows.jsonl"
+    lines = lambda word: "".join(json.dumps({"text": f"{word} {i}"}) + "\n" for i in range(30))
+    f.write_text(lines("alpha"))
+    read = txt.read_files
+
+    def rewritten_after_reading(files, text_key="text"):
+        docs = read(files, text_key)
+        f.write_text(lines("gamma"))
+        return docs
+
+    monkeypatch.setattr(txt, "read_files", rewritten_after_reading)
+    with pytest.raises(ValueError, match=r"rows\.jsonl changed while it was read"):
+        _text_data(tmp_path, [f])
+    monkeypatch.setattr(txt, "read_files", read)
+    b = _text_data(tmp_path, [f])
+    assert b.tok.decode(b.splits["train"][0]).startswith("gamma 0")
+

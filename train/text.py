@@ -302,8 +302,15 @@ class TextData:
         # one listing for the documents and the cache key: a file added between two listings would be in the
         # key but not in the cached tokens
         files = expand_paths(self.paths)
+        # the files hashed before and after they are read: one rewritten in between (another process finishing it)
+        # would otherwise put the tokens of the text read under the key of the text found afterwards
+        before = [file_digest(f) for f in files]
         docs = read_files(files, self.text_key)
         digests = [file_digest(f) for f in files]
+        for f, a, b in zip(files, before, digests):
+            if a != b:
+                raise ValueError(f"data.paths: {f} changed while it was read (is another process writing it?); "
+                                 "run again once it is complete.")
         key = hashlib.sha1(json.dumps([[f, d] for f, d in zip(files, digests)]
                                       + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
                                       ).encode()).hexdigest()[:16]
