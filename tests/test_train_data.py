@@ -400,3 +400,27 @@ def test_a_file_rewritten_while_it_is_read_is_refused_not_cached_under_its_new_c
     b = _text_data(tmp_path, [f])
     assert b.tok.decode(b.splits["train"][0]).startswith("gamma 0")
 
+
+def test_rows_of_empty_text_are_left_out_and_a_corpus_of_them_is_an_error(tmp_path):
+    """A JSON row whose text is empty or only whitespace is no document (as a blank block of a .txt file): it adds
+    no BOS, EOS pair to the token stream, and a corpus of such rows only is refused, not trained on its BOS and EOS
+    tokens.  The other documents keep their training / validation side (drawn by their row's index)."""
+    from falcon_jax.train.hashing import mix64
+    f = tmp_path / "rows.jsonl"
+    texts = [f"document {i} " * 3 if i % 3 else ("" if i % 2 else " \n\t") for i in range(60)]
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    d = _text_data(tmp_path, [f], val_frac=0.2)
+    is_val = mix64(np.arange(60, dtype=np.uint64) + np.uint64(7)) % np.uint64(10_000) < np.uint64(2_000)
+    assert 0 < is_val.sum() < 60
+    for name, side in (("train", ~is_val), ("val", is_val)):
+        want = txt.tokenize_documents([t for t, s in zip(texts, side) if s and t.strip()], d.tok)[0]
+        np.testing.assert_array_equal(np.asarray(d.splits[name][0]), want)
+    # a corpus too small to draw a validation document keeps its last one with text, not a last empty row
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["", "a" * 40, "b" * 40, ""]))
+    d = _text_data(tmp_path, [few], val_frac=0.01)
+    assert d.tok.decode(d.splits["val"][0]) == "b" * 40 and d.tok.decode(d.splits["train"][0]) == "a" * 40
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["", "  ", "\n"] * 50))
+    with pytest.raises(ValueError, match="150 of them empty or only whitespace"):
+        _text_data(tmp_path, [empty], val_frac=0.0)

@@ -210,7 +210,8 @@ ONE_DOCUMENT = ("whole documents go to one side (a .txt/.md file is one document
 def read_documents(paths, text_key: str = "text") -> list[str]:
     """Documents from local files: a .txt/.md file (or any other plain file a glob names) is one
     document per blank-line-separated block; .jsonl/.json rows give ``row[text_key]``; .parquet
-    (needs pyarrow) its ``text_key`` column.  Files must be UTF-8 and each row's ``text_key`` a
+    (needs pyarrow) its ``text_key`` column (a row whose text is empty or only whitespace is kept here, and
+    left out of :class:`TextData`'s token streams).  Files must be UTF-8 and each row's ``text_key`` a
     string: ValueError (KeyError for a missing key) naming the file and row otherwise.  ``paths`` as for
     :func:`expand_paths`; :func:`read_files` reads a list it returned."""
     return read_files(expand_paths(paths), text_key)
@@ -326,13 +327,16 @@ class TextData:
             raise ValueError(f"data.tokenizer={self.tokenizer!r}: use 'byte' or 'bpe'.")
         is_val = mix64(np.arange(len(docs), dtype=np.uint64) + np.uint64(7)) % np.uint64(10_000) \
             < np.uint64(int(self.val_frac * 10_000))
-        if self.val_frac > 0 and not is_val.any() and len(docs) > 1:
-            is_val[-1] = True  # tiny corpora: still keep one validation document
+        texts = [i for i, d in enumerate(docs) if d.strip()]
+        if self.val_frac > 0 and not is_val[texts].any() and len(texts) > 1:
+            is_val[texts[-1]] = True  # tiny corpora: still keep one validation document
         self.splits = {}
         for name, sel in (("train", ~is_val), ("val", is_val)):
             f_tok, f_doc = f"{base}-{name}-tokens.npy", f"{base}-{name}-docs.npy"
             if not (os.path.exists(f_tok) and os.path.exists(f_doc)):
-                stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s], self.tok)
+                # a row of empty or whitespace text is no document (as a blank block of a .txt file); it keeps its
+                # index, so the others keep their side of the split
+                stream, dids = tokenize_documents([d for d, s in zip(docs, sel) if s and d.strip()], self.tok)
                 for f, arr in ((f_tok, stream), (f_doc, dids)):
                     # atomic: a killed run never leaves half a file; the temporary name is this writer's own, as
                     # the hosts of one run (or two runs) sharing cache_dir may tokenize the same files at once
@@ -346,8 +350,10 @@ class TextData:
                 raise ValueError(f"data: the corpus {list(self.paths)} is one document, and the training / validation "
                                  f"split (data.val_frac={self.val_frac}) gave it to validation: {ONE_DOCUMENT} set "
                                  "data.val_frac=0 and data.val_batches=0 to train on it without validation.")
+            empty = sum(1 for d, v in zip(docs, is_val) if not v and not d.strip())
+            left_out = f", {empty} of them empty or only whitespace, left out" if empty else ""
             raise ValueError(f"data: the training split has {n_train} tokens ({int((~is_val).sum())} of "
-                             f"{len(docs)} documents), fewer than one window of {self.seq_len} tokens "
+                             f"{len(docs)} documents{left_out}), fewer than one window of {self.seq_len} tokens "
                              "(data.seq_len + 1); add more text or lower data.seq_len or data.val_frac.")
 
     @property
