@@ -1,6 +1,7 @@
 """Trainer data: the addition task (determinism, correctness, disjointness) and packing."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -424,3 +425,24 @@ def test_rows_of_empty_text_are_left_out_and_a_corpus_of_them_is_an_error(tmp_pa
     empty.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["", "  ", "\n"] * 50))
     with pytest.raises(ValueError, match="150 of them empty or only whitespace"):
         _text_data(tmp_path, [empty], val_frac=0.0)
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty", "other"])
+def test_a_damaged_token_cache_file_is_named(tmp_path, damage):
+    """A cached token file cut short, emptied or replaced (a disk fault, a copy): an error naming the file and the
+    fix, not numpy's 'mmap length is greater than file size' or an EOFError out of the trainer."""
+    f = tmp_path / "a.txt"
+    f.write_text("\n\n".join(f"paragraph {i} " * 4 for i in range(20)))
+    _text_data(tmp_path, [f])
+    (cached,) = (tmp_path / "cache").glob("*-train-tokens.npy")
+    if damage == "cut":
+        with open(cached, "r+b") as fh:
+            fh.truncate(os.path.getsize(cached) // 2)
+    elif damage == "empty":
+        cached.write_bytes(b"")
+    else:
+        np.save(cached, np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match=f"token cache file {re.escape(str(cached))} .*delete it"):
+        _text_data(tmp_path, [f])
+    cached.unlink()
+    assert len(_text_data(tmp_path, [f]).splits["train"][0]) > 0

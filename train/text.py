@@ -279,6 +279,25 @@ def file_digest(path: str, block: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _load_cached(f_tok: str, f_doc: str) -> tuple[np.ndarray, np.ndarray]:
+    """A split's cached token stream and document ids (memory-mapped); ValueError naming the file that cannot be
+    read as one (cut short or overwritten outside this code: the writes themselves are atomic)."""
+    arrays = []
+    for f in (f_tok, f_doc):
+        try:
+            a = np.load(f, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:
+            raise ValueError(f"data.cache_dir: the token cache file {f} cannot be read ({type(e).__name__}: {e}); "
+                             "delete it and the text is tokenized again.") from None
+        arrays.append(a)
+    tok, doc = arrays
+    for f, a in ((f_tok, tok), (f_doc, doc)):
+        if a.ndim != 1 or a.dtype != np.int32 or len(a) != len(arrays[0]):
+            raise ValueError(f"data.cache_dir: the token cache file {f} holds {a.dtype} {a.shape}, not the "
+                             f"int32 [{len(arrays[0])}] of its split; delete it and the text is tokenized again.")
+    return tok, doc
+
+
 @dataclasses.dataclass
 class TextData:
     """Packed LM data from local files, tokenized once into memory-mapped ``.npy`` arrays in
@@ -343,7 +362,7 @@ class TextData:
                     tmp = f"{f}.{uuid.uuid4().hex}.tmp.npy"
                     np.save(tmp, arr)
                     os.replace(tmp, f)
-            self.splits[name] = (np.load(f_tok, mmap_mode="r"), np.load(f_doc, mmap_mode="r"))
+            self.splits[name] = _load_cached(f_tok, f_doc)
         n_train = len(self.splits["train"][0])
         if n_train < self.seq_len:
             if len(docs) == 1 and is_val[0]:
