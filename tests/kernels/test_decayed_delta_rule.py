@@ -337,6 +337,23 @@ class MosaicTPUDeltaRule(DeltaRuleChecks):
     def test_model_layout_matches_float64(self, rng, H):
         super().test_model_layout_matches_float64(rng, H)
 
+    # T = 53 with segments: test_gradients_match_float64 checks these values (the forward alone runs in T = 1,
+    # test_extreme_gates and test_tiny_decay_every_step)
+    @pytest.mark.parametrize("T,chunk,segments", [(1, 16, False), pytest.param(53, 16, True, marks=pytest.mark.slow),
+                                                  pytest.param(50, 32, True, marks=pytest.mark.slow)])
+    def test_forward_matches_float64(self, rng, T, chunk, segments):
+        super().test_forward_matches_float64(rng, T, chunk, segments)
+
+    @pytest.mark.slow  # the TPU kernels get the keys shifted by the op in XLA, the Triton class's copy path
+    def test_shifted_keys_match_float64(self, rng):
+        super().test_shifted_keys_match_float64(rng)
+
+    # two calls of the op: the Triton class's case; the TPU kernels' initial and final states and their gradients
+    # with the residual on the decayed state: test_decayed_state_residual_matches_float64
+    @pytest.mark.slow
+    def test_decayed_state_residual_continues_its_state(self, rng):
+        super().test_decayed_state_residual_continues_its_state(rng)
+
 
 class TestMosaicTPUDeltaRuleInterpret(MosaicTPUDeltaRule):
     INTERPRET = True

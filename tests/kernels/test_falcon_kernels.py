@@ -75,7 +75,9 @@ def assert_kernel_matches_xla_chunk_form(rng, inputs, kw, impl="triton", grads=T
 
 
 @pytest.mark.parametrize("options,config", [
-    ({"timing": "rbw", "segments": True}, None),  # at these shapes: pieces, the split forward, a shifted copy
+    # at these shapes: pieces, the split forward, a shifted copy (the op's test_shifted_keys_match_float64 runs them;
+    # the mapping onto the op is the next case's)
+    pytest.param({"timing": "rbw", "segments": True}, None, marks=pytest.mark.slow),
     ({"timing": "rbw", "segments": True}, IN_PLACE),  # the keys read one row back in place
     pytest.param({"alignment": "same_step", "clamp": True}, None, marks=pytest.mark.slow),
     pytest.param({"scale_coupled": True, "segments": True}, IN_PLACE, marks=pytest.mark.slow),
@@ -115,7 +117,8 @@ def test_falcon1_carried_key_and_state_gradients(rng, config):
 
 
 @pytest.mark.parametrize("variant,options", [
-    ("1A", {"timing": "rbw", "alignment": "same_step"}), ("3A", {"segments": True}),
+    # 1A's mapping is 3A's without the window's corrections
+    pytest.param("1A", {"timing": "rbw", "alignment": "same_step"}, marks=pytest.mark.slow), ("3A", {"segments": True}),
     pytest.param("1A", {"segments": True, "timing": "rbw"}, marks=pytest.mark.slow),
     pytest.param("3A", {"timing": "rbw", "alignment": "same_step", "clamp": True}, marks=pytest.mark.slow),
     pytest.param("3A", {"window": 2, "timing": "rbw", "segments": True}, marks=pytest.mark.slow),
@@ -130,7 +133,8 @@ def test_falcon_inner_product_rules(rng, variant, options):
 
 
 @pytest.mark.parametrize("window,options,grads", [
-    (4, {"timing": "rbw", "segments": True}, True), (2, {"alignment": "same_step", "clamp": True}, False),
+    (4, {"timing": "rbw", "segments": True}, True),
+    pytest.param(2, {"alignment": "same_step", "clamp": True}, False, marks=pytest.mark.slow),  # W = 4's mapping
     pytest.param(3, {"scale_coupled": True, "segments": True}, True, marks=pytest.mark.slow),
 ])
 def test_falcon3(rng, window, options, grads):
@@ -170,10 +174,12 @@ DELTA_BASELINES = {"gated_deltanet": (gated_deltanet, reference_gated_deltanet),
 
 
 @pytest.mark.parametrize("name,impl,config,extreme", [
-    ("gated_deltanet", "triton", None, False),  # at these shapes: pieces and the split forward
+    # one mapping for every config and lowering: the op's decay_before_residual tests run pieces, the split forward
+    # and the TPU kernels, test_baselines_through_the_kernels DeltaNet through the kernels
+    pytest.param("gated_deltanet", "triton", None, False, marks=pytest.mark.slow),  # pieces, the split forward
     ("gated_deltanet", "triton", IN_PLACE, True),  # the fused walk on [B, T, H, d] in place; log γ −30 and 0
-    ("gated_deltanet", "mosaic_tpu", None, False),
-    ("deltanet", "triton", IN_PLACE, False),
+    pytest.param("gated_deltanet", "mosaic_tpu", None, False, marks=pytest.mark.slow),
+    pytest.param("deltanet", "triton", IN_PLACE, False, marks=pytest.mark.slow),
 ])
 def test_delta_rule_baselines_through_the_kernels(rng, name, impl, config, extreme):
     """Gated DeltaNet (the residual on the decayed state) and DeltaNet through the decayed delta rule at an odd
@@ -262,8 +268,9 @@ def test_bf16_outputs_within_twice_the_xla_forms_error(rng):
         assert err_kernel <= 2 * err_xla + 1e-3, (variant, err_kernel, err_xla)
 
 
-@pytest.mark.parametrize("variant,multiple,T", [("1", 3, 80), ("1A", 3, 80), ("3A", 2, 200),
-                                               pytest.param("3", 3, 80, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant,multiple,T", [("1", 3, 80),
+                                               pytest.param("1A", 3, 80, marks=pytest.mark.slow),  # 3A's op
+                                               ("3A", 2, 200), pytest.param("3", 3, 80, marks=pytest.mark.slow)])
 def test_bf16_gradients_within_a_multiple_of_the_xla_forms_error(rng, variant, multiple, T):
     """bf16 q, k, v, backward: the kernels store their per-chunk states and state gradients in bf16 and run their
     products on bf16 operands; the XLA chunk form computes in fp32 from the same bf16 values.  Against float64
@@ -291,7 +298,8 @@ def test_bf16_gradients_within_a_multiple_of_the_xla_forms_error(rng, variant, m
 
 
 @pytest.mark.parametrize("variant,kw", [
-    ("1A", {}), ("3A", {"timing": "rbw"}), ("1", {"timing": "rbw"}), ("3", {}),
+    pytest.param("1A", {}, marks=pytest.mark.slow),  # decayed attention: 3A's op, 3A's case adds a window tail
+    ("3A", {"timing": "rbw"}), ("1", {"timing": "rbw"}), ("3", {}),
     pytest.param("2A", {"per_column": True}, marks=pytest.mark.slow)])
 def test_bf16_tokens_continue_a_state_and_keep_its_dtype(rng, variant, kw):
     """bf16 q, k, v through the kernels continuing from an fp32 state (a carried key and, for 3 / 3A, a full
