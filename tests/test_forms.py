@@ -58,9 +58,27 @@ OPTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("case", list(OPTION_CASES))
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+# Marked slow (the full set runs them), where a default case runs the same code:
+# * "direct" and "scale_coupled" change only the gates (rules.falcon_gates, one function for every form): their
+#   chunk-form cases stay, and test_option_combinations runs both in every form;
+# * the parallel form is the chunk form's block() over the whole sequence (write_stream, block, final_state): for
+#   every variant but 3 (whose chunk form is the compact one) its same_step, rbw and initial_state cases run the
+#   chunk form's code; its default and segments cases stay.
+GATES_ONLY = ("direct", "scale_coupled")
+CHUNK_FORMS_BLOCK = ("same_step", "rbw", "initial_state")
+
+
+def _single_option_cases():
+    for variant in ALL_VARIANTS:
+        for case in OPTION_CASES:
+            for form in FORMS:
+                slow = ((form != "chunk" and case in GATES_ONLY)
+                        or (form == "parallel" and variant != "3" and case in CHUNK_FORMS_BLOCK))
+                yield pytest.param(variant, case, form, id=f"{variant}-{case}-{form}",
+                                   marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("variant,case,form", list(_single_option_cases()))
 def test_single_option(rng, variant, case, form):
     opts, T = OPTION_CASES[case]
     out, ref = run_case(rng, variant, form, T=T, **opts)
