@@ -161,8 +161,15 @@ def test_packed_config_errors_name_the_key():
     assert cfg.train.batch_size * cfg.data.seq_len * cfg.train.steps > 1e9
 
 
-@pytest.mark.parametrize("mixer,attn_impl", [("falcon-1A.3", "auto"), ("transformer", "auto"),
-                                             ("transformer", "triton"), ("mamba2", "auto")])
+# The packed row's problems, segment ids and loss mask are the data's, the same for every mixer: the Transformer's
+# masked attention (the cheapest) checks them in the default set.  Each mixer's packed segments are checked where
+# they cost less: a Falcon-1A.3 LM's in test_train_data.py's test_packed_rows_do_not_leak_across_segments, Mamba-2's
+# layer in test_layers.py's test_mixer_packed_segments_equal_separate_sequences, the flash attention against the
+# masked layer on packed rows in test_layers.py.
+@pytest.mark.parametrize("mixer,attn_impl", [pytest.param("falcon-1A.3", "auto", marks=pytest.mark.slow),
+                                             ("transformer", "auto"),
+                                             pytest.param("transformer", "triton", marks=pytest.mark.slow),
+                                             pytest.param("mamba2", "auto", marks=pytest.mark.slow)])
 def test_model_on_a_packed_row_equals_each_problem_alone(mixer, attn_impl):
     """The logits of every problem of a packed addition row equal those of the problem run alone, and the
     packed loss is the sum of the problems' losses (float32, small shapes).  The Transformer runs both its
