@@ -1,6 +1,7 @@
 """Context parallelism (falcon_jax.context_parallel): a sequence split over a ``seq`` mesh axis gives what one device
 gives, forward and backward, for every rule, the baselines and the LM; the compiled program moves no token array
 over the axis.  8 simulated CPU devices in a subprocess (the count is fixed before jax starts)."""
+import json
 import re
 import textwrap
 import warnings
@@ -107,16 +108,21 @@ for c in (10, 14, 28):
 SEG = jnp.asarray(SEG + 5)
 """
 
-# The default set: every rule's forward against the float64 recurrence; two rules' gradients against one device and
-# the collectives of their compiled programs at two lengths; the Pallas kernels (interpret mode) for Falcon-1; the LM.
+# Every rule's forward against the float64 recurrence; two rules' gradients against one device and the collectives of
+# their compiled programs at two lengths; the Pallas kernels (interpret mode) for Falcon-1; the LM.  Its argument
+# (JSON) names the parts to run: DEFAULT_PARTS in the default set, the rest in a test marked slow.
 DEFAULT_SCRIPT = COMMON + textwrap.dedent(r"""
+    import sys
     from falcon_jax.reference import (reference_decayed_linear_attention, reference_falcon,
                                       reference_gated_deltanet)
+    PARTS = json.loads(sys.argv[1])
     out = {"reference": {}, "gradients": {}, "collectives": {}}
     cases = {"1-rbw": dict(variant="1", timing="rbw"), "2": dict(variant="2"), "3": dict(variant="3"),
              "1A": dict(variant="1A"), "2A": dict(variant="2A"),
              "3A-same_step": dict(variant="3A", alignment="same_step")}
     for i, (name, opts) in enumerate(cases.items()):
+        if name not in PARTS["reference"]:
+            continue
         (q, k, v, beta, lam), state = inputs(i, B, T, H, DK, DV, per_column=opts["variant"] in ("2", "2A"),
                                              window=3 if opts["variant"] in ("3", "3A") else 1)
         with kernel_sharding(MESH, ("data",), None):
@@ -130,6 +136,8 @@ DEFAULT_SCRIPT = COMMON + textwrap.dedent(r"""
                            lambda q, k, v, b, g, **kw: reference_decayed_linear_attention(q, k, v, -g, **kw)),
                           ("gated_deltanet", lambda q, k, v, b, g, s, **kw: gated_deltanet(q, k, v, b / 2, -g, **kw),
                            lambda q, k, v, b, g, **kw: reference_gated_deltanet(q, k, v, b / 2, -g, **kw))):
+        if name not in PARTS["reference"]:
+            continue
         with kernel_sharding(MESH, ("data",), None):
             o, st = jax.jit(lambda *a, fn=fn: fn(*a, chunk_size=4, segment_ids=SEG, initial_state=a[5],
                                                  return_final_state=True, impl="xla"))(q, k, v, beta, lam, state)
@@ -137,6 +145,8 @@ DEFAULT_SCRIPT = COMMON + textwrap.dedent(r"""
         out["reference"][name] = {"o": rel(o, o_ref), "S": rel(st.S, st_ref["S"])}
 
     for name, variant, window in (("1", "1", 1), ("3A", "3A", 3)):
+        if name not in PARTS["gradients"]:
+            continue
         for length in (40, 80):  # slices of 10 and 20: a T the slices divide keeps every array split over seq
             (q, k, v, beta, lam), state = inputs(20, B, length, H, DK, DV, window=window)
             seg = jnp.concatenate([SEG, SEG + 10, SEG + 20], axis=1)[:, :length]
@@ -151,53 +161,65 @@ DEFAULT_SCRIPT = COMMON + textwrap.dedent(r"""
             out["collectives"][f"{name}-T{length}"] = found
 
     # the Pallas kernels (interpret mode, fp32) on data x seq x tensor: Falcon-1 runs its values widened to dv + dk
-    mesh3 = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "seq", "tensor"))
-    (q, k, v, beta, lam), state = inputs(30, B, 60, H, 16, 16, dtype=np.float32)
-    call = lambda q, k, v, beta, lam, state: falcon(q, k, v, beta, lam, variant="1", chunk_size=16,
-                                                    segment_ids=jnp.concatenate([SEG, SEG[:, -23:] + 7], axis=1),
-                                                    initial_state=state, return_final_state=True, impl="triton")
-    out["kernels"] = compare(call, (q, k, v, beta, lam, state), mesh3, (("data",), "tensor"))
-    with kernel_sharding(mesh3, ("data",), "tensor"):
-        shapes = pallas_call_operand_shapes(call, q, k, v, beta, lam, state)
-    out["kernel_shapes"] = [[list(shape) for shape in operands] for operands in shapes]
+    if PARTS["kernels"]:
+        mesh3 = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "seq", "tensor"))
+        (q, k, v, beta, lam), state = inputs(30, B, 60, H, 16, 16, dtype=np.float32)
+        call = lambda q, k, v, beta, lam, state: falcon(q, k, v, beta, lam, variant="1", chunk_size=16,
+                                                        segment_ids=jnp.concatenate([SEG, SEG[:, -23:] + 7], axis=1),
+                                                        initial_state=state, return_final_state=True, impl="triton")
+        out["kernels"] = compare(call, (q, k, v, beta, lam, state), mesh3, (("data",), "tensor"))
+        with kernel_sharding(mesh3, ("data",), "tensor"):
+            shapes = pallas_call_operand_shapes(call, q, k, v, beta, lam, state)
+        out["kernel_shapes"] = [[list(shape) for shape in operands] for operands in shapes]
 
     # the LM: Falcon-3 layers (window 3, short convolutions) on packed rows, loss and gradients, at two lengths
-    from flax import nnx
-    from falcon_jax.nn import FalconLM, LMConfig
-    from falcon_jax.nn.model import lm_loss
-    cfg = LMConfig(mixer="falcon-3", layer_mixers=("falcon-3", "falcon-1A.3"), vocab_size=64, d_model=64, n_layers=2,
-                   n_heads=2, chunk_size=8, window=3, dtype="float64", param_dtype="float64")
-    graphdef, params = nnx.split(FalconLM(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(40)
-    out["lm"] = {}
-    for length in (40, 80):
-        tokens = jnp.asarray(rng.integers(0, 64, (4, length + 1)), jnp.int32)
-        seg = jnp.asarray(np.sort(rng.integers(0, 3, (4, length + 1)), axis=1), jnp.int32)
-        f = jax.value_and_grad(lambda p, t, s: lm_loss(nnx.merge(graphdef, p), t, segment_ids=s))
-        with kernel_sharding(MESH, ("data",), None):
-            split = jax.jit(lambda *a: f(*a))
-            out["lm"][length] = {"collectives": collectives(split.lower(params, tokens, seg).compile())}
+    if PARTS["lm"]:
+        from flax import nnx
+        from falcon_jax.nn import FalconLM, LMConfig
+        from falcon_jax.nn.model import lm_loss
+        cfg = LMConfig(mixer="falcon-3", layer_mixers=("falcon-3", "falcon-1A.3"), vocab_size=64, d_model=64,
+                       n_layers=2, n_heads=2, chunk_size=8, window=3, dtype="float64", param_dtype="float64")
+        graphdef, params = nnx.split(FalconLM(cfg, rngs=nnx.Rngs(0)))
+        rng = np.random.default_rng(40)
+        out["lm"] = {}
+        for length in (40, 80):
+            tokens = jnp.asarray(rng.integers(0, 64, (4, length + 1)), jnp.int32)
+            seg = jnp.asarray(np.sort(rng.integers(0, 3, (4, length + 1)), axis=1), jnp.int32)
+            f = jax.value_and_grad(lambda p, t, s: lm_loss(nnx.merge(graphdef, p), t, segment_ids=s))
+            with kernel_sharding(MESH, ("data",), None):
+                split = jax.jit(lambda *a: f(*a))
+                out["lm"][length] = {"collectives": collectives(split.lower(params, tokens, seg).compile())}
+                if length == 40:
+                    l1, g1 = split(params, tokens, seg)
             if length == 40:
-                l1, g1 = split(params, tokens, seg)
-        if length == 40:
-            l0, g0 = jax.jit(f)(params, tokens, seg)
-            out["lm"][length].update(loss=rel(l1, l0), grads=max(rel(a, b) for a, b in zip(jax.tree.leaves(g1),
-                                                                                              jax.tree.leaves(g0))))
+                l0, g0 = jax.jit(f)(params, tokens, seg)
+                out["lm"][length].update(loss=rel(l1, l0), grads=max(rel(a, b) for a, b in zip(jax.tree.leaves(g1),
+                                                                                                  jax.tree.leaves(g0))))
     print("RESULT" + json.dumps(out))
 """)
 
 
+# The default set runs each path of the split once.  Against the float64 recurrence: read before write (1-rbw),
+# per-column gates (2, 2A), a window in both rule families (3, 3A; 3A with same-step pairs), Gated DeltaNet's
+# transition.  The inner product with window 1 (1A; decayed linear attention takes the same path) runs in the LM's
+# Falcon-1A.3 layer.  Gradients and collectives: Falcon-1's (the regression rules' widened run); the LM's Falcon-3 and
+# Falcon-1A.3 layers take the windowed and inner-product splits' gradients.  The rest runs in a test marked slow.
+REFERENCE_CASES = ("1-rbw", "2", "3", "1A", "2A", "3A-same_step", "linear_attention", "gated_deltanet")
+GRADIENT_RULES = ("1", "3A")
+DEFAULT_PARTS = {"reference": ["1-rbw", "2", "3", "2A", "3A-same_step", "gated_deltanet"], "gradients": ["1"],
+                 "kernels": True, "lm": True}
+SLOW_PARTS = {"reference": [c for c in REFERENCE_CASES if c not in DEFAULT_PARTS["reference"]],
+              "gradients": [r for r in GRADIENT_RULES if r not in DEFAULT_PARTS["gradients"]],
+              "kernels": False, "lm": False}
+
+
 @pytest.fixture(scope="module")
 def default_results():
-    return run_on_simulated_devices(DEFAULT_SCRIPT, 8, timeout=900)
+    return run_on_simulated_devices(DEFAULT_SCRIPT, 8, json.dumps(DEFAULT_PARTS), timeout=900)
 
 
-def test_every_rule_split_over_seq_matches_the_float64_recurrence(default_results):
-    """Falcon-1 (read before write), 2, 3 (window 3), 1A, 2A, 3A (window 3, same-step pairs), decayed linear attention
-    and Gated DeltaNet on 4 slices of a T = 37 sequence, from a random initial state, with segments starting at,
-    inside and just before slice starts: outputs and final state equal the float64 NumPy recurrence's."""
-    results = default_results["reference"]
-    assert len(results) == 8, sorted(results)
+def check_reference(results, names):
+    assert sorted(results) == sorted(names), sorted(results)
     for name, r in results.items():
         assert r.get("flags", True), (name, r)
         for key, err in r.items():
@@ -205,18 +227,14 @@ def test_every_rule_split_over_seq_matches_the_float64_recurrence(default_result
                 assert err <= TOL, (name, key, r)
 
 
-def test_gradients_match_one_device_and_no_token_array_crosses_seq(default_results):
-    """Falcon-1 (regression: the widened run) and Falcon-3A (inner product, window 3) at T = 40: outputs, final state
-    and the gradients with respect to every input and the initial state equal one device's.  The compiled
-    forward+backward has the same collectives at T = 40 and 80, none of them holding a length-T or length-T/4
-    array: nothing of size T (q, k, v, outputs, their gradients) is gathered or moved over ``seq``, only the maps,
-    the halo and the state."""
-    grads, found = default_results["gradients"], default_results["collectives"]
+def check_gradients_and_collectives(results, rules):
+    grads, found = results["gradients"], results["collectives"]
+    assert sorted(grads) == sorted(rules), sorted(grads)
     for name, r in grads.items():
         assert r["flags"], (name, r)
         for key in ("o", "S", "last_key", "tail", "grads"):
             assert r[key] <= TOL, (name, key, r)
-    for rule in ("1", "3A"):
+    for rule in rules:
         short, long = found[f"{rule}-T40"], found[f"{rule}-T80"]
         assert short == long, (rule, short, long)
         kinds = {kind for kind, _ in short}
@@ -224,6 +242,31 @@ def test_gradients_match_one_device_and_no_token_array_crosses_seq(default_resul
         for kind, shape in short:
             dims = {int(n) for group in re.findall(r"\[([\d,]*)\]", shape) for n in group.split(",") if n}
             assert not dims & {40, 80, 10, 20}, (rule, kind, shape)
+
+
+def test_rules_split_over_seq_match_the_float64_recurrence(default_results):
+    """Falcon-1 (read before write), 2, 3 (window 3), 2A, 3A (window 3, same-step pairs) and Gated DeltaNet on 4
+    slices of a T = 37 sequence, from a random initial state, with segments starting at, inside and just before slice
+    starts: outputs and final state equal the float64 NumPy recurrence's."""
+    check_reference(default_results["reference"], DEFAULT_PARTS["reference"])
+
+
+def test_gradients_match_one_device_and_no_token_array_crosses_seq(default_results):
+    """Falcon-1 (regression: the widened run) at T = 40: outputs, final state and the gradients with respect to every
+    input and the initial state equal one device's.  The compiled forward+backward has the same collectives at T = 40
+    and 80, none of them holding a length-T or length-T/4 array: nothing of size T (q, k, v, outputs, their
+    gradients) is gathered or moved over ``seq``, only the maps, the halo and the state."""
+    check_gradients_and_collectives(default_results, DEFAULT_PARTS["gradients"])
+
+
+@pytest.mark.slow
+def test_the_other_rules_split_over_seq_match_the_float64_recurrence_and_one_device():
+    """The default set's tests on the rest of the catalogue: Falcon-1A and decayed linear attention against the
+    float64 recurrence; Falcon-3A (inner product, window 3) at T = 40 against one device, gradients included, and its
+    collectives at T = 40 and 80."""
+    out = run_on_simulated_devices(DEFAULT_SCRIPT, 8, json.dumps(SLOW_PARTS), timeout=900)
+    check_reference(out["reference"], SLOW_PARTS["reference"])
+    check_gradients_and_collectives(out, SLOW_PARTS["gradients"])
 
 
 def test_kernels_split_over_seq_match_one_device(default_results):
