@@ -180,6 +180,11 @@ def test_falcon3_xla_chunk_form_is_the_compact_form(rng, monkeypatch):
     assert [n for _, n in calls] == ["chunk_pallas", "chunk"], calls
 
 
+# Un-jitted, every op dispatched alone (~17 s).  In the default set test_faults.py's
+# test_a_non_finite_key_reaches_its_own_row_only calls falcon un-jitted in every form, and test_numerics.py's
+# test_long_sequence_fp32_chunk and test_bf16_chunk_accuracy call it with the default window and chunk against the
+# reference's defaults, returning a plain array.
+@pytest.mark.slow
 def test_eager_call_defaults_and_plain_return(rng):
     """Un-jitted call with the defaults (form='chunk', chunk_size=64, window=4, shifted, raw,
     normalized): returns a plain array when return_final_state is False."""
