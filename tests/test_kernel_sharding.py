@@ -208,6 +208,10 @@ FSDP_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+# The activations pinned to the batch axes (the LM's constrain_batch, whatever the impl): in the default set
+# test_sharded_lm_train_step_runs_the_kernels_per_shard finds no whole-batch all-gather in a data x fsdp x tensor
+# step.  This test adds the pure FSDP mesh and the control (left free, XLA gathers activations).
+@pytest.mark.slow
 def test_fsdp_step_gathers_weights_not_activations():
     """Under the context the LM pins its activations to the batch axes, so an FSDP step all-gathers
     only weights; left free, XLA gathered whole-batch activations (the logits among them)."""
