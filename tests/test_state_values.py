@@ -101,7 +101,11 @@ def test_numpy_states_are_checked_in_the_dtype_the_call_computes_with(rng):
         call(mixed, *inputs)
 
 
-@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+# falcon's case (an un-jitted Falcon-3 chunk form, ~14 s) is marked slow: the check is one function for every entry
+# point, falcon_step's case runs it on the same Falcon-3 state, and falcon's refusals are
+# test_a_non_finite_state_is_refused_naming_the_field's falcon cases.
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.slow) if e == "falcon" else e
+                                   for e in ENTRY_POINTS])
 def test_a_finite_state_runs_and_its_poisoned_copy_is_refused(rng, entry, monkeypatch):
     """The check reads a finite state without changing the call: the result equals the one with the check
     replaced by a no-op, and the jitted one (whose traced state is not checked) to rounding; one NaN in the same

@@ -141,7 +141,10 @@ class TritonPerColumn(PerColumnChecks):
         check_op(rng, self.op("attention", run, 64), reference("attention", run), (q, x, y, eta, log_gamma, s0),
                  NAMES)
 
-    @pytest.mark.parametrize("level", [5, 4, 2, 0])
+    # the top level (the halves of a chunk) and the bottom one (neighbouring rows) in the default set: the levels
+    # between run the same per-level code of the kernels (_level(k, chunk)) at other strides
+    @pytest.mark.parametrize("level", [5, pytest.param(4, marks=pytest.mark.slow),
+                                       pytest.param(2, marks=pytest.mark.slow), 0])
     def test_attention_one_tree_level(self, rng, level):
         """Falcon-2A's pairs at one level of the kernels' pair tree alone, values and every gradient: segments of
         ``2m = 2^{level+1}`` rows (the level's groups), queries only on each group's second half, keys and values
