@@ -379,27 +379,44 @@ def test_token_cache_writers_do_not_share_a_temporary_file(tmp_path):
     assert sorted((tmp_path / "cache").glob("*.npy")) == sorted(arrays + others)  # nothing else left behind
 
 
-def test_a_file_rewritten_while_it_is_read_is_refused_not_cached_under_its_new_contents(tmp_path, monkeypatch):
-    """The token cache is keyed by the files' digests: a file rewritten between reading its documents and hashing
-    it (another process finishing it) would store the old text's tokens under the new text's key, and every later
-    run over the new text would train on the old one.  Such a read is an error naming the file; the next run
-    tokenizes the text as it is."""
+def test_a_file_rewritten_while_it_is_read_caches_the_text_it_read_under_that_texts_key(tmp_path, monkeypatch):
+    """The token cache is keyed by the files' digests.  A file rewritten right after it was read (another process
+    finishing it) must not put the old text's tokens under the new text's key: every later run over the new text
+    would train on the old one.  Documents and digest come from one read of the bytes, so the run trains on the
+    text it read, and the next run tokenizes the new text."""
     f = tmp_path / "rows.jsonl"
     lines = lambda word: "".join(json.dumps({"text": f"{word} {i}"}) + "\n" for i in range(30))
     f.write_text(lines("alpha"))
-    read = txt.read_files
+    read = txt.read_bytes
 
-    def rewritten_after_reading(files, text_key="text"):
-        docs = read(files, text_key)
+    def rewritten_after_reading(path):
+        data = read(path)
         f.write_text(lines("gamma"))
-        return docs
+        return data
 
-    monkeypatch.setattr(txt, "read_files", rewritten_after_reading)
-    with pytest.raises(ValueError, match=r"rows\.jsonl changed while it was read"):
-        _text_data(tmp_path, [f])
-    monkeypatch.setattr(txt, "read_files", read)
+    monkeypatch.setattr(txt, "read_bytes", rewritten_after_reading)
+    a = _text_data(tmp_path, [f])
+    assert a.tok.decode(a.splits["train"][0]).startswith("alpha 0")
+    monkeypatch.setattr(txt, "read_bytes", read)
     b = _text_data(tmp_path, [f])
     assert b.tok.decode(b.splits["train"][0]).startswith("gamma 0")
+    assert a.corpus != b.corpus
+
+
+def test_token_cache_key_holds_the_cache_format(tmp_path, monkeypatch):
+    """A change to what the cache holds for the same files (``CACHE_FORMAT``) tokenizes them again rather than
+    serving the tokens an older format wrote."""
+    f = tmp_path / "a.txt"
+    f.write_text("\n\n".join(f"paragraph {i} " * 4 for i in range(20)))
+    _text_data(tmp_path, [f])
+    calls = []
+    tokenize = txt.tokenize_documents
+    monkeypatch.setattr(txt, "tokenize_documents", lambda *a: calls.append(1) or tokenize(*a))
+    _text_data(tmp_path, [f])
+    assert calls == []  # the same format: read back
+    monkeypatch.setattr(txt, "CACHE_FORMAT", txt.CACHE_FORMAT + 1)
+    _text_data(tmp_path, [f])
+    assert len(calls) == 2  # train and validation tokenized again
 
 
 def test_rows_of_empty_text_are_left_out_and_a_corpus_of_them_is_an_error(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 import uuid
@@ -135,41 +136,47 @@ def _check_plain(f: str) -> None:
                          "and .parquet files are read).")
 
 
-def _lines(f: str):
-    """``(line number, text)`` of each ``\\n``-ended line of ``f`` read as UTF-8, streamed (a leading byte-order
-    mark dropped); ValueError naming the file, line and first bad byte otherwise: decoding with replacement
-    would train on U+FFFD for every such byte."""
+def read_bytes(f: str) -> bytes:
+    """The bytes of corpus file ``f``, read once: its documents are parsed from them and its cache key hashed from
+    them, so a file rewritten meanwhile (another process finishing it) cannot key one text's tokens by another's
+    digest.  ValueError for a compressed file."""
     _check_plain(f)
-    offset = 0
     with open(f, "rb") as fh:
-        for i, raw in enumerate(fh, 1):
-            try:
-                yield i, raw.decode("utf-8-sig" if i == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"data.paths: {f} is not UTF-8 text (byte {offset + e.start}, line {i}: "
-                                 f"{raw[e.start:e.start + 4]!r}); convert it, e.g. `iconv -f latin1 -t utf-8`, or "
-                                 "leave it out of data.paths.") from None
-            offset += len(raw)
+        return fh.read()
 
 
-def _read_text(f: str) -> str:
-    """The whole file as UTF-8 text (:func:`_lines`' checks and errors)."""
-    _check_plain(f)
+def _lines(f: str, data: bytes):
+    """``(line number, text)`` of each ``\\n``-ended line of ``data`` (file ``f``'s bytes) as UTF-8 (a leading
+    byte-order mark dropped); ValueError naming the file, line and first bad byte otherwise: decoding with
+    replacement would train on U+FFFD for every such byte."""
+    offset = 0
+    for i, raw in enumerate(io.BytesIO(data), 1):
+        try:
+            yield i, raw.decode("utf-8-sig" if i == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"data.paths: {f} is not UTF-8 text (byte {offset + e.start}, line {i}: "
+                             f"{raw[e.start:e.start + 4]!r}); convert it, e.g. `iconv -f latin1 -t utf-8`, or "
+                             "leave it out of data.paths.") from None
+        offset += len(raw)
+
+
+def _read_text(f: str, data: bytes) -> str:
+    """``data`` (file ``f``'s bytes) as UTF-8 text with universal newlines, so \\r\\n paragraphs split too
+    (:func:`_lines`' errors)."""
     try:
-        with open(f, encoding="utf-8-sig") as fh:  # universal newlines: \r\n paragraphs split too
-            return fh.read()
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig").read()
     except UnicodeDecodeError:
-        for _ in _lines(f):  # finds the line and byte, and raises
+        for _ in _lines(f, data):  # finds the line and byte, and raises
             pass
         raise
 
 
-def _json_rows(f: str):
-    """``(where, row)`` for each row of a .jsonl file (one JSON value per line, blank lines skipped; streamed) or
-    a .json file (a JSON array of rows, one row, or JSON lines)."""
-    lines = _lines(f)
+def _json_rows(f: str, data: bytes):
+    """``(where, row)`` for each row of a .jsonl file (one JSON value per line, blank lines skipped) or a .json
+    file (a JSON array of rows, one row, or JSON lines); ``data`` is file ``f``'s bytes."""
+    lines = _lines(f, data)
     if f.endswith(".json"):
-        text = _read_text(f)
+        text = _read_text(f, data)
         try:
             whole = json.loads(text)
         except json.JSONDecodeError:
@@ -219,24 +226,26 @@ def read_documents(paths, text_key: str = "text") -> list[str]:
 
 def read_files(files: list[str], text_key: str = "text") -> list[str]:
     """The documents of ``files`` (a list from :func:`expand_paths`), in that order, as :func:`read_documents`."""
-    docs: list[str] = []
-    for f in files:
-        if f.endswith((".jsonl", ".json")):
-            docs += [_document(where, row, text_key) for where, row in _json_rows(f)]
-        elif f.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-            except ImportError as e:
-                raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
-            names = pq.read_schema(f).names
-            if text_key not in names:
-                raise KeyError(f"{f}: no column {text_key!r} (set data.text_key; columns: "
-                               f"{', '.join(map(repr, names[:8]))}).")
-            docs += [_document(f"{f}: row {i}", {text_key: t}, text_key)
-                     for i, t in enumerate(pq.read_table(f, columns=[text_key]).column(text_key).to_pylist())]
-        else:
-            docs += [blk.strip() for blk in _read_text(f).split("\n\n") if blk.strip()]
-    return docs
+    return [doc for f in files for doc in file_documents(f, read_bytes(f), text_key)]
+
+
+def file_documents(f: str, data: bytes, text_key: str = "text") -> list[str]:
+    """The documents of file ``f`` parsed from ``data``, its bytes (:func:`read_bytes`), as :func:`read_documents`."""
+    if f.endswith((".jsonl", ".json")):
+        return [_document(where, row, text_key) for where, row in _json_rows(f, data)]
+    if f.endswith(".parquet"):
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise RuntimeError(f"{f}: reading parquet needs pyarrow (pip install pyarrow).") from e
+        names = pq.read_schema(pa.BufferReader(data)).names
+        if text_key not in names:
+            raise KeyError(f"{f}: no column {text_key!r} (set data.text_key; columns: "
+                           f"{', '.join(map(repr, names[:8]))}).")
+        column = pq.read_table(pa.BufferReader(data), columns=[text_key]).column(text_key)
+        return [_document(f"{f}: row {i}", {text_key: t}, text_key) for i, t in enumerate(column.to_pylist())]
+    return [blk.strip() for blk in _read_text(f, data).split("\n\n") if blk.strip()]
 
 
 def tokenize_documents(docs: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
@@ -267,16 +276,15 @@ def pack_windows(stream: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, se
     return {"tokens": tokens, "segment_ids": seg, "loss_mask": np.ones_like(tokens, bool)}
 
 
-def file_digest(path: str, block: int = 1 << 20) -> str:
-    """BLAKE2b of the file's bytes, read in blocks, the key of its token cache.
+def content_digest(data: bytes) -> str:
+    """BLAKE2b of a file's bytes, the key of its token cache: the contents, not size + mtime, as a file rewritten
+    at the same size within the mtime resolution would reuse the old text's tokens."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
-    The contents, not size + mtime: a file rewritten at the same size within the mtime resolution would
-    reuse the old text's tokens.  The documents are read in full anyway, and hashing runs faster than parsing."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
+
+# part of every token cache key: a change to what the cache holds for the same files and settings (how rows
+# become documents, how documents become tokens) must change it, or existing caches would serve the old tokens
+CACHE_FORMAT = 2
 
 
 def _load_cached(f_tok: str, f_doc: str) -> tuple[np.ndarray, np.ndarray]:
@@ -322,18 +330,14 @@ class TextData:
         # one listing for the documents and the cache key: a file added between two listings would be in the
         # key but not in the cached tokens
         files = expand_paths(self.paths)
-        # the files hashed before and after they are read: one rewritten in between (another process finishing it)
-        # would otherwise put the tokens of the text read under the key of the text found afterwards
-        before = [file_digest(f) for f in files]
-        docs = read_files(files, self.text_key)
-        digests = [file_digest(f) for f in files]
-        for f, a, b in zip(files, before, digests):
-            if a != b:
-                raise ValueError(f"data.paths: {f} changed while it was read (is another process writing it?); "
-                                 "run again once it is complete.")
+        docs, digests = [], []
+        for f in files:
+            data = read_bytes(f)  # one read: the documents and the digest of the same bytes
+            digests.append(content_digest(data))
+            docs += file_documents(f, data, self.text_key)
         key = hashlib.sha1(json.dumps([[f, d] for f, d in zip(files, digests)]
-                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key]
-                                      ).encode()).hexdigest()[:16]
+                                      + [self.tokenizer, self.bpe_vocab_size, self.val_frac, self.text_key,
+                                         CACHE_FORMAT]).encode()).hexdigest()[:16]
         # the corpus by content, in reading order, wherever its files lie: a resumed run compares it
         self.corpus = hashlib.sha1(json.dumps(digests).encode()).hexdigest()[:16]
         os.makedirs(self.cache_dir, exist_ok=True)
