@@ -67,6 +67,13 @@ class DataConfig:
     text_key: str = "text"
     cache_dir: str = ".cache/falcon-train"
 
+    def in_dist_widths(self) -> list[int]:
+        """The evaluated widths an addition run trains on (``eval_widths`` up to ``train_max_width``): the widths
+        its in-distribution means average over; none for text."""
+        if self.kind != "addition":
+            return []
+        return sorted(w for w in set(self.eval_widths) if w <= self.train_max_width)
+
 
 @dataclasses.dataclass
 class OptimConfig:

@@ -90,8 +90,9 @@ def summary_lines(cfg, rec: dict | None) -> list[str]:
                + (f"; all of them at widths with fewer: {', '.join(few)}" if few else "") + ")",
                f"{'width':>5} | {'split':<12} | {'exact (TF)':>10} | {'digit (TF)':>10} | {'greedy exact':>12}",
                "-" * 62]
+        in_dist = set(cfg.data.in_dist_widths())
         for k in sorted(tf, key=int):
-            split = "in-dist" if int(k) <= cfg.data.train_max_width else "longer"
+            split = "in-dist" if int(k) in in_dist else "longer"
             g = f"{100 * gr[k]:.1f}%" if k in gr else "-"
             out.append(f"{int(k):>5} | {split:<12} | {100 * tf[k]['exact']:>9.1f}% | "
                        f"{100 * tf[k]['digit']:>9.1f}% | {g:>12}")

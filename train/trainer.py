@@ -391,7 +391,7 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         return out
 
     earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
-    in_dist = in_dist_widths(cfg)
+    in_dist = cfg.data.in_dist_widths()
     best = best_in_dist(earlier_evals, in_dist)  # the checkpoint choice so far, kept up to date by do_eval
     if cfg.data.kind == "addition" and best_in_dist(earlier_evals) != best:
         say(f"[resume] the earlier evaluations on other in-distribution widths than {compact_widths(in_dist)} are "
@@ -663,14 +663,6 @@ def saved_mismatch(meta: dict, cfg: TrainConfig, compare=resume_mismatch) -> lis
         return compare(saved, cfg)
     except (ValueError, TypeError):  # ConfigError included: a config this version cannot read
         return []
-
-
-def in_dist_widths(cfg: TrainConfig) -> list[int]:
-    """The evaluated widths an addition run trained on (``data.eval_widths`` up to ``data.train_max_width``): the
-    widths its in-distribution means average over."""
-    if cfg.data.kind != "addition":
-        return []
-    return sorted(w for w in set(cfg.data.eval_widths) if w <= cfg.data.train_max_width)
 
 
 def compact_widths(widths: list[int]) -> str:
