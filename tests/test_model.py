@@ -91,6 +91,9 @@ def test_config_errors_name_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"LMConfig\.n_heads=5 does not divide d_model=64.*head_dim"):
         LMConfig(d_model=64, n_heads=5)
     LMConfig(d_model=64, n_heads=5, head_dim=16)  # explicit head_dim: fine
+    # accepted here, refused by every recurrent mixer when the model was built (after the trainer's checks)
+    with pytest.raises(ValueError, match=r"LMConfig\.conv_size=1 must be 0 \(no short convolution\) or an int >= 2"):
+        LMConfig(conv_size=1)
     with pytest.raises(ValueError, match=r"LMConfig\.mixer='mamba3' is not a known mixer.*falcon-1A\.3"):
         LMConfig(mixer="mamba3")
     with pytest.raises(ValueError, match=r"LMConfig\.layer_mixers\[1\]='falcon-4'"):

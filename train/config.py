@@ -286,7 +286,7 @@ def load_file(path: str) -> dict:
 # ----------------------------------------------------------------------------- presets
 _ADDITION_TINY = {
     # A 2-layer Falcon-1A.3 of width 192 (6 heads of 32) on CPU, trained on widths 1-4 and
-    # evaluated on 1-8; ~2.5 minutes on a 2-core CPU (see docs/training.md for measured numbers).
+    # evaluated on 1-8; about 1.5 minutes on a 2-core CPU (docs/training.md has the measured time).
     # The model learns the widths in stages (1-2, then width 3, then the middle digit of width 4)
     # with long, seed-dependent plateaus in between.  Width 64 (and 96) sat on them for 1,500-3,000
     # steps at every lr tried (lr >= 3e-3 stalled even earlier, with grad-norm spikes); width 192

@@ -204,6 +204,8 @@ class LMConfig:
                              f"(None: per-column gains exactly for falcon-2 / falcon-2A).")
         _pos_int("attn_every", self.attn_every, zero_ok=True)
         _pos_int("conv_size", self.conv_size, zero_ok=True)
+        if self.conv_size == 1:  # the recurrent mixers refuse a width-1 convolution when the model is built
+            raise ValueError("LMConfig.conv_size=1 must be 0 (no short convolution) or an int >= 2 (the paper uses 4).")
         _pos_int("window", self.window)
         if not (_is_int(self.chunk_size) and self.chunk_size >= 1 and self.chunk_size & (self.chunk_size - 1) == 0):
             raise ValueError(f"LMConfig.chunk_size={self.chunk_size!r} must be a power of two (e.g. 64).")
