@@ -127,6 +127,16 @@ def check_operands(op: str, q, x, y, gates: dict, run, initial_state, *, chunk_s
     return B, T, H, dk, dv
 
 
+LOG_DECAY_FLOOR = -30.0  # e^-30 = 9e-14: a reset within fp32 rounding
+
+
+def floor_log_decay(log_decay):
+    """``log_decay`` with every entry below :data:`LOG_DECAY_FLOOR` raised to it (NaN stays NaN; zero gradient
+    where raised).  The chunk forms subtract cumulative sums of log decays: one step of −1e30 (or −inf, a hard
+    reset) leaves the later small decays of its chunk to rounding, and −inf − (−inf) is NaN."""
+    return jnp.maximum(log_decay, jnp.asarray(LOG_DECAY_FLOOR, log_decay.dtype))
+
+
 def check_pieces(op: str, pieces) -> None:
     """``pieces``: None (chosen by the program count) or a power of two >= 1.  The piece scans reshape the
     chunks into ``pieces`` equal groups; another count fails deep inside, or cuts them unevenly."""
@@ -498,7 +508,8 @@ def interpret_tpu(interpret: bool):
 
 __all__ = ["call", "check_config", "check_flag", "check_layout", "check_operands", "check_pieces", "chunk_local",
            "chunk_specs", "chunk_state_dtype", "column_block", "default_gpu_major", "dot", "flatten_pad",
-           "kernel_operands", "layout_kw", "LAYOUTS", "next_pow2", "on_hopper", "pad_time", "pieces_for",
+           "floor_log_decay", "kernel_operands", "layout_kw", "LAYOUTS", "LOG_DECAY_FLOOR", "next_pow2", "on_hopper",
+           "pad_time", "pieces_for",
            "poisoned_outputs", "precision_for", "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims",
            "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local,
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, floor_log_decay,
                                        kernel_operands, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads,
                                        token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
@@ -136,7 +136,8 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
 
     Args:
       q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
-      log_decay: ``[B, H, T]`` (cast to fp32).
+      log_decay: ``[B, H, T]`` (cast to fp32); below −30 it counts as −30
+        (:func:`~falcon_jax.kernels.common.floor_log_decay`).
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``).
       initial_state: ``[B, H, dk, dv]``.
@@ -156,6 +157,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
                    layout=layout)
     check_pieces("decayed_attention", pieces)
     check_config("decayed_attention", config, KernelConfig)
+    log_decay = floor_log_decay(log_decay)
     name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                          interpret))
     in_place = layout == "BTHD"

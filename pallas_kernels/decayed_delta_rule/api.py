@@ -15,8 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_flag, check_operands, check_pieces, kernel_operands,
-                                       next_pow2, shift_time, swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_flag, check_operands, check_pieces, floor_log_decay,
+                                       kernel_operands, next_pow2, shift_time, swap_time_heads)
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -50,7 +50,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
       eta: ``[B, H, T]`` write weight, or ``[B, H, T, dv]`` one per value column (cast to fp32; per-column gates
         go to :func:`falcon_jax.kernels.per_column.decayed_delta_rule_per_column`).
-      log_gamma: ``[B, H, T]`` log decay ≤ 0, or ``[B, H, T, dv]`` per value column (cast to fp32).
+      log_gamma: ``[B, H, T]`` log decay ≤ 0, or ``[B, H, T, dv]`` per value column (cast to fp32); below −30
+        it counts as −30 (:func:`~falcon_jax.kernels.common.floor_log_decay`).
       run: ``[B, H, T]`` int, number of segment starts up to t (non-decreasing; 0 = continues
         ``initial_state``); the state resets to zero before a step whose run index changes.
       initial_state: ``[B, H, dk, dv]``.
@@ -91,6 +92,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         if first_key.shape != want:
             raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
                              f"leading dims), got {list(first_key.shape)}.")
+    log_gamma = floor_log_decay(log_gamma)
     in_place = layout == "BTHD"
     if decay_before_residual and (eta.ndim == 4 or log_gamma.ndim == 4):
         raise NotImplementedError("decayed_delta_rule: decay_before_residual=True takes scalar gates (eta and "

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, kernel_operands,
-                                       layout_kw, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, floor_log_decay,
+                                       kernel_operands, layout_kw, next_pow2, pieces_for, reverse_chunk_cumsum,
+                                       swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -186,6 +187,7 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
     check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state, chunk_size=chunk_size,
                    layout=layout, per_column=True)
     check_config(op, config, KernelConfig)
+    log_gamma = floor_log_decay(log_gamma)
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
     attention_kernels = name == "triton" and not residual
     in_place = layout == "BTHD"
@@ -237,7 +239,7 @@ def decayed_delta_rule_per_column(q, x, y, eta, log_gamma, run, initial_state, *
     Args:
       q, x: ``[B, H, T, dk]``; y: ``[B, H, T, dv]`` (bf16, fp16 or fp32; same dtype).
       eta, log_gamma: ``[B, H, T, dv]`` write weight and log decay ≤ 0 per value column (``[B, H, T]``: the same
-        in every column); cast to fp32.
+        in every column); cast to fp32, a log decay below −30 counting as −30.
       run: ``[B, H, T]`` int, number of segment starts up to t (0 = continues ``initial_state``).
       initial_state: ``[B, H, dk, dv]``.
       implementation: ``"auto"``, ``"triton"``, ``"mosaic_tpu"``, ``"xla"`` or a sequence

@@ -19,7 +19,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import check_config, check_operands, check_pieces, flatten_pad, next_pow2
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, flatten_pad, floor_log_decay,
+                                       next_pow2)
 from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason as delta_rule_reason
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
@@ -50,7 +51,8 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     Args:
       q: ``[B, H, T, dk]``; x: ``[B, H, T+W-1, dk]``, y: ``[B, H, T+W-1, dv]`` (window entry i of step t is
         index t+i: the W−1 older pairs in front); w: ``[B, H, T, W]`` write weights; log_gamma, run:
-        ``[B, H, T]`` (as ``decayed_delta_rule``); initial_state ``[B, H, dk, dv]``.
+        ``[B, H, T]`` (as ``decayed_delta_rule``: a log_gamma below −30 counts as −30); initial_state
+        ``[B, H, dk, dv]``.
       implementation, config, pieces, interpret: as ``decayed_delta_rule``.
     Returns:
       ``(o [B, H, T, dv] in y's dtype, final_state [B, H, dk, dv] fp32)``.
@@ -66,6 +68,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     if not jnp.issubdtype(w.dtype, jnp.floating) or tuple(w.shape) != (B, H, T, W):
         raise ValueError(f"windowed_delta_rule: `w` must be floating-point [B, H, T, W] = {[B, H, T, W]} (the "
                          f"leading dims of `q`); got {tuple(w.shape)} {w.dtype}.")
+    log_gamma = floor_log_decay(log_gamma)
     name = impl.select("windowed_delta_rule", implementation,
                        lambda n: unsupported_reason(n, W, q, y, chunk_size, interpret))
     if name == "xla":

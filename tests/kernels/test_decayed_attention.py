@@ -79,6 +79,15 @@ class DecayedAttentionChecks:
         log_decay = clamped_decays(rng, q.shape[:3])
         check_op(rng, self.op(run), reference(run), (q, x, y, log_decay, s0), NAMES, grads=False)
 
+    def test_log_decay_below_the_floor(self, rng):
+        """One step of log decay −1e30 and one of −inf (hard resets) among small ones: they count as −30, so the
+        chunk's later small decays are not lost to rounding in its cumulative sums and −inf − (−inf) gives no
+        NaN."""
+        (q, x, y, log_decay, s0), run = attention_inputs(rng, T=37, segments=False)
+        log_decay[:, :, 5], log_decay[:, :, 20] = -1e30, -np.inf
+        floored = lambda q, x, y, log_decay, s0: reference(run)(q, x, y, jnp.maximum(log_decay, -30.0), s0)
+        check_op(rng, self.op(run), floored, (q, x, y, log_decay, s0), NAMES, grads=False)
+
 
 class TritonDecayedAttention(DecayedAttentionChecks):
     IMPLEMENTATION = "triton"

@@ -140,6 +140,14 @@ class DeltaRuleChecks:
         log_gamma = np.full(eta.shape, np.log(1e-6))
         check_op(rng, self.op(run, chunk=32), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
 
+    def test_log_decay_below_the_floor(self, rng):
+        """One step of log γ = −1e30 and one of −inf (hard resets) among small ones: they count as −30 (γ = 9e-14,
+        a reset within fp32 rounding), so the chunk's later small decays are not lost to rounding in its
+        cumulative sums and −inf − (−inf) gives no NaN.  The float64 reference is a scan: γ = 0 exactly there."""
+        q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=37, segments=False)
+        log_gamma[:, :, 5], log_gamma[:, :, 20] = -1e30, -np.inf
+        check_op(rng, self.op(run), reference(run), (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
+
     # ---- decay_before_residual=True: the residual on the decayed state (Gated DeltaNet) -------------------------
 
     def test_decayed_state_residual_matches_float64(self, rng):

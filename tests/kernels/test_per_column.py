@@ -106,6 +106,16 @@ class PerColumnChecks:
         check_op(rng, self.op("delta", run, 64, dv=16), reference("delta", run), (q, x, y, eta, log_gamma, s0),
                  NAMES, tol=1e-4, grads=False)
 
+    @pytest.mark.parametrize("rule", ["delta", "attention"])
+    def test_log_decay_below_the_floor(self, rng, rule):
+        """Per column, one step of log γ = −1e30 and one of −inf (hard resets) among small ones count as −30:
+        finite, and the chunk's later small decays are not lost to rounding in its cumulative sums."""
+        (q, x, y, eta, log_gamma, s0), run = column_inputs(rng, T=41, dv=16, segments=False)
+        log_gamma[:, :, 5, :8], log_gamma[:, :, 20, 4:] = -1e30, -np.inf
+        floored = lambda q, x, y, eta, log_gamma, s0: reference(rule, run)(q, x, y, eta, jnp.maximum(log_gamma, -30.0),
+                                                                          s0)
+        check_op(rng, self.op(rule, run, 32, dv=16), floored, (q, x, y, eta, log_gamma, s0), NAMES, grads=False)
+
 
 class TritonPerColumn(PerColumnChecks):
     IMPLEMENTATION = "triton"

@@ -78,6 +78,13 @@ class WindowedDeltaRuleChecks:
         args = (q, x, y, w, clamped_decays(rng, w.shape[:3]), s0)
         check_op(rng, self.op(run, chunk=32), reference(run), args, NAMES, tol=1e-4, grads=False)
 
+    def test_log_decay_below_the_floor(self, rng):
+        """One step of log γ = −1e30 and one of −inf (hard resets) among small ones count as −30: finite, and
+        the chunk's later small decays are not lost to rounding in its cumulative sums."""
+        (q, x, y, w, log_gamma, s0), run = window_inputs(rng, 3, T=29, segments=False)
+        log_gamma[:, :, 5], log_gamma[:, :, 14] = -1e30, -np.inf
+        check_op(rng, self.op(run), reference(run), (q, x, y, w, log_gamma, s0), NAMES, grads=False)
+
 
 class TritonWindowedDeltaRule(WindowedDeltaRuleChecks):
     IMPLEMENTATION = "triton"
