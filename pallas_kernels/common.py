@@ -517,10 +517,11 @@ __all__ = ["call", "check_config", "check_flag", "check_layout", "check_operands
 WARPS = (1, 2, 4, 8, 16)
 
 
-def check_launch_parameters(config, *, widths=(), warps=(), counts=(), optional=()) -> None:
+def check_launch_parameters(config, *, widths=(), warps=(), counts=(), thresholds=(), optional=()) -> None:
     """Validate a ``KernelConfig``'s fields by kind, raising ``ValueError`` naming the field: ``widths``
     (value columns per program: powers of two ≥ 16), ``warps`` (Triton warps: 1, 2, 4, 8 or 16), ``counts``
-    (stages, program counts: ints ≥ 1).  Fields in ``optional`` may also be None (chosen per call)."""
+    (stages, program counts: ints ≥ 1), ``thresholds`` (program counts compared against: ints ≥ 0).  Fields in
+    ``optional`` may also be None (chosen per call)."""
     for name in widths:
         value = getattr(config, name)
         if value is None and name in optional:
@@ -531,7 +532,11 @@ def check_launch_parameters(config, *, widths=(), warps=(), counts=(), optional=
     for name in warps:
         if getattr(config, name) not in WARPS:
             raise ValueError(f"KernelConfig: {name} must be 1, 2, 4, 8 or 16, got {getattr(config, name)!r}.")
-    for name in counts:
-        value = getattr(config, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"KernelConfig: {name} must be an int >= 1, got {value!r}.")
+    for names, low in ((counts, 1), (thresholds, 0)):
+        for name in names:
+            value = getattr(config, name)
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                where = " (or None)" if name in optional else ""
+                raise ValueError(f"KernelConfig: {name} must be an int >= {low}{where}, got {value!r}.")

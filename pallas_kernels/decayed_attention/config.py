@@ -23,7 +23,8 @@ class KernelConfig:
     pieces_below: int = 128
 
     def __post_init__(self):
-        check_launch_parameters(self, widths=("block_v",), warps=("fwd_warps", "state_warps", "grad_warps"))
+        check_launch_parameters(self, widths=("block_v",), warps=("fwd_warps", "state_warps", "grad_warps"),
+                                counts=("fwd_stages", "grad_stages"), thresholds=("pieces_below",))
 
 
 # Measured on one H200 (jax 0.11.2, bf16 q/k/v, H16, d128 at 8x2048, 2x8192 and 1x32768; the whole op timed

@@ -61,7 +61,11 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name} must be 'input' or 'fp32', got {getattr(self, name)!r}.")
         check_launch_parameters(self, widths=("block_v", "split_block_v", "grad_block_v", "grad_block_k"),
                                 warps=("tri_warps", "fwd_warps", "state_warps", "prepare_warps", "grad_warps"),
-                                optional=("block_v", "split_block_v"))
+                                counts=("fwd_stages", "state_stages", "grad_stages", "narrow_output_walk_stages",
+                                        "mosaic_walk_stages"),
+                                thresholds=("fill_programs", "few_output_programs", "wide_walk_programs",
+                                            "q_term_in_prepare_from", "pieces_below"),
+                                optional=("block_v", "split_block_v", "fwd_stages", "wide_walk_programs"))
 
     # ---- one call's choices ----------------------------------------------------------------------------------
 

@@ -133,6 +133,18 @@ def test_kernel_config_is_validated():
             KernelConfig(**bad)
 
 
+@pytest.mark.parametrize("bad", [{"fwd_stages": 0}, {"grad_stages": None}, {"fwd_stages": 1.5},
+                                 {"pieces_below": None}, {"pieces_below": -1}])
+def test_kernel_config_refuses_bad_stages_and_program_counts(bad):
+    """Stages (ints >= 1) and ``pieces_below`` (an int >= 0) are checked where the config is made: before, a
+    ``pieces_below=None`` reached a comparison deep inside the call (a bare TypeError) and bad stages a Triton
+    launch."""
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"KernelConfig: {name} must be an int >= "):
+        KernelConfig(**bad)
+    KernelConfig(pieces_below=0)
+
+
 # ---- cross-lowered for the accelerators -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout,dtype,pieces", [("BTHD", jnp.bfloat16, 2), ("BHTD", jnp.float32, 1)])

@@ -39,6 +39,23 @@ def test_kernel_config_refuses_bad_values_naming_the_field(kwargs, match):
         KernelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fwd_stages": 0}, r"fwd_stages must be an int >= 1 \(or None\)"), ({"state_stages": -1}, "state_stages must be"),
+    ({"grad_stages": 2.5}, "grad_stages must be an int >= 1"), ({"mosaic_walk_stages": 0}, "mosaic_walk_stages"),
+    ({"narrow_output_walk_stages": None}, "narrow_output_walk_stages must be an int >= 1"),
+    ({"pieces_below": None}, "pieces_below must be an int >= 0"), ({"fill_programs": -1}, "fill_programs must be"),
+    ({"wide_walk_programs": 1.5}, r"wide_walk_programs must be an int >= 0 \(or None\)"),
+    ({"q_term_in_prepare_from": True}, "q_term_in_prepare_from must be"),
+])
+def test_kernel_config_refuses_bad_stages_and_program_counts(kwargs, match):
+    """Pipelining stages (ints >= 1) and program-count thresholds (ints >= 0) are checked where the config is
+    made, not left to a Triton launch or a comparison deep inside a call; a threshold of 0 and the None
+    fields stay valid."""
+    with pytest.raises(ValueError, match=f"KernelConfig: {match}"):
+        KernelConfig(**kwargs)
+    KernelConfig(few_output_programs=0, fill_programs=0, fwd_stages=None, wide_walk_programs=None)
+
+
 def test_precision_rules():
     """16-bit inputs round the walks' operands, T and dR to their dtype under "input"; fp32 inputs and "fp32"
     keep fp32; V is stored like the walks' operands for one row per step, fp32 for a window's rows."""
