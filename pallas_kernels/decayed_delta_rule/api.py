@@ -58,9 +58,9 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
       implementation: ``"auto"``, ``"mosaic_gpu"``, ``"triton"``, ``"mosaic_tpu"``, ``"xla"`` or a sequence of
         them (:mod:`falcon_jax.kernels.implementation`).
       config: launch parameters and precision (:class:`KernelConfig`); None: the tuned row for this device and
-        dtype (:func:`.tuned.tuned_config`).
+        dtype (:func:`.tuned.tuned_config`).  Scalar gates only (per-column gates refuse it).
       pieces: cut the sequence into this many pieces walked in parallel (GPU; None: by the program count), a
-        power of two; more pieces than chunks run as one piece per chunk.
+        power of two; more pieces than chunks run as one piece per chunk.  Scalar gates only.
       interpret: run the kernels in Pallas's interpret mode (None: off their accelerator).
       layout: ``"BHTD"`` (the shapes above) or ``"BTHD"``: q, x ``[B, T, H, dk]``, y ``[B, T, H, dv]``,
         eta, log_gamma and run ``[B, T, H]`` (or ``[B, T, H, dv]``), o ``[B, T, H, dv]``.  The GPU kernels read
@@ -101,6 +101,11 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     if eta.ndim == 4 or log_gamma.ndim == 4:  # per-column gates: their own kernels
         from falcon_jax.kernels.per_column import decayed_delta_rule_per_column
 
+        if config is not None or pieces is not None:
+            raise ValueError("decayed_delta_rule: per-column gates (eta or log_gamma [B, H, T, dv]) run the "
+                             "per-column kernels, which take neither this op's `config` nor `pieces`; leave them "
+                             "None, or call falcon_jax.kernels.per_column.decayed_delta_rule_per_column with its "
+                             "own KernelConfig.")
         if in_place:
             q, x, y, eta, log_gamma, run = (swap_time_heads(a) for a in (q, x, y, eta, log_gamma, run))
         if shifted_keys:

@@ -394,3 +394,14 @@ def test_first_key_needs_shifted_keys_and_its_shape(rng):
         decayed_delta_rule(*args, implementation="xla", shifted_keys=True, first_key=good[..., :-1])
     with pytest.raises(ValueError, match="`layout` must be one of"):
         decayed_delta_rule(*args, implementation="xla", layout="TBHD")
+
+
+@pytest.mark.parametrize("extra", [{"config": KernelConfig(block_v=16)}, {"pieces": 2}])
+def test_per_column_gates_refuse_the_scalar_ops_launch_options(rng, extra):
+    """Per-column gates go to the per-column kernels, which have their own KernelConfig and no pieces: this op's
+    ``config`` or ``pieces`` with them is an error naming both, not silently dropped."""
+    q, x, y, eta, log_gamma, run, s0 = delta_inputs(rng, T=8, dv=16)
+    eta = np.broadcast_to(eta[..., None], y.shape)
+    args = (*f32(q, x, y, eta, log_gamma), run, *f32(s0))
+    with pytest.raises(ValueError, match="take neither this op's `config` nor `pieces`"):
+        decayed_delta_rule(*args, implementation="xla", **extra)
