@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from falcon_jax.kernels.common import next_pow2
 from falcon_jax.kernels.implementation import accelerator_reason, interpret_mode
@@ -55,7 +56,10 @@ def flash_attention_reason(q, k, v, interpret: bool | None = None) -> str | None
     return accelerator_reason("triton", interpret)
 
 
-def _check(q, k, v, segment_ids, block: int, backward_block: int) -> None:
+def _check(q, k, v, segment_ids, scale, block: int, backward_block: int) -> None:
+    for name, a in (("q", q), ("k", k), ("v", v), ("segment_ids", segment_ids)):
+        if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"flash_attention: `{name}` must be an array; got {type(a).__name__}.")
     if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"flash_attention: q, k must be [B, T, H, dk] and v [B, T, H, dv] with the same B, T, H; "
                          f"got q {q.shape}, k {k.shape}, v {v.shape}.")
@@ -67,8 +71,20 @@ def _check(q, k, v, segment_ids, block: int, backward_block: int) -> None:
             raise TypeError(f"flash_attention: segment_ids must be integers (packed-document ids); got "
                             f"{segment_ids.dtype}.")
     for name, b in (("block", block), ("backward_block", backward_block)):
-        if not (isinstance(b, int) and b >= 16 and b & (b - 1) == 0):
+        if not (isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 16 and b & (b - 1) == 0):
             raise ValueError(f"flash_attention: {name}={b!r} must be a power of two >= 16 (e.g. 128 or 32).")
+    if scale is not None:
+        # the kernel takes the scale as a constant: a traced one cannot reach it, a NaN or inf gives NaN outputs
+        if isinstance(scale, jax.core.Tracer) or isinstance(scale, bool):
+            raise TypeError(f"flash_attention: `scale` must be a concrete finite number (the kernel takes it as a "
+                            f"constant), or None for 1/sqrt(dk); got {scale!r}.")
+        try:
+            value = None if isinstance(scale, (str, bytes)) else float(scale)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not np.isfinite(value):
+            raise ValueError(f"flash_attention: `scale` must be a finite number, or None for 1/sqrt(dk); got "
+                             f"{scale!r}.")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -106,7 +122,7 @@ def flash_attention(q, k, v, segment_ids=None, *, scale: float | None = None, in
     ``backward_block`` the backward's (powers of two ≥ 16; the block is cut to the next power of two ≥ 16 of a
     shorter T).  ``interpret``: None runs Pallas's interpret mode off a GPU.  Raises ``NotImplementedError``
     with :func:`flash_attention_reason`'s reason when the kernel declines the call."""
-    _check(q, k, v, segment_ids, block, backward_block)
+    _check(q, k, v, segment_ids, scale, block, backward_block)
     reason = flash_attention_reason(q, k, v, interpret)
     if reason is not None:
         raise NotImplementedError(f"flash_attention declined: {reason}.")
@@ -115,8 +131,8 @@ def flash_attention(q, k, v, segment_ids=None, *, scale: float | None = None, in
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     d = _padded_head_dim(dk, dv)
-    block = min(block, max(16, next_pow2(T)))
-    backward_block = min(backward_block, block)
+    block = min(int(block), max(16, next_pow2(T)))
+    backward_block = min(int(backward_block), block)
     length = -(-T // block) * block
 
     def pad(a):

@@ -111,6 +111,28 @@ def test_flash_attention_declines_and_rejects_with_the_reason():
         flash_attention(x, x, x, backward_block=24)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", np.ones(2)])
+def test_flash_attention_refuses_a_scale_that_is_not_a_finite_number(scale):
+    """A NaN or inf scale gave NaN outputs without an error; a string or an array reached ``float()`` inside."""
+    x = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="`scale` must be a finite number"):
+        flash_attention(x, x, x, scale=scale)
+
+
+def test_flash_attention_argument_errors_name_the_argument(rng):
+    """A traced scale (the kernel takes it as a constant) and a list of ids are refused naming them, not by a
+    ConcretizationTypeError or an AttributeError from inside; NumPy ints are blocks like Python ints."""
+    x = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="`scale` must be a concrete finite number"):
+        jax.jit(lambda s: flash_attention(x, x, x, scale=s))(0.5)
+    with pytest.raises(TypeError, match="`segment_ids` must be an array; got list"):
+        flash_attention(x, x, x, [[0] * 8])
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 20, 2, 16)), jnp.float32) for _ in range(3))
+    got = jax.jit(lambda q, k, v: flash_attention(q, k, v, block=np.int64(16), scale=np.float32(0.25)))(q, k, v)
+    want = reference(*(a.astype(jnp.float64) for a in (q, k, v)), None, 0.25)
+    assert_matches(got, want, FP32_TOL)
+
+
 def test_flash_attention_lowers_for_cuda_forward_and_backward(monkeypatch):
     """bf16, T = 1000 (padded to 1024), d = 64, packed: the forward, the backward's preprocessing and the
     backward each lower through Pallas's Triton lowering (the GPU compile itself is tests/test_gpu_attention.py)."""
