@@ -137,6 +137,14 @@ def floor_log_decay(log_decay):
     return jnp.maximum(log_decay, jnp.asarray(LOG_DECAY_FLOOR, log_decay.dtype))
 
 
+def empty_result(B: int, T: int, H: int, dk: int, dv: int, dtype, layout: str = "BHTD"):
+    """``(o, final_state)`` of an op over no batch rows or no heads (``B·H = 0``), in the shapes, layout and
+    dtypes a call returns (outputs in ``dtype``, the state fp32): the kernels' grids and the windowed op's
+    chunks cannot be empty, so the ops return this before any lowering."""
+    o_shape = (B, T, H, dv) if layout == "BTHD" else (B, H, T, dv)
+    return jnp.zeros(o_shape, dtype), jnp.zeros((B, H, dk, dv), jnp.float32)
+
+
 def check_pieces(op: str, pieces) -> None:
     """``pieces``: None (chosen by the program count) or a power of two >= 1.  The piece scans reshape the
     chunks into ``pieces`` equal groups; another count fails deep inside, or cuts them unevenly."""
@@ -507,11 +515,11 @@ def interpret_tpu(interpret: bool):
 
 
 __all__ = ["call", "check_config", "check_flag", "check_layout", "check_operands", "check_pieces", "chunk_local",
-           "chunk_specs", "chunk_state_dtype", "column_block", "default_gpu_major", "dot", "flatten_pad",
-           "floor_log_decay", "kernel_operands", "layout_kw", "LAYOUTS", "LOG_DECAY_FLOOR", "next_pow2", "on_hopper",
-           "pad_time", "pieces_for",
-           "poisoned_outputs", "precision_for", "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims",
-           "transpose_gates", "triton_params", "unsupported_dims_reason", "walk_layout"]
+           "chunk_specs", "chunk_state_dtype", "column_block", "default_gpu_major", "dot", "empty_result",
+           "flatten_pad", "floor_log_decay", "kernel_operands", "layout_kw", "LAYOUTS", "LOG_DECAY_FLOOR",
+           "next_pow2", "on_hopper", "pad_time", "pieces_for", "poisoned_outputs", "precision_for",
+           "reverse_chunk_cumsum", "row_block", "swap_time_heads", "token_dims", "transpose_gates", "triton_params",
+           "unsupported_dims_reason", "walk_layout"]
 
 
 WARPS = (1, 2, 4, 8, 16)

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, floor_log_decay,
-                                       kernel_operands, next_pow2, pieces_for, reverse_chunk_cumsum, swap_time_heads,
-                                       token_dims)
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, empty_result,
+                                       floor_log_decay, kernel_operands, next_pow2, pieces_for, reverse_chunk_cumsum,
+                                       swap_time_heads, token_dims)
 from falcon_jax.kernels.decayed_attention import mosaic_tpu, triton
 from falcon_jax.kernels.decayed_attention.config import KernelConfig, tuned_config
 from falcon_jax.kernels.decayed_attention.reference import decayed_attention_reference
@@ -153,10 +153,12 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    check_operands("decayed_attention", q, x, y, {"log_decay": log_decay}, run, initial_state, chunk_size=chunk_size,
-                   layout=layout)
+    B, T, H, dk, dv = check_operands("decayed_attention", q, x, y, {"log_decay": log_decay}, run, initial_state,
+                                     chunk_size=chunk_size, layout=layout)
     check_pieces("decayed_attention", pieces)
     check_config("decayed_attention", config, KernelConfig)
+    if B * H == 0:
+        return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_decay = floor_log_decay(log_decay)
     name = impl.select("decayed_attention", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                          interpret))

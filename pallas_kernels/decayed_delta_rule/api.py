@@ -15,8 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_flag, check_operands, check_pieces, floor_log_decay,
-                                       kernel_operands, next_pow2, shift_time, swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_flag, check_operands, check_pieces, empty_result,
+                                       floor_log_decay, kernel_operands, next_pow2, shift_time, swap_time_heads)
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
 from falcon_jax.kernels.decayed_delta_rule.reference import decayed_delta_rule_reference
@@ -75,8 +75,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     Returns:
       ``(o [B, H, T, dv] (or [B, T, H, dv]) in y's dtype, final_state [B, H, dk, dv] fp32)``.
     """
-    check_operands("decayed_delta_rule", q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
-                   chunk_size=chunk_size, layout=layout, per_column=True)
+    B, T, H, dk, dv = check_operands("decayed_delta_rule", q, x, y, {"eta": eta, "log_gamma": log_gamma}, run,
+                                     initial_state, chunk_size=chunk_size, layout=layout, per_column=True)
     check_pieces("decayed_delta_rule", pieces)
     check_config("decayed_delta_rule", config, KernelConfig)
     check_flag("decayed_delta_rule", "shifted_keys", shifted_keys)
@@ -92,6 +92,8 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         if first_key.shape != want:
             raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
                              f"leading dims), got {list(first_key.shape)}.")
+    if B * H == 0:
+        return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_gamma = floor_log_decay(log_gamma)
     in_place = layout == "BTHD"
     if decay_before_residual and (eta.ndim == 4 or log_gamma.ndim == 4):

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, floor_log_decay,
-                                       kernel_operands, layout_kw, next_pow2, pieces_for, reverse_chunk_cumsum,
-                                       swap_time_heads)
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, chunk_local, empty_result,
+                                       floor_log_decay, kernel_operands, layout_kw, next_pow2, pieces_for,
+                                       reverse_chunk_cumsum, swap_time_heads)
 from falcon_jax.kernels.per_column import mosaic_tpu, triton, triton_attention
 from falcon_jax.kernels.per_column.config import KernelConfig, tuned_config
 from falcon_jax.kernels.per_column.reference import decayed_attention_per_column_reference, decayed_delta_rule_reference
@@ -184,9 +184,11 @@ _attention_op.defvjp(_attention_forward, _attention_backward)
 
 def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, implementation, config, interpret,
                 residual, layout, pieces=None):
-    check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state, chunk_size=chunk_size,
-                   layout=layout, per_column=True)
+    B, T, H, dk, dv = check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
+                                     chunk_size=chunk_size, layout=layout, per_column=True)
     check_config(op, config, KernelConfig)
+    if B * H == 0:
+        return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_gamma = floor_log_decay(log_gamma)
     name = impl.select(op, implementation, lambda n: unsupported_reason(n, q, y, chunk_size, interpret))
     attention_kernels = name == "triton" and not residual

@@ -19,8 +19,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from falcon_jax.kernels import implementation as impl
-from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, flatten_pad, floor_log_decay,
-                                       next_pow2)
+from falcon_jax.kernels.common import (check_config, check_operands, check_pieces, empty_result, flatten_pad,
+                                       floor_log_decay, next_pow2)
 from falcon_jax.kernels.decayed_delta_rule.api import unsupported_reason as delta_rule_reason
 from falcon_jax.kernels.decayed_delta_rule.config import KernelConfig
 from falcon_jax.kernels.decayed_delta_rule.op import Static, kernel_op
@@ -61,13 +61,15 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
         raise ValueError(f"windowed_delta_rule: `w` must be [B, H, T, W] write weights (one per window slot, W >= 1); "
                          f"got {tuple(getattr(w, 'shape', ())) or type(w).__name__}.")
     W = w.shape[-1]
-    B, T, H, _, _ = check_operands("windowed_delta_rule", q, x, y, {"log_gamma": log_gamma}, run, initial_state,
+    B, T, H, dk, dv = check_operands("windowed_delta_rule", q, x, y, {"log_gamma": log_gamma}, run, initial_state,
                                    chunk_size=chunk_size, extra=W - 1)
     check_pieces("windowed_delta_rule", pieces)
     check_config("windowed_delta_rule", config, KernelConfig)
     if not jnp.issubdtype(w.dtype, jnp.floating) or tuple(w.shape) != (B, H, T, W):
         raise ValueError(f"windowed_delta_rule: `w` must be floating-point [B, H, T, W] = {[B, H, T, W]} (the "
                          f"leading dims of `q`); got {tuple(w.shape)} {w.dtype}.")
+    if B * H == 0:
+        return empty_result(B, T, H, dk, dv, y.dtype)
     log_gamma = floor_log_decay(log_gamma)
     name = impl.select("windowed_delta_rule", implementation,
                        lambda n: unsupported_reason(n, W, q, y, chunk_size, interpret))

@@ -486,3 +486,21 @@ def test_kernel_ops_refuse_options_of_the_wrong_type():
     for op, call in calls.items():
         with pytest.raises(TypeError, match=r"`config` must be a falcon_jax\.kernels\..*KernelConfig"):
             call(wrong[op])
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu", "xla"])
+@pytest.mark.parametrize("op", ["attention", "delta_rule", "windowed", "per_column", "attention_per_column"])
+def test_kernel_ops_over_no_batch_rows_or_heads_return_empty_results(op, implementation):
+    """B = 0 or H = 0: empty outputs and final state in the shapes a call returns, as ``falcon`` gives.
+
+    The failure this guards against: the interpreted Triton kernels failed on their empty grid with a
+    ``slice_sizes`` TypeError from JAX's HLO interpreter, the TPU ones with an out-of-bounds read inside an
+    io_callback, and the windowed op's XLA form with a ZeroDivisionError."""
+    q, x, gate, run, s0 = _op_operands(W=4 if op == "windowed" else None)
+    for keep in (slice(0, 0), slice(None)), (slice(None), slice(0, 0)):
+        empty = dict(q=q[keep], x=x[keep], y=x[keep], gate=gate[keep], run=run[keep], initial_state=s0[keep])
+        if op == "windowed":
+            empty["w"] = jnp.full((1, 2, 32, 4), 0.1)[keep]
+        o, final = _call_op(op, implementation, **empty)
+        B, H = q[keep].shape[:2]
+        assert (o.shape, final.shape) == ((B, H, 32, 16), (B, H, 16, 16))
