@@ -156,7 +156,7 @@ def falcon_gates(gram, in_win, valid, inputs, *, statistic: str, step: str, scal
 
         λ_t = λ̄_t · sg(E_t) if scale_coupled else λ_t
         η_t = β_t / (E_t + λ_t + ε)  (step="normalized")  or  β_t  (step="direct")
-        α_t = min(η_t λ_t, 1 − ε_γ),  log γ_t = log1p(−α_t)
+        α_t = min(η_t λ_t, 1 − ε_γ),  log γ_t = log1p(−α_t)   (1 − ε_γ taken below 1 in the compute dtype)
         w_{t,i} = η_t / B_t · [pair i ∈ I_t]
     and η = α = 0 at the sentinel and wherever ``E_t + λ_t + ε = 0``.
     """
@@ -181,7 +181,11 @@ def falcon_gates(gram, in_win, valid, inputs, *, statistic: str, step: str, scal
     else:
         eta = beta_g
     eta = jnp.where(valid_g, eta, 0.0)
-    alpha = jnp.where(valid_g, jnp.minimum(eta * lam_g, 1.0 - eps_gamma), 0.0)
+    # the cap 1 − ε_γ in the compute dtype, below 1: an ε_γ under its resolution (1e-30 in fp32) would round
+    # the cap to 1, γ to 0 and log γ to −inf, whose gradient through the clamp is 0 · inf = NaN
+    one = jnp.ones((), eta.dtype)
+    cap = jnp.minimum(jnp.asarray(1.0 - eps_gamma, eta.dtype), jnp.nextafter(one, jnp.zeros((), eta.dtype)))
+    alpha = jnp.where(valid_g, jnp.minimum(eta * lam_g, cap), 0.0)
     log_gamma = jnp.log1p(-alpha)
     w = eta[..., None, :] * (mask * inv_count[..., None])[..., :, None]
     return w, log_gamma
