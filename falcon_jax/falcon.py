@@ -72,6 +72,7 @@ def run_rule(rule: Rule, q, k, v, inputs: dict, *, form: str, chunk_size: int, s
     """
     B, T, H, dk = q.shape
     dv = v.shape[-1]
+    chunk_size = int(chunk_size)  # a NumPy int (validated) would reach the kernels' block shapes
     cdt = compute_dtype(q, k, v, *inputs.values())
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     tail = rule.window - 1

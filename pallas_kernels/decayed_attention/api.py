@@ -157,6 +157,7 @@ def decayed_attention(q, x, y, log_decay, run, initial_state, *, chunk_size: int
                                      chunk_size=chunk_size, layout=layout)
     check_pieces("decayed_attention", pieces)
     check_config("decayed_attention", config, KernelConfig)
+    chunk_size = int(chunk_size)  # a NumPy int would reach the kernels' block shapes
     if B * H == 0:
         return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_decay = floor_log_decay(log_decay)

@@ -92,6 +92,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         if first_key.shape != want:
             raise ValueError(f"decayed_delta_rule: first_key must be [B, H, dk] = {list(want)} (initial_state's "
                              f"leading dims), got {list(first_key.shape)}.")
+    chunk_size = int(chunk_size)  # a NumPy int would reach the kernels' block shapes
     if B * H == 0:
         return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_gamma = floor_log_decay(log_gamma)

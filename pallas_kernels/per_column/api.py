@@ -187,6 +187,7 @@ def _per_column(op, q, x, y, eta, log_gamma, run, initial_state, *, chunk_size, 
     B, T, H, dk, dv = check_operands(op, q, x, y, {"eta": eta, "log_gamma": log_gamma}, run, initial_state,
                                      chunk_size=chunk_size, layout=layout, per_column=True)
     check_config(op, config, KernelConfig)
+    chunk_size = int(chunk_size)  # a NumPy int would reach the kernels' block shapes
     if B * H == 0:
         return empty_result(B, T, H, dk, dv, y.dtype, layout)
     log_gamma = floor_log_decay(log_gamma)

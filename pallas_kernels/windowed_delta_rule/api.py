@@ -68,6 +68,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
     if not jnp.issubdtype(w.dtype, jnp.floating) or tuple(w.shape) != (B, H, T, W):
         raise ValueError(f"windowed_delta_rule: `w` must be floating-point [B, H, T, W] = {[B, H, T, W]} (the "
                          f"leading dims of `q`); got {tuple(w.shape)} {w.dtype}.")
+    chunk_size = int(chunk_size)  # a NumPy int would reach the kernels' block shapes
     if B * H == 0:
         return empty_result(B, T, H, dk, dv, y.dtype)
     log_gamma = floor_log_decay(log_gamma)

@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from falcon_jax import deltanet, falcon, gated_deltanet
@@ -504,3 +505,19 @@ def test_kernel_ops_over_no_batch_rows_or_heads_return_empty_results(op, impleme
         o, final = _call_op(op, implementation, **empty)
         B, H = q[keep].shape[:2]
         assert (o.shape, final.shape) == ((B, H, 32, 16), (B, H, 16, 16))
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
+def test_a_numpy_int_chunk_size_reaches_the_kernels_as_an_int(implementation):
+    """``chunk_size=np.int64(16)`` passes the ops' and ``falcon``'s checks; it used to reach the kernels' block
+    shapes and fail there (``'numpy.int64' object has no attribute 'bit_length'``, ``... is not iterable``, a
+    ConcretizationTypeError in TPU interpret mode).  Traced only (eval_shape): the failure was at trace time."""
+    for op in ("attention", "delta_rule", "windowed", "per_column", "attention_per_column"):
+        o, final = jax.eval_shape(lambda: _call_op(op, implementation, chunk_size=np.int64(16)))
+        assert (o.shape, final.shape) == ((1, 2, 32, 16), (1, 2, 16, 16)), op
+    q = jnp.zeros((1, 20, 2, 16))
+    gate = jnp.full((1, 20, 2), 0.5)
+    for variant in ("1", "1A", "3"):
+        out = jax.eval_shape(lambda: falcon(q, q, q, gate, gate, variant=variant, window=3, impl=implementation,
+                                            chunk_size=np.int64(16)))
+        assert out.shape == (1, 20, 2, 16), variant
