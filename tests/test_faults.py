@@ -71,9 +71,9 @@ def test_traced_gates_are_clamped_into_the_domain(variant):
 
 @pytest.mark.parametrize("variant", ["1", "1A"])
 def test_an_eps_gamma_below_the_dtypes_resolution_keeps_gradients_finite(qkv, variant):
-    """fp32, ε_γ = 1e-30 and λ = 1e6 with β > 1 (ηλ past the clamp): 1 − ε_γ rounds to 1, so γ was 0, log γ −inf
-    and the gradients of k, β and λ through the clamp NaN (0 · inf) in every form.  The cap is now taken below 1
-    in the compute dtype: outputs and gradients finite, the outputs those of the float64 reference."""
+    """fp32, ε_γ = 1e-30 and λ = 1e6 with β > 1 (ηλ past the clamp): 1 − ε_γ rounds to 1 in fp32, and a cap of 1
+    would give γ = 0, log γ = −inf and NaN gradients of k, β and λ through the clamp (0 · inf) in every form.  The cap
+    is taken below 1 in the compute dtype: outputs and gradients finite, the outputs those of the float64 reference."""
     q, k, v = qkv
     beta, lam = full(1.5), full(1e6)
     loss = jax.jit(jax.grad(lambda *a: jnp.sum(falcon(*a, variant=variant, form="recurrent", eps_gamma=1e-30) ** 2),

@@ -509,9 +509,10 @@ def test_kernel_ops_over_no_batch_rows_or_heads_return_empty_results(op, impleme
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
 def test_a_numpy_int_chunk_size_reaches_the_kernels_as_an_int(implementation):
-    """``chunk_size=np.int64(16)`` passes the ops' and ``falcon``'s checks; it used to reach the kernels' block
-    shapes and fail there (``'numpy.int64' object has no attribute 'bit_length'``, ``... is not iterable``, a
-    ConcretizationTypeError in TPU interpret mode).  Traced only (eval_shape): the failure was at trace time."""
+    """``chunk_size=np.int64(16)`` passes the ops' and ``falcon``'s checks, so it must reach the kernels' block
+    shapes as a Python int (a NumPy int fails there: ``'numpy.int64' object has no attribute 'bit_length'``,
+    ``... is not iterable``, a ConcretizationTypeError in TPU interpret mode).  Traced only (eval_shape): that
+    failure is at trace time."""
     for op in ("attention", "delta_rule", "windowed", "per_column", "attention_per_column"):
         o, final = jax.eval_shape(lambda: _call_op(op, implementation, chunk_size=np.int64(16)))
         assert (o.shape, final.shape) == ((1, 2, 32, 16), (1, 2, 16, 16)), op
