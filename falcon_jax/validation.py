@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from falcon_jax.kernels.common import LOG_DECAY_FLOOR
 from falcon_jax.rules import PER_COLUMN_VARIANTS
 from falcon_jax.state import FalconState, check_variant, check_window  # noqa: F401 - re-exported
 
@@ -254,12 +255,6 @@ def falcon_gates_in_domain(beta, lam, *, step: str, names: tuple[str, str] = ("b
     check_range(lam_name, lam, 0.0, None, " (the ridge λ; λ < 0 makes the decay γ > 1 and the state grow "
                 "without bound)", "Map a free parameter into the range with jax.nn.softplus(z).")
     return beta, clamp(lam, 0.0, None)
-
-
-# A step's log decay below this counts as this (γ = 9e-14, a reset to within fp32 rounding).  The chunk and
-# parallel forms take differences of within-chunk cumulative sums of log decays; one step of -1e6 among steps of
-# -0.1 would leave those small decays to fp32 rounding (outputs off by 0.14 against the recurrent form).
-LOG_DECAY_FLOOR = -30.0
 
 
 def baseline_gates_in_domain(inputs: dict) -> dict:

@@ -127,7 +127,9 @@ def check_operands(op: str, q, x, y, gates: dict, run, initial_state, *, chunk_s
     return B, T, H, dk, dv
 
 
-LOG_DECAY_FLOOR = -30.0  # e^-30 = 9e-14: a reset within fp32 rounding
+# A step's log decay below this counts as this (γ = e^-30 = 9e-14, a reset to within fp32 rounding): in the kernel
+# ops (floor_log_decay says why) and in the baselines' gates (falcon_jax.validation)
+LOG_DECAY_FLOOR = -30.0
 
 
 def floor_log_decay(log_decay):
