@@ -95,7 +95,6 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
     chunk_size = int(chunk_size)  # a NumPy int would reach the kernels' block shapes
     if B * H == 0:
         return empty_result(B, T, H, dk, dv, y.dtype, layout)
-    log_gamma = floor_log_decay(log_gamma)
     in_place = layout == "BTHD"
     if decay_before_residual and (eta.ndim == 4 or log_gamma.ndim == 4):
         raise NotImplementedError("decayed_delta_rule: decay_before_residual=True takes scalar gates (eta and "
@@ -116,6 +115,7 @@ def decayed_delta_rule(q, x, y, eta, log_gamma, run, initial_state, *, chunk_siz
         o, final = decayed_delta_rule_per_column(q, x, y, eta, log_gamma, run, initial_state, chunk_size=chunk_size,
                                                  implementation=implementation, interpret=interpret)
         return (swap_time_heads(o) if in_place else o), final
+    log_gamma = floor_log_decay(log_gamma)  # the per-column op above floors its own
     name = impl.select("decayed_delta_rule", implementation, lambda n: unsupported_reason(n, q, y, chunk_size,
                                                                                           interpret))
     if name == "xla" or (in_place and name == "mosaic_tpu"):  # these take [B, H, T, d]
