@@ -23,6 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from falcon_jax.train.config import ConfigError, TrainConfig  # noqa: E402
+
 TARGET = 95.0  # the in-distribution target of the addition experiment, % exact
 
 
@@ -31,9 +33,10 @@ class ResultError(ValueError):
 
 
 def load(path: str):
-    """``(tokens per step, eval records by step, trained widths)`` of one result file; a step evaluated twice
-    (the last evaluation repeated at the end of a run) keeps its last record.  ResultError naming the file when it
-    is missing, not JSON, not an addition result file, or holds no evaluation."""
+    """``(tokens per step, eval records by step, trained widths)`` of one result file; the trained widths are the
+    evaluated ones the trainer's in-distribution means average over (``DataConfig.in_dist_widths()``), and a step
+    evaluated twice (the last evaluation repeated at the end of a run) keeps its last record.  ResultError naming
+    the file when it is missing, not JSON, not an addition result file, or holds no evaluation."""
     try:
         with open(path) as f:
             res = json.load(f)
@@ -45,9 +48,15 @@ def load(path: str):
         cfg = res["config"]
         tokens = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
         evals = {r["step"]: r for r in res["metrics"] if r.get("kind") == "eval"}
-        widths = range(cfg["data"]["train_min_width"], cfg["data"]["train_max_width"] + 1)
+        # the trainer's own rule: the evaluated widths up to the widest trained one
+        widths = TrainConfig.from_dict(cfg).data.in_dist_widths()
     except (KeyError, TypeError, AttributeError) as e:
         raise ResultError(f"{path}: not an addition result file of experiments/record_run.py (no {e})") from None
+    except ConfigError as e:
+        raise ResultError(f"{path}: its config is not one falcon-train reads ({e})") from None
+    if not widths:
+        raise ResultError(f"{path}: not an addition run (data.kind {cfg['data'].get('kind')!r}), or it evaluates "
+                          "none of its trained widths")
     if not evals or any("teacher_forced" not in r for r in evals.values()):
         raise ResultError(f"{path}: holds no evaluation with per-width accuracies (a run stopped before its first)")
     return tokens, dict(sorted(evals.items())), list(widths)

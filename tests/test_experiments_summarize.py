@@ -175,6 +175,26 @@ def test_packed_addition_plots_read_the_last_record_of_each_step(tmp_path, rng, 
     assert plot.main([str(tmp_path / "no" / "folder" / "p"), f"run={path}"]) == 2
 
 
+def test_packed_addition_plots_average_over_the_widths_the_trainer_does(tmp_path, rng):
+    # evaluated widths that skip a trained width (3): the trainer's in-distribution mean leaves it out, and so
+    # must the plots' (a mean over train_min_width..train_max_width would read a width never evaluated)
+    plot = _plot_module()
+    exact = rng.uniform(size=7)
+    tf = {str(w): {"exact": float(exact[w]), "digit": 0.5} for w in (1, 2, 4, 6)}
+    data = {"seq_len": 64, "train_min_width": 1, "train_max_width": 4, "eval_widths": [6, 1, 2, 4]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"config": {"train": {"batch_size": 2}, "data": data},
+                                "metrics": [{"kind": "eval", "step": 10, "teacher_forced": tf}]}))
+    _, by_step, widths = plot.load(str(path))
+    assert widths == [1, 2, 4]
+    assert plot.table3_row(by_step, widths)["trained_exact"] == pytest.approx(100 * exact[[1, 2, 4]].mean())
+    text = tmp_path / "text.json"
+    text.write_text(json.dumps({"config": {"train": {"batch_size": 2}, "data": {**data, "kind": "text"}},
+                                "metrics": [{"kind": "eval", "step": 10, "teacher_forced": tf}]}))
+    with pytest.raises(plot.ResultError, match="not an addition run"):
+        plot.load(str(text))
+
+
 def test_table3_row_reads_the_trainers_checkpoint_choice_and_averages_per_width(rng):
     """Table 3's columns at the trainer's chosen step (not the last, not the best on the longer widths); without
     that record, the first step of the best trained-width exact match.  Means are over widths, not problems."""
