@@ -11,6 +11,7 @@ import errno
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -814,6 +815,38 @@ def test_a_text_run_resumed_on_other_text_is_refused(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path / "c")  # the same text from another directory
     rc, _, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=4"], capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("empty_rows", [0, 3])
+def test_a_text_run_resumed_with_another_text_format_says_its_batches_may_differ(tmp_path, capsys, monkeypatch,
+                                                                                 empty_rows):
+    """How rows become token streams is versioned (text.CACHE_FORMAT: format 2 leaves rows of empty text out).  A
+    checkpoint records the format its run read; a resume under another one, or from a checkpoint that records
+    none over a corpus with empty rows, continues on other batches: it says so (it continued without a word)."""
+    rows = [{"text": f"row {i}: fast weights are written and read, {i * 7 % 13} times."} for i in range(60)]
+    rows[5:5 + empty_rows] = [{"text": " "}] * empty_rows
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--preset", "lm-tiny", "--set", f"data.paths={corpus}", "--set", "data.seq_len=16", "--set",
+            "train.batch_size=4", "--set", "data.val_batches=1", "--set", "data.val_frac=0.2", "--set",
+            "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.n_layers=1", "--set", "train.plots=false",
+            "--set", "optim.warmup_steps=1", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set",
+            "train.eval_every=0", "--set", "train.steps=2", "--set", "checkpoint.every=1"]
+    run_dir = tmp_path / "run"
+    for saved in (trainer.CACHE_FORMAT, trainer.CACHE_FORMAT - 1, None):
+        with monkeypatch.context() as m:
+            m.setattr(trainer, "CACHE_FORMAT", saved)  # the format the checkpoints record
+            assert _cli([*args, "--run-dir", str(run_dir), "--resume-or-start"], capsys)[0] == 0
+        rc, out, err = _cli(["--run-dir", str(run_dir), "--resume", "--set", "train.steps=3"], capsys)
+        assert rc == 0, err
+        noted = [line for line in out.splitlines() if "may differ from the ones the run had" in line]
+        if saved == trainer.CACHE_FORMAT or (saved is None and not empty_rows):
+            assert not noted, (saved, out)
+        else:
+            assert len(noted) == 1 and "[resume] checkpoint 2 " in noted[0], (saved, out)
+            assert (f"{empty_rows} rows of empty" in noted[0]) == bool(empty_rows), noted
+            assert ("does not record" in noted[0]) == (saved is None), noted
+        shutil.rmtree(run_dir)
 
 
 def test_one_file_under_two_spellings_is_read_once(tmp_path, monkeypatch):

@@ -351,6 +351,7 @@ class TextData:
         is_val = mix64(np.arange(len(docs), dtype=np.uint64) + np.uint64(7)) % np.uint64(10_000) \
             < np.uint64(int(self.val_frac * 10_000))
         texts = [i for i, d in enumerate(docs) if d.strip()]
+        self.empty_rows = len(docs) - len(texts)  # rows of empty or whitespace text: no document (CACHE_FORMAT 2)
         if self.val_frac > 0 and not is_val[texts].any() and len(texts) > 1:
             is_val[texts[-1]] = True  # tiny corpora: still keep one validation document
         self.splits = {}

@@ -41,7 +41,7 @@ from falcon_jax.train.report import finish, percent, start_lines, widths_with_fe
 from falcon_jax.train.rundir import (CONFIG, RESUME, WIDTH_SHARES, Logger, RunDirError,  # noqa: F401 - re-exported
                                      check_can_start, check_checkpoint_folder, check_writable, checkpoint_steps,
                                      hold_run_lock, metric_records, read_metrics, release_run_lock, write_atomic)
-from falcon_jax.train.text import ONE_DOCUMENT, TextData
+from falcon_jax.train.text import CACHE_FORMAT, ONE_DOCUMENT, TextData
 
 
 def build_data(cfg: TrainConfig):
@@ -333,6 +333,10 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
                                       f"batches); resume with --set data.loader={saved}.")
                 loader.set_state(meta["data"].get("state", {"step": start}))
                 say(f"[resume] restored step {step0} from {ckpt.dir}.")
+                if cfg.data.kind == "text":
+                    note = text_format_note(meta.get("text_format"), data.empty_rows)
+                    if note:
+                        say(f"[resume] checkpoint {step0} {note}")
                 if isinstance(meta.get("config"), dict):
                     changed, stream = settings_changed(meta["config"], cfg)
                     if changed:
@@ -388,6 +392,7 @@ def _run(cfg: TrainConfig, *, resume: bool, resume_or_start: bool, log, standalo
         if cfg.data.kind == "text":
             out["tokenizer"] = data.tok.fingerprint
             out["corpus"] = data.corpus
+            out["text_format"] = CACHE_FORMAT
         return out
 
     earlier_evals = metric_records(run_dir, "eval")  # a resumed run's, read once
@@ -674,6 +679,18 @@ def compact_widths(widths: list[int]) -> str:
         else:
             runs.append([w, w])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def text_format_note(saved: int | None, empty_rows: int) -> str | None:
+    """Why a resumed text run's batches may differ from the ones it trained on: its text was turned into token
+    streams another way (``CACHE_FORMAT``; ``saved`` None for checkpoints that do not record it).  Format 2 left
+    rows of empty text out, so an unrecorded format matters only for a corpus with such rows."""
+    if saved == CACHE_FORMAT or (saved is None and not empty_rows):
+        return None
+    rows = f" ({empty_rows} rows of empty or whitespace text in this corpus, left out of the token streams)"
+    was = "does not record how its text became tokens" if saved is None else f"read its text in format {saved}"
+    return (f"{was}; this version reads it in format {CACHE_FORMAT}{rows if empty_rows else ''}, so the batches and "
+            f"validation windows from here on may differ from the ones the run had.")
 
 
 def best_in_dist(evals: list[dict], widths: list[int] | None = None) -> dict | None:
