@@ -16,9 +16,10 @@ Example (runs as a doctest)::
     >>> testing.assert_state_layout(state, batch=2, heads=2, dk=4, dv=3, variant="3A", window=3)
 
 Closeness is normwise: ``max |got − want| <= tol · max |want|`` per array (an elementwise relative test
-fails on entries near zero that carry no information).  The default ``tol`` follows the output dtype
-(:func:`default_tolerance`).  :func:`assert_matches_reference` runs :func:`falcon_jax.reference.reference_falcon`,
-a Python loop over batch, heads and time in float64: use it on short sequences (T of a few hundred).
+fails on entries near zero that carry no information).  The default ``tol`` follows the dtype of q, k, v
+(:func:`default_tolerance`), which the output must have.  :func:`assert_matches_reference` runs
+:func:`falcon_jax.reference.reference_falcon`, a Python loop over batch, heads and time in float64: use it on
+short sequences (T of a few hundred).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _run(q, k, v, beta, lam, *, variant, **options):
     return run(q, k, v, beta, lam, dynamic)
 
 
+def _check_output_dtype(out, q, what: str) -> None:
+    """``falcon`` returns its output in the dtype of ``q``, ``k``, ``v``: an output in another dtype is a bug (a
+    lower one loses precision), and the tolerance follows the inputs' dtype, not the output's."""
+    if jnp.dtype(out.dtype) != jnp.dtype(q.dtype):
+        raise AssertionError(f"{what}: output dtype {jnp.dtype(out.dtype)} is not the dtype of q, k, v "
+                             f"({jnp.dtype(q.dtype)}).")
+
+
 def _normwise_close(got, want, tol: float, what: str) -> float:
     """``max|got − want| <= tol · max|want|`` (chex's elementwise test with an absolute bound from the scale of
     ``want``); returns the relative error."""
@@ -126,7 +135,8 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
       q, k, v, beta, lam, variant, options: as for :func:`falcon_jax.falcon` (``initial_state``,
         ``segment_ids``, ``window``, ``chunk_size``, ``impl``, ...; not ``form``).
       forms: at least two of "recurrent", "parallel", "chunk".
-      tol: normwise relative tolerance (default: :func:`default_tolerance` of the output dtype).
+      tol: normwise relative tolerance (default: :func:`default_tolerance` of the dtype of q, k, v, which
+        every form's output must have).
 
     Returns ``{form: error}`` for every form after the first (the largest normwise error over the output and
     the state).  Raises ``AssertionError`` naming the form and the array that differ.
@@ -137,7 +147,8 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
         raise ValueError("assert_forms_agree chooses `form` and `return_final_state` itself; pass `forms`.")
     results = {f: _run(q, k, v, beta, lam, variant=variant, form=f, **options) for f in forms}
     base_out, base_state = results[forms[0]]
-    tol = default_tolerance(base_out.dtype) if tol is None else tol
+    _check_output_dtype(base_out, q, f"form {forms[0]!r}")
+    tol = default_tolerance(q.dtype) if tol is None else tol
     chex.assert_tree_all_finite(base_out, custom_message=f"form {forms[0]!r}: output")
     errors = {}
     for f in forms[1:]:
@@ -151,8 +162,9 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
 def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options) -> float:
     """:func:`falcon_jax.falcon` with ``options`` (any form, implementation, ``initial_state``,
     ``segment_ids``...) equals the float64 NumPy recurrence :func:`falcon_jax.reference.reference_falcon`
-    on the same inputs: the output and the final state, within ``tol`` (default: :func:`default_tolerance` of
-    the output dtype; the inputs are given to the reference exactly, as float64).
+    on the same inputs: the output (which must have the dtype of q, k, v) and the final state, within ``tol``
+    (default: :func:`default_tolerance` of the dtype of q, k, v; the inputs are given to the reference exactly,
+    as float64).
 
     Returns the largest normwise relative error; raises ``AssertionError`` naming the array that differs.
     """
@@ -164,7 +176,8 @@ def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options
              for x in (beta, lam)]
     want_out, want_state = reference_falcon(np.asarray(q, np.float64), np.asarray(k, np.float64),
                                             np.asarray(v, np.float64), *gates, variant=variant.upper(), **rule_options)
-    tol = default_tolerance(out.dtype) if tol is None else tol
+    _check_output_dtype(out, q, f"falcon variant {variant!r}")
+    tol = default_tolerance(q.dtype) if tol is None else tol
     return max(_normwise_close(out, want_out, tol, f"falcon variant {variant!r} vs the float64 reference: output"),
                _state_close(state, want_state, tol, f"falcon variant {variant!r} vs the float64 reference: final state"))
 

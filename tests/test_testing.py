@@ -71,3 +71,20 @@ def test_state_and_cache_layouts():
     grown = jax.tree.map(lambda a: np.concatenate([a, a], axis=0) if a.ndim else a, cache)
     with pytest.raises(AssertionError):
         ft.assert_cache_layout(grown, model, 2, 8)
+
+
+@pytest.mark.parametrize("check", ["reference", "forms"])
+def test_an_output_in_a_lower_dtype_fails(inputs, monkeypatch, check):
+    # rounded to bf16 the output is within bf16's tolerance, far outside fp32's: the dtype must be checked
+    q, k, v, beta, lam = inputs
+
+    def bf16_output(*a, **kw):
+        out, state = falcon(*a, **kw)
+        return out.astype(jnp.bfloat16), state
+
+    monkeypatch.setattr(ft, "falcon", bf16_output)
+    with pytest.raises(AssertionError, match=r"output dtype bfloat16 is not the dtype of q, k, v \(float32\)"):
+        if check == "reference":
+            ft.assert_matches_reference(q, k, v, beta, lam, variant="2", chunk_size=4)
+        else:
+            ft.assert_forms_agree(q, k, v, beta, lam, variant="2", forms=("recurrent", "chunk"), chunk_size=4)
