@@ -110,8 +110,14 @@ def _normwise_close(got, want, tol: float, what: str) -> float:
 
 
 def _state_close(got: FalconState, want, tol: float, what: str) -> float:
-    """Two states agree: S and last_key within ``tol``, the flags exactly, the window tails where valid."""
+    """Two states agree: every field in shape, S and last_key within ``tol``, the flags exactly, the window tails
+    where valid."""
     field = (lambda s, n: getattr(s, n)) if not isinstance(want, dict) else (lambda s, n: s[n])
+    # the masks below broadcast: a field missing its batch axis would otherwise be compared against every row
+    for name in STATE_FIELDS:
+        got_shape, want_shape = np.shape(getattr(got, name)), np.shape(field(want, name))
+        if got_shape != want_shape:
+            raise AssertionError(f"{what}.{name}: shape {got_shape}, expected {want_shape}.")
     errs = [_normwise_close(got.S, field(want, "S"), tol, f"{what}.S")]
     has_key = np.asarray(field(want, "has_key"), bool)
     chex.assert_trees_all_equal(np.asarray(got.has_key, bool), has_key, custom_message=f"{what}.has_key")

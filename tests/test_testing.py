@@ -88,3 +88,18 @@ def test_an_output_in_a_lower_dtype_fails(inputs, monkeypatch, check):
             ft.assert_matches_reference(q, k, v, beta, lam, variant="2", chunk_size=4)
         else:
             ft.assert_forms_agree(q, k, v, beta, lam, variant="2", forms=("recurrent", "chunk"), chunk_size=4)
+
+
+@pytest.mark.parametrize("field", ["last_key", "has_key"])
+def test_a_state_field_missing_its_batch_axis_fails(monkeypatch, field):
+    # identical rows: a field without its batch axis broadcasts against the masks and matches every row
+    q, k, v, beta, lam = (jnp.concatenate([a, a]) for a in ft.random_inputs(jax.random.key(6), batch=1, time=6,
+                                                                             heads=2, dk=4, dv=3))
+
+    def first_row_only(*a, **kw):
+        out, state = falcon(*a, **kw)
+        return out, state.replace(**{field: getattr(state, field)[0]})
+
+    monkeypatch.setattr(ft, "falcon", first_row_only)
+    with pytest.raises(AssertionError, match=rf"final state.{field}: shape .*, expected \(2,"):
+        ft.assert_matches_reference(q, k, v, beta, lam, variant="1", chunk_size=4)
