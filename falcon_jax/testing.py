@@ -140,15 +140,17 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
     Args:
       q, k, v, beta, lam, variant, options: as for :func:`falcon_jax.falcon` (``initial_state``,
         ``segment_ids``, ``window``, ``chunk_size``, ``impl``, ...; not ``form``).
-      forms: at least two of "recurrent", "parallel", "chunk".
+      forms: at least two different forms of "recurrent", "parallel", "chunk".
       tol: normwise relative tolerance (default: :func:`default_tolerance` of the dtype of q, k, v, which
         every form's output must have).
 
     Returns ``{form: error}`` for every form after the first (the largest normwise error over the output and
     the state).  Raises ``AssertionError`` naming the form and the array that differ.
     """
-    if len(forms) < 2 or any(f not in FORMS for f in forms):
-        raise ValueError(f"`forms` must list at least two of {FORMS}; got {forms!r}.")
+    # a repeated form would be compared with itself and pass whatever it computes
+    if (isinstance(forms, str) or len(forms) < 2 or len(set(forms)) != len(forms)
+            or any(f not in FORMS for f in forms)):
+        raise ValueError(f"`forms` must list at least two different forms of {FORMS}; got {forms!r}.")
     if "form" in options or "return_final_state" in options:
         raise ValueError("assert_forms_agree chooses `form` and `return_final_state` itself; pass `forms`.")
     results = {f: _run(q, k, v, beta, lam, variant=variant, form=f, **options) for f in forms}

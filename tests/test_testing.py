@@ -103,3 +103,9 @@ def test_a_state_field_missing_its_batch_axis_fails(monkeypatch, field):
     monkeypatch.setattr(ft, "falcon", first_row_only)
     with pytest.raises(AssertionError, match=rf"final state.{field}: shape .*, expected \(2,"):
         ft.assert_matches_reference(q, k, v, beta, lam, variant="1", chunk_size=4)
+
+
+def test_a_form_compared_with_itself_is_refused(inputs):
+    q, k, v, beta, lam = inputs
+    with pytest.raises(ValueError, match="`forms` must list at least two different forms"):
+        ft.assert_forms_agree(q, k, v, beta, lam, variant="2", forms=("chunk", "chunk"))
