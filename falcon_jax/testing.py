@@ -85,6 +85,21 @@ def _run(q, k, v, beta, lam, *, variant, **options):
     return run(q, k, v, beta, lam, dynamic)
 
 
+def _tolerance(tol, dtype) -> float:
+    """``tol`` as a float, or the default for ``dtype`` when None.  An infinite tolerance passes anything, a NaN
+    or negative one fails everything with a confusing ``atol``: both are refused."""
+    if tol is None:
+        return default_tolerance(dtype)
+    try:
+        value = None if isinstance(tol, (str, bytes, bool, np.bool_)) else float(tol)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not np.isfinite(value) or value < 0:
+        raise ValueError(f"`tol` must be a finite number >= 0 (a normwise relative tolerance, e.g. 1e-4), or None "
+                         f"for default_tolerance(dtype); got {tol!r}.")
+    return value
+
+
 def _check_output_dtype(out, q, what: str) -> None:
     """``falcon`` returns its output in the dtype of ``q``, ``k``, ``v``: an output in another dtype is a bug (a
     lower one loses precision), and the tolerance follows the inputs' dtype, not the output's."""
@@ -141,8 +156,8 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
       q, k, v, beta, lam, variant, options: as for :func:`falcon_jax.falcon` (``initial_state``,
         ``segment_ids``, ``window``, ``chunk_size``, ``impl``, ...; not ``form``).
       forms: at least two different forms of "recurrent", "parallel", "chunk".
-      tol: normwise relative tolerance (default: :func:`default_tolerance` of the dtype of q, k, v, which
-        every form's output must have).
+      tol: normwise relative tolerance, a finite number >= 0 (default: :func:`default_tolerance` of the dtype
+        of q, k, v, which every form's output must have).
 
     Returns ``{form: error}`` for every form after the first (the largest normwise error over the output and
     the state).  Raises ``AssertionError`` naming the form and the array that differ.
@@ -153,10 +168,10 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
         raise ValueError(f"`forms` must list at least two different forms of {FORMS}; got {forms!r}.")
     if "form" in options or "return_final_state" in options:
         raise ValueError("assert_forms_agree chooses `form` and `return_final_state` itself; pass `forms`.")
+    tol = _tolerance(tol, q.dtype)
     results = {f: _run(q, k, v, beta, lam, variant=variant, form=f, **options) for f in forms}
     base_out, base_state = results[forms[0]]
     _check_output_dtype(base_out, q, f"form {forms[0]!r}")
-    tol = default_tolerance(q.dtype) if tol is None else tol
     chex.assert_tree_all_finite(base_out, custom_message=f"form {forms[0]!r}: output")
     errors = {}
     for f in forms[1:]:
@@ -176,6 +191,7 @@ def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options
 
     Returns the largest normwise relative error; raises ``AssertionError`` naming the array that differs.
     """
+    tol = _tolerance(tol, q.dtype)
     run_options = {k_: v_ for k_, v_ in options.items() if k_ != "return_final_state"}
     out, state = _run(q, k, v, beta, lam, variant=variant, **run_options)
     rule_options = {k_: v_ for k_, v_ in options.items() if k_ not in _HOW}
@@ -185,7 +201,6 @@ def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options
     want_out, want_state = reference_falcon(np.asarray(q, np.float64), np.asarray(k, np.float64),
                                             np.asarray(v, np.float64), *gates, variant=variant.upper(), **rule_options)
     _check_output_dtype(out, q, f"falcon variant {variant!r}")
-    tol = default_tolerance(q.dtype) if tol is None else tol
     return max(_normwise_close(out, want_out, tol, f"falcon variant {variant!r} vs the float64 reference: output"),
                _state_close(state, want_state, tol, f"falcon variant {variant!r} vs the float64 reference: final state"))
 

@@ -109,3 +109,12 @@ def test_a_form_compared_with_itself_is_refused(inputs):
     q, k, v, beta, lam = inputs
     with pytest.raises(ValueError, match="`forms` must list at least two different forms"):
         ft.assert_forms_agree(q, k, v, beta, lam, variant="2", forms=("chunk", "chunk"))
+
+
+@pytest.mark.parametrize("tol", [float("inf"), float("nan"), -1e-3, "1e-3", True])
+def test_a_tolerance_that_passes_or_fails_everything_is_refused(inputs, tol):
+    q, k, v, beta, lam = inputs
+    with pytest.raises(ValueError, match="`tol` must be a finite number >= 0"):
+        ft.assert_matches_reference(q, k, v, beta, lam, variant="2", tol=tol)
+    with pytest.raises(ValueError, match="`tol` must be a finite number >= 0"):
+        ft.assert_forms_agree(q, k, v, beta, lam, variant="2", tol=tol)
