@@ -168,6 +168,7 @@ def assert_forms_agree(q, k, v, beta, lam, *, variant, forms=FORMS, tol=None, **
         raise ValueError(f"`forms` must list at least two different forms of {FORMS}; got {forms!r}.")
     if "form" in options or "return_final_state" in options:
         raise ValueError("assert_forms_agree chooses `form` and `return_final_state` itself; pass `forms`.")
+    val.check_qkv(q, k, v)  # shapes and dtypes read below, before falcon would check them
     tol = _tolerance(tol, q.dtype)
     results = {f: _run(q, k, v, beta, lam, variant=variant, form=f, **options) for f in forms}
     base_out, base_state = results[forms[0]]
@@ -191,6 +192,7 @@ def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options
 
     Returns the largest normwise relative error; raises ``AssertionError`` naming the array that differs.
     """
+    val.check_qkv(q, k, v)  # shapes and dtypes read below, before falcon would check them
     tol = _tolerance(tol, q.dtype)
     run_options = {k_: v_ for k_, v_ in options.items() if k_ != "return_final_state"}
     out, state = _run(q, k, v, beta, lam, variant=variant, **run_options)

@@ -118,3 +118,13 @@ def test_a_tolerance_that_passes_or_fails_everything_is_refused(inputs, tol):
         ft.assert_matches_reference(q, k, v, beta, lam, variant="2", tol=tol)
     with pytest.raises(ValueError, match="`tol` must be a finite number >= 0"):
         ft.assert_forms_agree(q, k, v, beta, lam, variant="2", tol=tol)
+
+
+@pytest.mark.parametrize("check", ["reference", "forms"])
+def test_bad_q_is_named_before_it_is_unpacked(inputs, check):
+    q, k, v, beta, lam = inputs
+    fn = ft.assert_matches_reference if check == "reference" else ft.assert_forms_agree
+    with pytest.raises(ValueError, match=r"`q` must have rank 4 \[batch, time, heads, dim\]; got shape \(10, 2, 4\)"):
+        fn(q[0], k, v, beta, lam, variant="2")
+    with pytest.raises(TypeError, match="`q` must be an array; got list"):
+        fn(np.asarray(q).tolist(), k, v, beta, lam, variant="2")
