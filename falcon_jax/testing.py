@@ -56,7 +56,19 @@ def default_tolerance(dtype) -> float:
 
 def random_inputs(key, *, batch=2, time=16, heads=2, dk=8, dv=8, variant="1", dtype=jnp.float32):
     """Seeded inputs inside the rules' domain: q, k ``[B, T, H, dk]`` with norms about 1, v ``[B, T, H, dv]``
-    standard normal, β uniform in (0, 2) (``[B, T, H, dv]`` for "2"/"2A"), λ uniform in (0, 1)."""
+    standard normal, β uniform in (0, 2) (``[B, T, H, dv]`` for "2"/"2A"), λ uniform in (0, 1).  ``variant``
+    fixes β's shape; ``dtype`` is a floating dtype; ``batch``, ``heads`` >= 0 and ``time``, ``dk``, ``dv`` >= 1."""
+    check_variant(variant)  # an unknown name would give β the per-head shape without a word
+    for name, value, low in (("batch", batch, 0), ("time", time, 1), ("heads", heads, 0), ("dk", dk, 1),
+                             ("dv", dv, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"random_inputs: `{name}` must be an int >= {low}; got {value!r}.")
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:  # an integer cast would round q and k (norms about 1) to 0
+        raise TypeError(f"random_inputs: `dtype` must be a floating dtype (e.g. jnp.float32); got {dtype!r}.")
     kq, kk, kv, kb, kl = jax.random.split(key, 5)
     q = jax.random.normal(kq, (batch, time, heads, dk)) / np.sqrt(dk)
     k = jax.random.normal(kk, (batch, time, heads, dk)) / np.sqrt(dk)

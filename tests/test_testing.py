@@ -128,3 +128,15 @@ def test_bad_q_is_named_before_it_is_unpacked(inputs, check):
         fn(q[0], k, v, beta, lam, variant="2")
     with pytest.raises(TypeError, match="`q` must be an array; got list"):
         fn(np.asarray(q).tolist(), k, v, beta, lam, variant="2")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"variant": "2B"}, ValueError, r"`variant` must be one of '1', '2', '3', '1A', '2A', '3A'; got '2B'"),
+    ({"variant": 2}, ValueError, r"`variant` must be one of .*; got 2\."),
+    ({"dtype": jnp.int32}, TypeError, r"random_inputs: `dtype` must be a floating dtype"),
+    ({"time": 0}, ValueError, r"random_inputs: `time` must be an int >= 1; got 0"),
+    ({"dk": 4.0}, ValueError, r"random_inputs: `dk` must be an int >= 1; got 4.0"),
+])
+def test_random_inputs_names_a_bad_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ft.random_inputs(jax.random.key(0), **kwargs)
