@@ -229,6 +229,10 @@ def assert_state_layout(state, *, batch: int, heads: int, dk: int, dv: int, vari
         raise AssertionError(f"expected a FalconState; got {type(state).__name__}.")
     check_variant(variant)
     check_window(window)
+    # chex.assert_shape reads None (and a set) as "any size": the sizes would go unchecked
+    for name, value, low in (("batch", batch, 0), ("heads", heads, 0), ("dk", dk, 1), ("dv", dv, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"assert_state_layout: `{name}` must be an int >= {low}; got {value!r}.")
     tail = tail_length_for(variant.upper(), window)
     chex.assert_shape([state.S, state.last_key, state.has_key, state.tail_x, state.tail_y, state.tail_valid],
                       [(batch, heads, dk, dv), (batch, heads, dk), (batch,), (batch, heads, tail, dk),

@@ -140,3 +140,12 @@ def test_bad_q_is_named_before_it_is_unpacked(inputs, check):
 def test_random_inputs_names_a_bad_argument(kwargs, error, message):
     with pytest.raises(error, match=message):
         ft.random_inputs(jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize("sizes", [{"batch": None}, {"dk": {3, 4}}])
+def test_state_layout_refuses_a_size_chex_reads_as_any(sizes):
+    state = jax.eval_shape(lambda: falcon(*ft.random_inputs(jax.random.key(0), batch=1, time=5, heads=2, dk=4,
+                                                            dv=3), variant="1", return_final_state=True))[1]
+    layout = {"batch": 1, "heads": 2, "dk": 4, "dv": 3} | sizes
+    with pytest.raises(ValueError, match=rf"assert_state_layout: `{next(iter(sizes))}` must be an int"):
+        ft.assert_state_layout(state, variant="1", **layout)
