@@ -137,7 +137,8 @@ def _normwise_close(got, want, tol: float, what: str) -> float:
 
 
 def _state_close(got: FalconState, want, tol: float, what: str) -> float:
-    """Two states agree: every field in shape, S and last_key within ``tol``, the flags exactly, the window tails
+    """Two states agree: every field in shape, the flags bool, the other fields in ``want``'s dtype when ``want`` is a
+    FalconState (the reference's dict is float64), S and last_key within ``tol``, the flags exactly, the window tails
     where valid."""
     field = (lambda s, n: getattr(s, n)) if not isinstance(want, dict) else (lambda s, n: s[n])
     # the masks below broadcast: a field missing its batch axis would otherwise be compared against every row
@@ -145,6 +146,13 @@ def _state_close(got: FalconState, want, tol: float, what: str) -> float:
         got_shape, want_shape = np.shape(getattr(got, name)), np.shape(field(want, name))
         if got_shape != want_shape:
             raise AssertionError(f"{what}.{name}: shape {got_shape}, expected {want_shape}.")
+        # the comparisons below cast to bool and float64; a flag stored as a float, or one form's state in another
+        # dtype than the other's (a scan carry or a continuation would not take it), would pass them
+        got_dtype = jnp.dtype(getattr(got, name).dtype)
+        want_dtype = jnp.dtype(bool) if name in ("has_key", "tail_valid") else (
+            None if isinstance(want, dict) else jnp.dtype(field(want, name).dtype))
+        if want_dtype is not None and got_dtype != want_dtype:
+            raise AssertionError(f"{what}.{name}: dtype {got_dtype}, expected {want_dtype}.")
     errs = [_normwise_close(got.S, field(want, "S"), tol, f"{what}.S")]
     has_key = np.asarray(field(want, "has_key"), bool)
     chex.assert_trees_all_equal(np.asarray(got.has_key, bool), has_key, custom_message=f"{what}.has_key")

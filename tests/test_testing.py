@@ -149,3 +149,24 @@ def test_state_layout_refuses_a_size_chex_reads_as_any(sizes):
     layout = {"batch": 1, "heads": 2, "dk": 4, "dv": 3} | sizes
     with pytest.raises(ValueError, match=rf"assert_state_layout: `{next(iter(sizes))}` must be an int"):
         ft.assert_state_layout(state, variant="1", **layout)
+
+
+def test_a_state_field_in_another_dtype_fails(inputs, monkeypatch):
+    # the values agree (a wider S, a flag stored as 1.0): only the dtypes tell
+    q, k, v, beta, lam = inputs
+
+    def chunk_state_retyped(*a, form, **kw):
+        out, state = falcon(*a, form=form, **kw)
+        return out, (state.replace(S=state.S.astype(jnp.float64)) if form == "chunk" else state)
+
+    monkeypatch.setattr(ft, "falcon", chunk_state_retyped)
+    with pytest.raises(AssertionError, match=r"final state.S: dtype float64, expected float32"):
+        ft.assert_forms_agree(q, k, v, beta, lam, variant="2", forms=("recurrent", "chunk"), chunk_size=4)
+
+    def float_flags(*a, **kw):
+        out, state = falcon(*a, **kw)
+        return out, state.replace(has_key=state.has_key.astype(jnp.float32))
+
+    monkeypatch.setattr(ft, "falcon", float_flags)
+    with pytest.raises(AssertionError, match=r"final state.has_key: dtype float32, expected bool"):
+        ft.assert_matches_reference(q, k, v, beta, lam, variant="2", chunk_size=4)
