@@ -16,7 +16,8 @@ Example (runs as a doctest)::
     >>> testing.assert_state_layout(state, batch=2, heads=2, dk=4, dv=3, variant="3A", window=3)
 
 Closeness is normwise: ``max |got − want| <= tol · max |want|`` per array (an elementwise relative test
-fails on entries near zero that carry no information).  The default ``tol`` follows the dtype of q, k, v
+fails on entries near zero that carry no information); an all-zero ``want`` takes the absolute bound
+``max |got| <= tol``.  The default ``tol`` follows the dtype of q, k, v
 (:func:`default_tolerance`), which the output must have.  :func:`assert_matches_reference` runs
 :func:`falcon_jax.reference.reference_falcon`, a Python loop over batch, heads and time in float64: use it on
 short sequences (T of a few hundred).
@@ -122,7 +123,7 @@ def _check_output_dtype(out, q, what: str) -> None:
 
 def _normwise_close(got, want, tol: float, what: str) -> float:
     """``max|got − want| <= tol · max|want|`` (chex's elementwise test with an absolute bound from the scale of
-    ``want``); returns the relative error."""
+    ``want``; ``max|got| <= tol`` when ``want`` is all zero); returns the relative error."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     chex.assert_equal_shape([got, want], custom_message=what)
