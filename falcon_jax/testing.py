@@ -59,6 +59,8 @@ def random_inputs(key, *, batch=2, time=16, heads=2, dk=8, dv=8, variant="1", dt
     """Seeded inputs inside the rules' domain: q, k ``[B, T, H, dk]`` with norms about 1, v ``[B, T, H, dv]``
     standard normal, β uniform in (0, 2) (``[B, T, H, dv]`` for "2"/"2A"), λ uniform in (0, 1).  ``variant``
     fixes β's shape; ``dtype`` is a floating dtype; ``batch``, ``heads`` >= 0 and ``time``, ``dk``, ``dv`` >= 1."""
+    if not (hasattr(key, "shape") and hasattr(key, "dtype")):  # jax.random reports "invalid PRNG key data"
+        raise TypeError(f"random_inputs: `key` must be a PRNG key, e.g. jax.random.key(0); got {key!r}.")
     check_variant(variant)  # an unknown name would give β the per-head shape without a word
     for name, value, low in (("batch", batch, 0), ("time", time, 1), ("heads", heads, 0), ("dk", dk, 1),
                              ("dv", dv, 1)):

@@ -136,10 +136,12 @@ def test_bad_q_is_named_before_it_is_unpacked(inputs, check):
     ({"dtype": jnp.int32}, TypeError, r"random_inputs: `dtype` must be a floating dtype"),
     ({"time": 0}, ValueError, r"random_inputs: `time` must be an int >= 1; got 0"),
     ({"dk": 4.0}, ValueError, r"random_inputs: `dk` must be an int >= 1; got 4.0"),
+    ({"key": 0}, TypeError, r"random_inputs: `key` must be a PRNG key, e.g. jax.random.key\(0\); got 0"),
 ])
 def test_random_inputs_names_a_bad_argument(kwargs, error, message):
+    kwargs = {"key": jax.random.key(0)} | kwargs
     with pytest.raises(error, match=message):
-        ft.random_inputs(jax.random.key(0), **kwargs)
+        ft.random_inputs(kwargs.pop("key"), **kwargs)
 
 
 @pytest.mark.parametrize("sizes", [{"batch": None}, {"dk": {3, 4}}])
