@@ -219,13 +219,13 @@ def assert_matches_reference(q, k, v, beta, lam, *, variant, tol=None, **options
     tol = _tolerance(tol, q.dtype)
     run_options = {k_: v_ for k_, v_ in options.items() if k_ != "return_final_state"}
     out, state = _run(q, k, v, beta, lam, variant=variant, **run_options)
+    _check_output_dtype(out, q, f"falcon variant {variant!r}")
     rule_options = {k_: v_ for k_, v_ in options.items() if k_ not in _HOW}
     B, T, H, _ = q.shape
     gates = [np.broadcast_to(np.asarray(x, np.float64), (B, T, H)) if np.ndim(x) == 0 else np.asarray(x, np.float64)
              for x in (beta, lam)]
     want_out, want_state = reference_falcon(np.asarray(q, np.float64), np.asarray(k, np.float64),
                                             np.asarray(v, np.float64), *gates, variant=variant.upper(), **rule_options)
-    _check_output_dtype(out, q, f"falcon variant {variant!r}")
     return max(_normwise_close(out, want_out, tol, f"falcon variant {variant!r} vs the float64 reference: output"),
                _state_close(state, want_state, tol, f"falcon variant {variant!r} vs the float64 reference: final state"))
 
