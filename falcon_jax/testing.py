@@ -55,6 +55,13 @@ def default_tolerance(dtype) -> float:
             jnp.dtype(jnp.bfloat16): 3e-2}.get(dtype, 2e-4)
 
 
+def _check_sizes(fn: str, **sizes) -> None:
+    """Each ``name=(value, low)``: ``value`` an int (not a bool) >= ``low``, or a ValueError naming it."""
+    for name, (value, low) in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{fn}: `{name}` must be an int >= {low}; got {value!r}.")
+
+
 def random_inputs(key, *, batch=2, time=16, heads=2, dk=8, dv=8, variant="1", dtype=jnp.float32):
     """Seeded inputs inside the rules' domain: q, k ``[B, T, H, dk]`` with norms about 1, v ``[B, T, H, dv]``
     standard normal, β uniform in (0, 2) (``[B, T, H, dv]`` for "2"/"2A"), λ uniform in (0, 1).  ``variant``
@@ -62,10 +69,7 @@ def random_inputs(key, *, batch=2, time=16, heads=2, dk=8, dv=8, variant="1", dt
     if not (hasattr(key, "shape") and hasattr(key, "dtype")):  # jax.random reports "invalid PRNG key data"
         raise TypeError(f"random_inputs: `key` must be a PRNG key, e.g. jax.random.key(0); got {key!r}.")
     check_variant(variant)  # an unknown name would give β the per-head shape without a word
-    for name, value, low in (("batch", batch, 0), ("time", time, 1), ("heads", heads, 0), ("dk", dk, 1),
-                             ("dv", dv, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"random_inputs: `{name}` must be an int >= {low}; got {value!r}.")
+    _check_sizes("random_inputs", batch=(batch, 0), time=(time, 1), heads=(heads, 0), dk=(dk, 1), dv=(dv, 1))
     try:
         floating = jnp.issubdtype(dtype, jnp.floating)
     except TypeError:
@@ -241,9 +245,7 @@ def assert_state_layout(state, *, batch: int, heads: int, dk: int, dv: int, vari
     check_variant(variant)
     check_window(window)
     # chex.assert_shape reads None (and a set) as "any size": the sizes would go unchecked
-    for name, value, low in (("batch", batch, 0), ("heads", heads, 0), ("dk", dk, 1), ("dv", dv, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"assert_state_layout: `{name}` must be an int >= {low}; got {value!r}.")
+    _check_sizes("assert_state_layout", batch=(batch, 0), heads=(heads, 0), dk=(dk, 1), dv=(dv, 1))
     tail = tail_length_for(variant.upper(), window)
     chex.assert_shape([state.S, state.last_key, state.has_key, state.tail_x, state.tail_y, state.tail_valid],
                       [(batch, heads, dk, dv), (batch, heads, dk), (batch,), (batch, heads, tail, dk),
