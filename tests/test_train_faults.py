@@ -1036,6 +1036,34 @@ def test_a_verified_checkpoint_that_fails_to_load_for_a_resource_is_not_called_a
     ck.close()
 
 
+def test_a_verified_checkpoint_that_tensorstore_cannot_read_names_the_os_error(tmp_path, monkeypatch):
+    """The failure this guards against: a file of a verified checkpoint that TensorStore fails to open (a failed
+    system call, raised as a ValueError naming the OS error, wrapped by orbax) read "does not fit this model",
+    with orbax's wrapper ("Encountered error while reading array index") as the cause.  The array file becomes
+    unreadable after the checksums were checked (a symbolic link to itself: ELOOP); nothing is moved."""
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    for s in (3, 6):
+        assert ck.save(s, {"w": jnp.arange(4096.0) + s}, {"data": {"step": s}})
+    ck.close()
+    state = tmp_path / "checkpoints" / "6" / "state"
+    array_file = max((p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"),
+                     key=lambda p: p.stat().st_size)
+    array_file.unlink()
+    array_file.symlink_to(array_file)
+    monkeypatch.setattr(checkpoint, "verify_checksums", lambda step_dir: None)
+    ck = Checkpointer(str(tmp_path), every=1, keep=2, log=lambda line: None)
+    try:
+        with pytest.raises(RunDirError) as info:
+            ck.restore_latest({"w": jax.ShapeDtypeStruct((4096,), jnp.float32)})
+    finally:
+        ck.close()
+    message = str(info.value)
+    assert "checkpoint 6 in " in message and "could not be restored (ValueError: " in message, message
+    assert "symbolic links" in message and "does not fit" not in message and "Nothing was moved" in message
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
+    assert not (tmp_path / "checkpoints_corrupt").exists()
+
+
 
 _REPORT_ON_A_FULL_DISK = """
 import resource, sys

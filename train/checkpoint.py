@@ -172,14 +172,22 @@ def _stderr_captured():
                 captured.terminal = _divert_stderr(captured.divert_to)
 
 
-def _resource_failure(e: BaseException) -> bool:
-    """Whether restoring failed for want of a resource (a read error, memory) rather than for the content: an
-    ``OSError`` or ``MemoryError`` (also as the cause of orbax's own exception), or XLA's RESOURCE_EXHAUSTED."""
+# how TensorStore (orbax's array reader) ends the message of a failed system call, e.g. "Failed to open: ...: Too
+# many levels of symbolic links [os_error_code='40']" (other versions: "... [OS error 40: ...]"); it raises ValueError
+TENSORSTORE_OS_ERROR = ("[os_error_code=", "[OS error ")
+
+
+def _resource_failure(e: BaseException) -> BaseException | None:
+    """The exception in ``e``'s chain that says restoring failed for want of a resource (a read error, memory)
+    rather than for the content: an ``OSError`` or ``MemoryError`` (also as the cause of orbax's own exception),
+    a failed system call in TensorStore, or XLA's RESOURCE_EXHAUSTED; None if there is none."""
     while e is not None:
-        if isinstance(e, (OSError, MemoryError)) or "RESOURCE_EXHAUSTED" in str(e):
-            return True
+        text = str(e)
+        if isinstance(e, (OSError, MemoryError)) or "RESOURCE_EXHAUSTED" in text \
+                or any(mark in text for mark in TENSORSTORE_OS_ERROR):
+            return e
         e = e.__cause__ or e.__context__
-    return False
+    return None
 
 
 class Checkpointer:
@@ -368,9 +376,14 @@ class Checkpointer:
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
                 cause = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                if intact and _resource_failure(e):  # the bytes verified: reading them failed, not the model
+                failure = _resource_failure(e) if intact else None
+                if failure is not None:  # the bytes verified: reading them failed, not the model
+                    # the failure itself, not orbax's wrapper of it ("Encountered error while reading array index")
+                    why = " ".join(str(failure).split()) or type(failure).__name__
+                    if len(why) > 300:
+                        why = why[:150] + " ... " + why[-150:]  # the OS error is at the end
                     raise RunDirError(f"checkpoint {step} in {self.dir} is intact (its checksums match) but could "
-                                      f"not be restored ({type(e).__name__}: {cause}); fix the cause (the file "
+                                      f"not be restored ({type(failure).__name__}: {why}); fix the cause (the file "
                                       f"system, free memory) and resume again. Nothing was moved.") from None
                 if intact and "metadata item" not in cause:
                     # the bytes are the ones written: the model asked for is not the one saved, so the
