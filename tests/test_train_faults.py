@@ -1141,6 +1141,29 @@ def test_resume_without_config_json_uses_the_config_saved_in_the_checkpoint(tmp_
     assert max(read_metrics(str(run_dir))[0]) == 3
 
 
+def test_resume_without_config_json_passes_over_a_checkpoint_whose_saved_config_has_flipped_bits(tmp_path, capsys):
+    """The failure this guards against: with config.json gone, ``--run-dir DIR --resume`` took the config of the
+    newest checkpoint whose metadata parsed, even one that fails its checksum (here a flipped digit of d_model):
+    the restore then moved that checkpoint aside as corrupt and refused the previous one as another model, so
+    the run could not be resumed by its folder alone.  The config must come from a checkpoint whose metadata
+    matches its checksum."""
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "addition-tiny", "--run-dir", str(run_dir)] + \
+        sum((["--set", o] for o in TINY + ["train.steps=4", "checkpoint.every=2", "model.d_model=48"]), [])
+    assert _cli(argv, capsys)[0] == 0
+    (run_dir / "config.json").unlink()
+    meta = run_dir / "checkpoints" / "4" / "meta" / "metadata"
+    text = meta.read_text()
+    assert text.count('"d_model": 48') == 1
+    meta.write_text(text.replace('"d_model": 48', '"d_model": 40'))  # as many bytes, still valid JSON
+    rc, out, err = _cli(["--run-dir", str(run_dir), "--resume"], capsys)
+    assert rc == 0, err[-3000:]
+    assert f"{run_dir / 'config.json'} is missing; resuming with the config saved in checkpoint 2" in err
+    assert "[checkpoint] step 4 in " in out and "is corrupt" in out
+    assert json.loads((run_dir / "config.json").read_text())["model"]["d_model"] == 48
+    assert checkpoint_steps(str(run_dir)) == [2, 4] and len(os.listdir(run_dir / "checkpoints_corrupt")) == 1
+
+
 def test_a_step_moved_aside_twice_in_one_second_keeps_both_copies_side_by_side(tmp_path, monkeypatch):
     """The failure this guards against: the second copy of a step moved aside within the same second went *into*
     the first one's folder (``checkpoints_corrupt/3-<time>/3``), where nothing looks for it."""

@@ -40,9 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from falcon_jax.train.rundir import METADATA_ITEM, RunDirError, write_atomic
-
-CHECKSUMS = "checksums.json"
+from falcon_jax.train.rundir import CHECKSUMS, METADATA_ITEM, RunDirError, write_atomic  # noqa: F401 - re-exported
 
 
 class CheckpointError(RuntimeError):

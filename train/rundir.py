@@ -25,6 +25,7 @@ loads this file by its path (for :class:`ResultFiles`), without the package.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -43,6 +44,8 @@ LOCK = ".lock"
 # (``checkpoints/<step>/<METADATA_ITEM>/<METADATA_FILE>``); train.checkpoint saves it under this name.
 METADATA_ITEM = "meta"
 METADATA_FILE = "metadata"
+# a finished step's ``{"sha256": {relative path: [size, sha256]}}`` of its other files (train.checkpoint)
+CHECKSUMS = "checksums.json"
 
 
 class RunDirError(RuntimeError):
@@ -59,13 +62,22 @@ def checkpoint_steps(run_dir: str) -> list[int]:
 
 
 def checkpoint_config(run_dir: str) -> tuple[int, dict] | None:
-    """``(step, config)``: the config saved in the newest checkpoint whose metadata reads (each checkpoint's
-    metadata item holds the run's full config), or None.  For a run whose ``config.json`` is gone."""
+    """``(step, config)``: the config saved in the newest checkpoint whose metadata matches its recorded checksum
+    (each checkpoint's metadata item holds the run's full config; a step with flipped bits there, or one whose
+    save did not finish, is passed over as the restore would pass over it), or None.  For a run whose
+    ``config.json`` is gone."""
+    rel = os.path.join(METADATA_ITEM, METADATA_FILE)
     for step in reversed(checkpoint_steps(run_dir)):
+        step_dir = os.path.join(run_dir, CHECKPOINTS, str(step))
         try:
-            with open(os.path.join(run_dir, CHECKPOINTS, str(step), METADATA_ITEM, METADATA_FILE)) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
+            with open(os.path.join(step_dir, CHECKSUMS), "rb") as f:
+                want = json.loads(f.read())["sha256"][rel]
+            with open(os.path.join(step_dir, rel), "rb") as f:
+                data = f.read()
+            if [len(data), hashlib.sha256(data).hexdigest()] != want:
+                continue
+            meta = json.loads(data)
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
             return step, meta["config"]
