@@ -687,10 +687,11 @@ def text_format_note(saved: int | None, empty_rows: int) -> str | None:
     rows of empty text out, so an unrecorded format matters only for a corpus with such rows."""
     if saved == CACHE_FORMAT or (saved is None and not empty_rows):
         return None
-    rows = f" ({empty_rows} rows of empty or whitespace text in this corpus, left out of the token streams)"
+    rows = (f" ({empty_rows} rows of empty or whitespace text in this corpus, left out of the token streams)"
+            if empty_rows else "")
     was = "does not record how its text became tokens" if saved is None else f"read its text in format {saved}"
-    return (f"{was}; this version reads it in format {CACHE_FORMAT}{rows if empty_rows else ''}, so the batches and "
-            f"validation windows from here on may differ from the ones the run had.")
+    return (f"{was}; this version reads it in format {CACHE_FORMAT}{rows}, so the batches and validation windows "
+            f"from here on may differ from the ones the run had.")
 
 
 def best_in_dist(evals: list[dict], widths: list[int] | None = None) -> dict | None:

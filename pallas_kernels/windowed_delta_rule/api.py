@@ -62,7 +62,7 @@ def windowed_delta_rule(q, x, y, w, log_gamma, run, initial_state, *, chunk_size
                          f"got {tuple(getattr(w, 'shape', ())) or type(w).__name__}.")
     W = w.shape[-1]
     B, T, H, dk, dv = check_operands("windowed_delta_rule", q, x, y, {"log_gamma": log_gamma}, run, initial_state,
-                                   chunk_size=chunk_size, extra=W - 1)
+                                     chunk_size=chunk_size, extra=W - 1)
     check_pieces("windowed_delta_rule", pieces)
     check_config("windowed_delta_rule", config, KernelConfig)
     if not jnp.issubdtype(w.dtype, jnp.floating) or tuple(w.shape) != (B, H, T, W):
